@@ -1,0 +1,76 @@
+"""Paged attention as the models call it: per-step metadata plus a backend chosen at start-up.
+
+The CPU path is the torch reference in `kernels.reference`; on CUDA the Triton kernels in
+`kernels/` take over (`use_backend("triton")`). Models never import a backend directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's flattened, ragged batch (see kernels/reference.py)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V, -1 = padding
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Attend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def _torch_attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return reference.paged_attention(
+        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+    )
+
+
+_write_kv: WriteKV = reference.write_kv_cache
+_attend: Attend = _torch_attend
+_backend_name = "torch"
+
+
+def use_backend(name: str) -> None:
+    """Select the attention implementation for this process: "torch" (any device) or "triton" (CUDA)."""
+    global _write_kv, _attend, _backend_name
+    if name == "torch":
+        _write_kv, _attend = reference.write_kv_cache, _torch_attend
+    elif name == "triton":
+        from kernels import triton_backend  # imported lazily: triton is absent on many CPU machines
+
+        _write_kv, _attend = triton_backend.write_kv_cache, triton_backend.attend
+    else:
+        raise ValueError(f"unknown attention backend {name!r} (expected 'torch' or 'triton')")
+    _backend_name = name
+
+
+def backend_name() -> str:
+    return _backend_name
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Store this step's K/V in the paged cache, then attend over each sequence's whole context."""
+    _write_kv(key, value, kv_cache, meta.slot_mapping)
+    return _attend(query, kv_cache, meta, scale)
