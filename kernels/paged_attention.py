@@ -1,0 +1,259 @@
+"""Triton paged attention for one whole ragged batch: prompts, cached prefixes, chunks and decodes.
+
+One program = (a block of query tokens of one sequence) x (one KV head) x (one KV segment). The
+query heads that share the KV head are packed into the program's rows, so every K/V tile loaded
+from the cache feeds a tensor-core `tl.dot` for all of them:
+
+    row r of the tile:  token q_block * BLOCK_Q + r // GROUP,   head kv_head * GROUP + r % GROUP
+
+Keys are walked TILE_N at a time through the block table (a tile may span several cache blocks).
+Tiles that every row of the program sees in full skip the causal mask; only the last few
+(the diagonal, and the ragged end) pay for it. With NUM_SEGMENTS > 1 (flash-decoding) each program
+covers 1/NUM_SEGMENTS of the sequence's tiles and writes an unnormalised partial result that
+`split_kv_reduce` combines; segment sizes come from each sequence's own length, inside the kernel.
+
+Softmax runs in base 2 (`qk_scale` = scale * log2(e)); all cache offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch_config import AttentionConfig, next_power_of_2
+from kernels.split_kv_reduce import reduce_segments
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence i owns the q blocks [qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1): a
+    # host-free upper bound on cdiv(query_len, BLOCK_Q); surplus programs exit at once.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_DIM_PADDED] fp32, unnormalised output
+    m_i,  # [BLOCK_M] fp32, running max of the log2-scaled scores
+    l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_PADDED]
+    q_pos,  # [BLOCK_M] absolute position of each row's query token
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    tile_start,
+    kv_end,  # keys at positions >= kv_end are never read
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    IS_MASKED: tl.constexpr,
+):
+    offs_n = tile_start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    if IS_MASKED:
+        key_valid = offs_n < kv_end
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=key_valid, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+    kv_offs = (
+        block_ids.to(tl.int64)[:, None] * stride_cache_block
+        + (offs_n % BLOCK_SIZE)[:, None] * stride_cache_slot
+        + kv_head_offset
+        + offs_d[None, :]
+    )  # [TILE_N, HEAD_DIM_PADDED] int64
+    if IS_MASKED:
+        kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM != HEAD_DIM_PADDED:
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=d_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(key_cache_ptr + kv_offs)
+        v = tl.load(value_cache_ptr + kv_offs)
+
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
+    if IS_MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key of this tile yet (segments, short rows): keep exp2 away from -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]                     (NUM_SEGMENTS == 1)
+    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED] fp32 (NUM_SEGMENTS > 1)
+    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    IS_DECODE_ONLY: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    if IS_DECODE_ONLY:
+        seq = q_block_id
+        q_block = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+        q_block = q_block_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys before this step's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    q_idx = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query row within the sequence
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d_valid = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PADDED]
+    q_pos = ctx_len + q_idx
+
+    # Keys [0, kv_end) are visible to some row here, keys [0, kv_full_end) to every row.
+    kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
+    kv_full_end = ctx_len + q_block * BLOCK_Q + 1
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SEGMENTS > 1:
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    tile_mid = tl.maximum(tl.minimum(kv_full_end // TILE_N, tile_hi), tile_lo)
+
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    for t in range(tile_lo, tile_mid):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
+            t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, False,
+        )  # fmt: skip
+    for t in range(tile_mid, tile_hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
+            t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True,
+        )  # fmt: skip
+
+    if NUM_SEGMENTS == 1:
+        out = acc / l_i[:, None]
+        out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    else:
+        seg_row = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment  # [BLOCK_M] int64
+        tl.store(seg_max_ptr + seg_row, m_i, mask=row_valid)
+        tl.store(seg_sum_ptr + seg_row, l_i, mask=row_valid)
+        seg_offs = seg_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
+        tl.store(seg_out_ptr + seg_offs, acc, mask=row_valid[:, None])
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    scale: float,
+    config: AttentionConfig,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads and kv_cache.shape[4] == head_dim
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
+    assert config.block_m >= group, "a program must hold all query heads of its KV head"
+    head_dim_padded = next_power_of_2(head_dim)
+    if out is None:
+        out = torch.empty_like(query)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    block_q = config.block_q(group)
+    num_q_blocks = num_seqs if config.is_decode_only else num_tokens // block_q + num_seqs
+    num_segments = config.num_segments
+    if num_segments > 1:
+        seg_out = query.new_empty((num_tokens, num_heads, num_segments, head_dim_padded), dtype=torch.float32)
+        seg_max = query.new_empty((num_tokens, num_heads, num_segments), dtype=torch.float32)
+        seg_sum = torch.empty_like(seg_max)
+    else:
+        seg_out = seg_max = seg_sum = out  # unused by the kernel in this mode
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+        out, seg_out, seg_max, seg_sum, query, key_cache, value_cache,
+        block_tables, seq_lens, query_start_loc, scale * LOG2_E, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
+        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_segments > 1:
+        reduce_segments(out, seg_out, seg_max, seg_sum)
+    return out

@@ -1,0 +1,60 @@
+"""The Triton attention backend as `services.engine.attention.use_backend("triton")` loads it.
+
+Only this module and the kernel modules import triton, so CPU machines without it never do.
+Config choice is cached per batch shape and uses host integers only (no GPU sync): see
+`kernels.launch_config` for what a CUDA graph needs to keep fixed.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.kv_write import write_kv_cache
+from kernels.launch_config import PREFILL_QUERY_LEN, AttentionConfig, choose_config
+from kernels.paged_attention import paged_attention
+
+if TYPE_CHECKING:
+    from services.engine.attention import AttentionMetadata
+
+__all__ = ["attend", "write_kv_cache"]
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: any value works, fewest segments is fastest
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@cache
+def _config(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, num_sms: int
+) -> AttentionConfig:
+    return choose_config(
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_query_len=max_query_len,
+        num_sms=num_sms,
+    )
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    config = _config(
+        meta.seq_lens.shape[0],
+        query.shape[1],
+        kv_cache.shape[3],
+        query.shape[2],
+        min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
+        _num_sms(query.device),
+    )
+    return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config)

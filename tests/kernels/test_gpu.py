@@ -1,0 +1,144 @@
+"""bf16/fp16 kernel checks on a real GPU (skipped without CUDA); also runnable as a plain script.
+
+Error measure: ||out - ref|| / ||ref|| against the fp32 torch reference, bounded by BF16_BOUND
+(a few bf16 ulps: outputs and softmax weights are rounded to bf16, accumulation is fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import pytest
+except ImportError:  # bare GPU machines: bench/gpu_check.sh runs this file as a script
+    pytest = None  # type: ignore[assignment]
+
+if pytest is not None:
+    pytestmark = pytest.mark.gpu
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU", allow_module_level=True)
+    pytest.importorskip("triton")
+
+from kernels import reference
+from kernels.kv_write import write_kv_cache
+from kernels.launch_config import AttentionConfig, choose_config
+from kernels.paged_attention import paged_attention
+from kernels.paged_batch import PagedBatch, make_paged_batch
+from kernels.triton_backend import attend
+from services.engine.attention import AttentionMetadata
+
+BF16_BOUND = 1e-2
+DEVICE = torch.device("cuda")
+NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+# (num_heads, num_kv_heads, head_dim, block_size)
+SHAPES = [
+    (32, 8, 128, 16), (32, 8, 128, 32), (9, 3, 64, 16), (9, 3, 64, 32), (8, 8, 64, 16),
+    (16, 1, 128, 16), (32, 4, 128, 32), (12, 4, 80, 16), (16, 2, 96, 32), (8, 2, 256, 16),
+    (64, 8, 128, 16),
+]  # fmt: skip
+MIXED = ([1, 300, 77, 1, 513, 1, 6], [4097, 300, 1000, 70, 2100, 1, 6])
+DECODE_LENS = [1, 17, 511, 4096, 9000, 64, 3000, 128]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _config(batch: PagedBatch) -> AttentionConfig:
+    return choose_config(
+        num_seqs=batch.seq_lens.shape[0], num_heads=batch.query.shape[1],
+        num_kv_heads=batch.kv_cache.shape[3], head_dim=batch.query.shape[2],
+        max_query_len=batch.max_query_len, num_sms=NUM_SMS,
+    )  # fmt: skip
+
+
+def _check(batch: PagedBatch, config: AttentionConfig | None = None) -> float:
+    scale = batch.query.shape[2] ** -0.5
+    ref = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        scale, config or _config(batch), out=out,
+    )  # fmt: skip
+    return rel_err(out, ref)
+
+
+def test_bf16_many_shapes() -> None:
+    failures = []
+    for heads, kv_heads, head_dim, block_size in SHAPES:
+        for name, (query_lens, seq_lens) in (("mixed", MIXED), ("decode", ([1] * 8, DECODE_LENS))):
+            batch = make_paged_batch(
+                query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, dtype=torch.bfloat16, device=DEVICE, seed=head_dim + heads,
+            )  # fmt: skip
+            err = _check(batch)
+            if not err < BF16_BOUND:
+                failures.append((heads, kv_heads, head_dim, block_size, name, err))
+    assert not failures, failures
+
+
+def test_fp16_and_forced_tilings() -> None:
+    batch = make_paged_batch(
+        *MIXED, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16, device=DEVICE
+    )
+    base = _config(batch)
+    configs = [base, base.with_(block_m=16, tile_n=16), base.with_(block_m=64, tile_n=32, num_segments=4)]
+    errors = [_check(batch, c) for c in configs]
+    assert max(errors) < BF16_BOUND / 4, errors  # fp16 has 3 more mantissa bits
+
+
+def test_offsets_past_2_to_the_31() -> None:
+    # K half of the cache: 600k blocks x 16 x 2 x 128 = 2.46e9 elements > 2^31; used blocks at the top.
+    heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 128, 16, 600_000
+    batch = make_paged_batch(
+        [1, 40, 1], [3000, 40, 700], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=torch.bfloat16, device=DEVICE, num_blocks=num_blocks,
+    )  # fmt: skip
+    assert int(batch.block_tables.min()) * block_size * kv_heads * head_dim > 2**31
+    assert _check(batch) < BF16_BOUND
+    # The write kernel at the same high slots: overwrite this step's K/V, compare with the reference.
+    new_kv = torch.randn((2, batch.num_tokens, kv_heads, head_dim), device=DEVICE).to(torch.bfloat16)
+    write_kv_cache(new_kv[0], new_kv[1], batch.kv_cache, batch.slot_mapping)
+    flat = batch.kv_cache.view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[:, batch.slot_mapping], new_kv)
+    del batch, flat
+    torch.cuda.empty_cache()
+
+
+def test_cuda_graph_replay_as_contexts_grow() -> None:
+    # Capture one decode step (fixed shapes and addresses), then replay it with longer contexts.
+    heads, kv_heads, head_dim = 9, 3, 64
+    full_lens = torch.tensor([5000, 100, 9, 2000, 64, 777], device=DEVICE)
+    batch = make_paged_batch(
+        [1] * 6, full_lens.tolist(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        block_size=16, dtype=torch.bfloat16, device=DEVICE,
+    )  # fmt: skip
+    batch.seq_lens.copy_(full_lens - 8)
+    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1, 5000)
+    scale = head_dim**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend(batch.query, batch.kv_cache, meta, scale)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(batch.query, batch.kv_cache, meta, scale)
+    for grow in (0, 3, 8):
+        batch.seq_lens.copy_(full_lens - 8 + grow)
+        batch.query.normal_()
+        graph.replay()
+        ref = reference.paged_attention(
+            batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+        )
+        assert rel_err(out, ref) < BF16_BOUND, grow
+
+
+if __name__ == "__main__":
+    for name, fn in list(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            fn()
+            print(f"PASS {name}")

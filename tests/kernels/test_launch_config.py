@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from kernels.launch_config import MAX_SEGMENTS, choose_config, next_power_of_2
+
+
+def _decode(num_seqs: int, num_sms: int = 132, heads: tuple[int, int] = (32, 8), head_dim: int = 128):
+    return choose_config(
+        num_seqs=num_seqs,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        max_query_len=1,
+        num_sms=num_sms,
+    )
+
+
+def test_next_power_of_2() -> None:
+    assert [next_power_of_2(n) for n in (0, 1, 2, 3, 64, 80, 96, 129)] == [1, 1, 2, 4, 64, 128, 128, 256]
+
+
+def test_small_decode_batches_split_kv_and_large_ones_do_not() -> None:
+    small, large = _decode(2), _decode(4096)
+    assert small.is_decode_only and large.is_decode_only
+    assert 1 < small.num_segments <= MAX_SEGMENTS
+    assert large.num_segments == 1
+    # Fewer sequences never means fewer segments (flash-decoding exists for the small batch).
+    segments = [_decode(n).num_segments for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert segments == sorted(segments, reverse=True)
+
+
+def test_segments_are_powers_of_two_for_the_reduce_tile() -> None:
+    for n in range(1, 300, 7):
+        s = _decode(n, heads=(9, 3), head_dim=64).num_segments
+        assert s & (s - 1) == 0
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [((32, 8), 128), ((9, 3), 64), ((64, 1), 128), ((8, 8), 256)])
+@pytest.mark.parametrize("max_query_len", [1, 5, 63, 64, 2048])
+def test_every_program_holds_a_whole_head_group(heads: tuple[int, int], head_dim: int, max_query_len: int) -> None:
+    cfg = choose_config(
+        num_seqs=8, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+        max_query_len=max_query_len, num_sms=132,
+    )  # fmt: skip
+    group = heads[0] // heads[1]
+    assert cfg.block_m >= max(16, group) and cfg.block_m & (cfg.block_m - 1) == 0
+    assert cfg.block_q(group) >= 1 and cfg.block_q(group) * group <= cfg.block_m
+    assert cfg.tile_n % 16 == 0
+    assert cfg.is_decode_only == (max_query_len == 1)
+
+
+def test_prefill_uses_large_tiles() -> None:
+    cfg = choose_config(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
+    assert cfg.block_m == 128 and cfg.num_segments == 1 and cfg.block_q(4) == 32

@@ -1,0 +1,101 @@
+"""Kernel vs `kernels.reference` on small ragged mixes (interpreter on CPU: fp32/fp16 only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import reference
+from kernels.launch_config import AttentionConfig, choose_config
+from kernels.paged_attention import paged_attention
+from kernels.paged_batch import PagedBatch, make_paged_batch
+
+# (query_lens, seq_lens): decode, prompt, prompt after a cached prefix, chunked-prefill piece,
+# a one-token prompt and a sequence with no query this step.
+MIXED = ([1, 9, 5, 20, 1, 0], [37, 9, 21, 52, 1, 12])
+
+
+def _run(batch: PagedBatch, config: AttentionConfig) -> torch.Tensor:
+    head_dim = batch.query.shape[2]
+    scale = head_dim**-0.5
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    out = torch.full_like(batch.query, float("nan"))  # poisoned: every row must be written
+    result = paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        scale, config, out=out,
+    )  # fmt: skip
+    assert result is out
+    assert not out.isnan().any()
+    tol = 1e-4 if batch.query.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    return out
+
+
+def _default(batch: PagedBatch, num_sms: int = 1) -> AttentionConfig:
+    return choose_config(
+        num_seqs=batch.seq_lens.shape[0], num_heads=batch.query.shape[1],
+        num_kv_heads=batch.kv_cache.shape[3], head_dim=batch.query.shape[2],
+        max_query_len=batch.max_query_len, num_sms=num_sms,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size", "dtype"),
+    [
+        ((4, 2), 32, 16, torch.float32),
+        ((6, 2), 64, 32, torch.float16),  # group of 3: rows padded inside the tile
+        ((4, 4), 40, 16, torch.float32),  # MHA, head_dim not a power of two
+        ((8, 1), 32, 32, torch.float16),  # MQA
+    ],
+)
+def test_mixed_batch(
+    device: torch.device, heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    batch = make_paged_batch(
+        *MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device=device,
+    )  # fmt: skip
+    _run(batch, _default(batch))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # Key tiles smaller than a cache block, and query blocks smaller than a prompt.
+        AttentionConfig(block_m=16, tile_n=16, num_segments=1, num_warps=4, num_stages=2, is_decode_only=False),
+        # Key tiles spanning several cache blocks, with split-KV over a mixed batch.
+        AttentionConfig(block_m=32, tile_n=64, num_segments=4, num_warps=4, num_stages=2, is_decode_only=False),
+    ],
+)
+def test_mixed_batch_tilings(device: torch.device, config: AttentionConfig) -> None:
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32,
+        device=device, seed=3,
+    )  # fmt: skip
+    _run(batch, config)
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_decode_only_batch(device: torch.device, num_segments: int) -> None:
+    seq_lens = [1, 15, 16, 17, 130]  # block edges, a lone token, and more segments than tiles
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float16, device=device, seed=5,
+    )  # fmt: skip
+    config = _default(batch).with_(num_segments=num_segments, tile_n=16)
+    assert config.is_decode_only
+    _run(batch, config)
+
+
+def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
+    batch = make_paged_batch(
+        [3, 1, 40], [50, 33, 40], num_heads=4, num_kv_heads=1, head_dim=32, block_size=16,
+        dtype=torch.float32, device=device, seed=7,
+    )  # fmt: skip
+    first = _run(batch, _default(batch))
+    other = _run(batch, _default(batch).with_(block_m=64, tile_n=32, num_segments=2))
+    torch.testing.assert_close(first, other, atol=1e-5, rtol=1e-5)
