@@ -1,0 +1,91 @@
+"""Physical KV blocks: ref counts, one LRU free queue, and the prefix cache's hash -> block map.
+
+A block is either used (ref_count > 0) or in the free queue (ref_count == 0); a free block may
+still hold a cached prefix, which stays reusable until the block is handed out again (evicted):
+
+    free queue:  head [ never-cached / least recently freed ... most recently freed ] tail
+                 take() pops the head; release() appends the tail (uncached blocks go to the
+                 head, so cached prefixes survive longest)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id (used or free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.ref_counts[block_id] == 0
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on blocks found in the prefix cache (reviving free ones)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+
+    def take(self, num_blocks: int) -> list[int] | None:
+        """Hand out `num_blocks` blocks (ref count 1), evicting cached contents; None if too few."""
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _none = self._free.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per block; blocks reaching zero join the free queue."""
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"block {block_id} released more often than taken"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self.block_hashes[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Publish a used, full block under its hash; False if that prefix already has a block."""
+        assert self.ref_counts[block_id] > 0
+        if block_hash in self._cached or self.block_hashes[block_id] is not None:
+            return False
+        self._cached[block_hash] = block_id
+        self.block_hashes[block_id] = block_hash
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after the weights change); used blocks stay used."""
+        self._cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self.block_hashes[block_id] = None

@@ -1,0 +1,51 @@
+"""Engine configuration (the model loader resolves dtype "auto"; the engine sizes the KV cache).
+
+Built once by the caller (the engine service's settings, a benchmark, a test) and passed down;
+nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_dir: str | Path
+    dtype: str = "auto"  # "auto" (fp32 on CPU, 16-bit on CUDA) | "float32" | "bfloat16" | "float16"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: CPU a fixed budget, CUDA from gpu_memory_utilization
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max position (capped by the KV cache)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    max_num_waiting: int | None = None  # has_room() is False beyond this; None: max_num_seqs // 4 (>= 8)
+    watermark_fraction: float = 0.01  # has_room() keeps this share of blocks free
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: unknown {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks: must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def num_max_waiting(self) -> int:
+        return self.max_num_waiting if self.max_num_waiting is not None else max(8, self.max_num_seqs // 4)

@@ -1,0 +1,122 @@
+"""Which KV blocks each sequence owns, and prefix caching over chained hashes of full blocks.
+
+A full block's hash covers its tokens and, through its parent's hash, every token before it, so
+equal hashes mean equal prefixes (sha256: collisions are not a practical concern, even crafted):
+
+    tokens  [t0 .. t15][t16 .. t31][t32 t33]     (block_size 16)
+    hashes  h0 = H(root, t0..15)   h1 = H(h0, t16..31)   (the partial block has no hash)
+
+Blocks are published in the cache when they are *scheduled* to be filled, not after the forward
+pass: the model writes every token's K/V of a layer before any query of that layer attends, so a
+second sequence admitted in the same step can already share them. This is safe because the
+scheduler never frees a sequence between scheduling it and running its step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from services.engine.block_pool import BlockPool
+from services.engine.request import Request
+
+_ROOT_HASH = b"pagedserve-prefix-root"
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.sha256(parent_hash)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[int]] = {}  # seq_id -> block ids, in position order
+        self._num_published: dict[str, int] = {}  # seq_id -> leading blocks offered to the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request: Request) -> list[int]:
+        return self._blocks.get(request.seq_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
+
+        At most `num_tokens - 1` tokens hit, so that even a full hit computes the last token
+        (its logits are needed to sample)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._extend_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_block_ids = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit_block_ids.append(block_id)
+        return hit_block_ids, len(hit_block_ids) * self.block_size
+
+    def allocate(
+        self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make room for the K/V of the request's first `num_tokens` tokens.
+
+        `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (new sequences only).
+        Returns the newly taken block ids, or None when there is no room (nothing changes then)."""
+        seq_id = request.seq_id
+        block_ids = self._blocks.get(seq_id, [])
+        assert not computed_block_ids or not block_ids, "cache hits only for a sequence with no blocks"
+        num_new = self.num_blocks_for(num_tokens) - len(block_ids) - len(computed_block_ids)
+        num_revived = sum(1 for b in computed_block_ids if self.pool.is_free(b))
+        if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_block_ids)
+        new_block_ids = self.pool.take(max(num_new, 0))
+        assert new_block_ids is not None  # checked above
+        block_ids = [*block_ids, *computed_block_ids, *new_block_ids]
+        self._blocks[seq_id] = block_ids
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(request, block_ids, num_tokens)
+        return new_block_ids
+
+    def free(self, request: Request) -> None:
+        """Return the sequence's blocks (idempotent). Cached ones stay reusable until evicted."""
+        block_ids = self._blocks.pop(request.seq_id, None)
+        self._num_published.pop(request.seq_id, None)
+        if block_ids:
+            # The tail first: it is the least likely to be shared, so it should be evicted first.
+            self.pool.release(reversed(block_ids))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        self._num_published.clear()
+
+    def _extend_hashes(self, request: Request) -> None:
+        """Hash every full block of the request's known tokens not hashed yet."""
+        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+        for block_index in range(len(hashes), len(tokens) // size):
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
+
+    def _publish_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        start = self._num_published.get(request.seq_id, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(request)
+        for block_index in range(start, num_full):
+            self.pool.register(block_ids[block_index], request.block_hashes[block_index])
+        self._num_published[request.seq_id] = num_full

@@ -1,0 +1,113 @@
+"""One sequence's state inside the engine (a request with n choices becomes n of these).
+
+Ownership, so that no two classes update the same counter:
+  num_computed_tokens, status       -> Scheduler (admission and its update step)
+  all_token_ids (appends)          -> Scheduler update step (the sampled token)
+  block_hashes, num_hashed_blocks  -> KVCacheManager
+  finish_reason                    -> Scheduler (stop checks) / Engine (abort)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # new, or preempted (its blocks freed; it recomputes when readmitted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str  # the caller's id, shared by the n choices
+    index: int  # choice index within the request
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n == 1 here; a choice's own seed
+    max_tokens: int  # resolved: never None, counts the continuation tokens too
+    eos_token_ids: frozenset[int]  # empty when ignore_eos
+    arrival_seq: int  # FCFS order
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output tokens
+    num_initial_output_tokens: int = 0  # a continuation's tokens another replica already emitted
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1 = not admitted yet)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
+    generator: torch.Generator | None = None  # only with a seed
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_seq: int,
+        device: torch.device,
+    ) -> Request:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(
+            request_id=request_id,
+            index=index,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else eos_token_ids,
+            arrival_seq=arrival_seq,
+            all_token_ids=list(prompt_token_ids) + list(output_token_ids),
+            num_initial_output_tokens=len(output_token_ids),
+            generator=generator,
+        )
+
+    @property
+    def seq_id(self) -> str:
+        return f"{self.request_id}#{self.index}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def stop_reason_after(self, token_id: int, max_model_len: int) -> str | None:
+        """Why the sequence ends now that `token_id` was appended, or None to go on."""
+        num_output = self.num_output_tokens
+        if num_output >= self.params.min_tokens and (
+            token_id in self.eos_token_ids or token_id in self.params.stop_token_ids
+        ):
+            return "stop"
+        if num_output >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    @property
+    def is_min_tokens_pending(self) -> bool:
+        """EOS/stop tokens are masked out of sampling while this holds."""
+        return self.num_output_tokens < self.params.min_tokens

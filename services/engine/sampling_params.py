@@ -1,0 +1,75 @@
+"""Per-request sampling parameters, validated once when a request enters the engine.
+
+The gateway validates user input and answers in the OpenAI error shape; `validate()` here is the
+engine's own guard (a ValueError naming the parameter) so the offline API is equally safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MAX_LOGPROBS = 20
+_EPS_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # over prompt and output tokens, 1 = off
+    presence_penalty: float = 0.0  # over output tokens, 0 = off
+    frequency_penalty: float = 0.0  # over output tokens, 0 = off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    seed: int | None = None  # a private generator: same seed, same tokens, whatever the neighbours
+    n: int = 1  # choices; they share the prompt's KV blocks
+    logprobs: int | None = None  # None = none; k = the sampled token's logprob plus the top k (k <= 20)
+    max_tokens: int | None = None  # None = whatever context is left
+    min_tokens: int = 0  # EOS and stop tokens are suppressed until this many tokens exist
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _EPS_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(self.n >= 1, "n", "must be >= 1")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
+        )
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"
+        )
+        ids = list(self.stop_token_ids) + list(self.logit_bias or ())
+        if vocab_size is not None:
+            _check(all(0 <= t < vocab_size for t in ids), "stop_token_ids/logit_bias", "token id out of range")
+        for value in (self.logit_bias or {}).values():
+            _check(-100.0 <= value <= 100.0, "logit_bias", "values must be in [-100, 100]")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n>1 request: n=1, and a distinct derived seed."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+def _check(is_ok: bool, name: str, message: str) -> None:
+    if not is_ok:
+        raise ValueError(f"{name}: {message}")

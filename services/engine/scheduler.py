@@ -1,0 +1,177 @@
+"""Continuous batching with no prefill/decode phases (the vLLM v1 rule).
+
+Every step, each running sequence's computed tokens catch up with its known tokens, under a token
+budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). A prompt longer than the
+budget is therefore prefilled in chunks, and prefills and decodes share a step:
+
+    running  A: 1 token (decode)   B: 1 token (decode)   C: 300 of 900 prompt tokens (a chunk)
+    waiting  D: admitted FCFS if blocks and budget remain and nobody was preempted this step
+
+When a running sequence needs a block and none is free, the newest running sequence is preempted:
+its blocks are freed and it goes back to the front of the waiting queue, to be recomputed (cheaply,
+its blocks usually still sit in the prefix cache). Running out of KV memory never raises.
+
+The scheduler is the one writer of `num_computed_tokens`, `status`, the appended output tokens and
+the stop decision (in `update`). It never sees a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # before this step: the first new token's position
+    num_new_tokens: int
+    is_sampling: bool  # this step computes the last known token, so a new one is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    num_preemptions: int = 0
+    num_prefix_cache_query_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.counters = SchedulerCounters()
+
+    def add(self, request: Request) -> None:
+        assert request.status is RequestStatus.WAITING and request.num_tokens < self.max_model_len
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output.preempted):
+                break  # `request` itself was the newest and got preempted: nobody is left after it
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        if not output.preempted:  # admitting now would only evict what a running sequence needs
+            budget = self._admit_waiting(budget, output)
+        self.counters.num_steps += 1
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Apply a step's results: computed tokens advance, sampling sequences get their token
+        (in `output.scheduled` order) and may finish. Returns the sequences that got a token."""
+        sampled = iter(sampled_token_ids)
+        updated = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.counters.num_computed_tokens += item.num_new_tokens
+            if not item.is_sampling:
+                continue
+            token_id = next(sampled)
+            request.all_token_ids.append(token_id)
+            self.counters.num_generated_tokens += 1
+            reason = request.stop_reason_after(token_id, self.max_model_len)
+            if reason is not None:
+                self._release(request, reason)
+            updated.append(request)
+        if len(updated) != sum(1 for s in output.scheduled if s.is_sampling) or next(sampled, None) is not None:
+            raise ValueError("sampled_token_ids do not match the sampling sequences")
+        self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    def finish(self, requests: Sequence[Request], reason: str) -> None:
+        """End sequences from outside the step (abort); idempotent."""
+        requests = [r for r in requests if not r.is_finished]
+        for request in requests:
+            if request.status is RequestStatus.WAITING:
+                with contextlib.suppress(ValueError):  # it may never have been queued
+                    self.waiting.remove(request)
+            self._release(request, reason)
+        if requests:
+            self.running = [r for r in self.running if not r.is_finished]
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        num_computed = request.num_computed_tokens
+        return ScheduledRequest(request, num_computed, num_new, num_computed + num_new == request.num_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Blocks for `num_new` more tokens of a running sequence, preempting the newest until
+        they fit; False if `request` itself had to go."""
+        num_tokens = request.num_computed_tokens + num_new
+        while self.kv_cache.allocate(request, num_tokens) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, output: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate(request, num_hit_tokens + num_new, hit_block_ids) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:  # first admission: count the prompt's cache use once
+                request.num_cached_tokens = num_hit_tokens
+                self.counters.num_prefix_cache_query_tokens += request.num_tokens
+                self.counters.num_prefix_cache_hit_tokens += num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.counters.num_preemptions += 1
+
+    def _release(self, request: Request, reason: str) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
