@@ -87,7 +87,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     # The weights are dequantized now: drop the GGUF quantizer so save_pretrained writes plain tensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     if hasattr(model.config, "_model_name_or_path"):

@@ -1,0 +1,141 @@
+"""Building blocks shared by every family: norms, fused projections, MLPs and the attention layer.
+
+Projections that HF stores separately but that run as one matmul (q/k/v, gate/up) are fused here;
+their `load_shard` methods copy each checkpoint tensor into its rows of the fused weight:
+
+    qkv_proj.weight  rows [ q: num_heads*head_dim | k: num_kv_heads*head_dim | v: num_kv_heads*head_dim ]
+    gate_up_proj.weight rows [ gate: intermediate | up: intermediate ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionMetadata, paged_attention
+from services.engine.models.rotary import RotaryEmbedding
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 like HF's LlamaRMSNorm, weight applied in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class ShardedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint tensors stacked (fused q/k/v, gate/up)."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (start, size)
+            start += size
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard_id: str) -> None:
+        start, size = self.shard_offsets[shard_id]
+        param = self.weight if param_name == "weight" else self.bias
+        assert param is not None and loaded.shape[0] == size, (param_name, shard_id, tuple(loaded.shape))
+        param.data[start : start + size].copy_(loaded)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): Llama, Mistral, Qwen."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = ShardedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """down(act(up(x))): GPT-NeoX, Falcon."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention, output."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = ShardedLinear(
+            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=out_bias)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,0 +1,98 @@
+"""`load_model`: a Hugging Face model directory -> one of our families, weights streamed in.
+
+dtype "auto": the config's `torch_dtype`/`dtype` on CUDA (bf16 when the config says fp32, as
+serving in fp32 on a GPU only wastes bandwidth), and always fp32 on CPU (CPU bf16/fp16 matmuls are
+slow and the torch paged attention computes in fp32 anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.models.base import CausalLM
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.rotary import RotaryEmbedding
+from services.engine.models.spec import ModelSpec, build_spec, read_json
+from services.engine.models.weights import load_weights, safetensors_files
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), torch.bfloat16)
+    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+
+
+def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise UnsupportedArchitectureError(
+        f"architecture {archs or cfg.get('model_type')!r} is not supported; "
+        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    *,
+    max_model_len: int | None = None,
+    show_progress: bool = True,
+) -> CausalLM:
+    """Build the family's module on the meta device, materialize it on `device`, stream weights in."""
+    model_dir, device = Path(model_dir), torch.device(device)
+    cfg = read_json(model_dir / "config.json")
+    cls = model_class(cfg)
+    cfg = cls.normalize_config(cfg)
+    spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour
+    try:
+        with torch.device("meta"):
+            model = cls(cfg, spec)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+    load_weights(model, safetensors_files(model_dir), show_progress)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_cache(device)
+    return model.eval()

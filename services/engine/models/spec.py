@@ -1,0 +1,92 @@
+"""`ModelSpec`: the facts about a loaded model that the engine needs (cache shapes, limits, EOS)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    max_model_len: int  # longest context the engine may build: <= max_position_embeddings
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    @property
+    def max_position(self) -> int:  # the name the engine contract uses
+        return self.max_position_embeddings
+
+    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
+        """Bytes one token's K and V take over all layers (sizes the paged cache)."""
+        itemsize = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def first_key(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The value of the first key present (HF families name the same thing differently)."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def eos_token_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
+    gen_path = model_dir / "generation_config.json"
+    eos = read_json(gen_path).get("eos_token_id") if gen_path.exists() else None
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def build_spec(model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, max_model_len: int | None) -> ModelSpec:
+    """Spec from a config already normalised by its family (canonical Llama-style key names)."""
+    num_heads = int(cfg["num_attention_heads"])
+    hidden_size = int(cfg["hidden_size"])
+    max_position = int(cfg.get("max_position_embeddings") or 2048)
+    # Paged attention has no sliding window: limit contexts to the window so results stay exact.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    limit, limit_name = max_position, "max_position_embeddings"
+    if window is not None and int(window) < limit:
+        limit, limit_name = int(window), "sliding_window (not implemented: contexts stop there)"
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's {limit_name} {limit} ({model_dir / 'config.json'})"
+        )
+    return ModelSpec(
+        architecture=cfg["architectures"][0],
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
+        hidden_size=hidden_size,
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=max_position,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        eos_token_ids=eos_token_ids(model_dir, cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+    )

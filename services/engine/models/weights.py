@@ -1,0 +1,63 @@
+"""Stream checkpoint tensors from safetensors files straight into a model's parameters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from services.engine.models.base import CausalLM
+from services.engine.models.spec import read_json
+
+log = logging.getLogger(__name__)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those the index names when sharded, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(read_json(index)["weight_map"].values()))
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_checkpoint(files: list[Path], show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, one at a time, with a progress bar over tensors."""
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress) as bar:
+        for handle in handles:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def load_weights(model: CausalLM, files: list[Path], show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter (casting dtype and moving device on the way).
+
+    The model translates names (and splits fused tensors) in `checkpoint_to_params`; modules that
+    own fused parameters take their piece through `load_shard`. Every parameter must be written.
+    """
+    params = dict(model.named_parameters())
+    unwritten = set(params)
+    for ckpt_name, tensor in iter_checkpoint(files, show_progress):
+        for name, loaded, shard_id in model.checkpoint_to_params(ckpt_name, tensor):
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {ckpt_name!r} maps to unknown parameter {name!r}")
+            module_name, _, param_name = name.rpartition(".")
+            with torch.no_grad():
+                if shard_id is None:
+                    assert params[name].shape == loaded.shape, (name, params[name].shape, loaded.shape)
+                    params[name].copy_(loaded)
+                else:
+                    model.get_submodule(module_name).load_shard(param_name, loaded, shard_id)  # type: ignore[operator]
+            unwritten.discard(name)
+    if unwritten:
+        raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")

@@ -1,0 +1,75 @@
+"""A minimal paged driver for model tests: block tables, slot mapping and metadata built by hand.
+
+It stands in for the engine's runner so the models can be checked against HF on their own: every
+`step` appends some tokens to some sequences (a prompt, a prompt piece, or one decode token each)
+and runs them as one flattened, ragged batch through the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.models import CausalLM
+
+
+@dataclass(slots=True)
+class _Seq:
+    num_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class PagedDriver:
+    def __init__(self, model: CausalLM, num_blocks: int = 256, block_size: int = 4, seed: int = 0) -> None:
+        spec = model.spec
+        self.model, self.block_size = model, block_size
+        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+        # Hand out blocks in a shuffled order so block tables are never simply contiguous.
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.seqs: dict[int, _Seq] = {}
+
+    def step(self, batch: dict[int, list[int]]) -> list[torch.Tensor]:
+        """Run new tokens for several sequences at once; returns each one's logits [n_new, vocab]."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc, seq_lens, tables = [0], [], []
+        for seq_id, new_ids in batch.items():
+            seq = self.seqs.setdefault(seq_id, _Seq())
+            for pos in range(seq.num_tokens, seq.num_tokens + len(new_ids)):
+                if pos // self.block_size == len(seq.block_ids):
+                    seq.block_ids.append(self.free_blocks.pop())
+                slots.append(seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+                positions.append(pos)
+            input_ids += new_ids
+            seq.num_tokens += len(new_ids)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(seq.num_tokens)
+            tables.append(seq.block_ids)
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            max_query_len=max(len(ids) for ids in batch.values()),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split([len(ids) for ids in batch.values()]))
+
+    def greedy(self, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
+        """Prefill all prompts in one step, then decode them together, argmax each step."""
+        base = len(self.seqs)
+        logits = self.step({base + i: p for i, p in enumerate(prompts)})
+        outputs = [[int(lg[-1].argmax())] for lg in logits]
+        for _ in range(num_new_tokens - 1):
+            logits = self.step({base + i: [out[-1]] for i, out in enumerate(outputs)})
+            for out, lg in zip(outputs, logits):
+                out.append(int(lg[-1].argmax()))
+        return outputs
