@@ -1,0 +1,42 @@
+"""`pagedserve engine`: one engine replica serving one model."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+
+from services.engine import attention
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.service import EngineService
+from shared.model_source import model_name_for, resolve_model_dir
+from shared.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: EngineSettings) -> Engine:
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    attention.use_backend(attention.default_backend(torch.device(device)))
+    config = EngineConfig(
+        model_dir=str(resolve_model_dir(settings.model)), dtype=settings.dtype, device=device,
+        block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
+        max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        **({"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}),
+    )
+    log.info("loading %s on %s (attention: %s)", config.model_dir, device, attention.backend_name())
+    return Engine(config)
+
+
+def main(settings: EngineSettings) -> None:
+    engine = build_engine(settings)
+    model = settings.served_model_name or model_name_for(settings.model)
+    service = EngineService(settings, model, engine, model_source=settings.model)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: service.stop())
+    service.serve()

@@ -1,0 +1,321 @@
+"""The engine service: the Redis side of one engine replica.
+
+    I/O thread (asyncio)                         compute thread (this module's `serve`)
+    ─────────────────────                        ──────────────────────────────────────
+    XREADGROUP ps:gen:{model} ──(while room)──►  inbox ──► engine.add_request / abort
+    XREAD ps:ctl:{model} (broadcast aborts) ──►  inbox          │
+    heartbeat key + claim refresh                               ▼ engine.step()
+    XADD ps:resp:{gw} + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
+
+The compute loop never waits on Redis; Redis I/O never blocks a step. Entries are acknowledged
+only when their request reached a terminal state, so a replica that dies leaves its work pending
+for another replica to claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.engine.engine import Engine
+from services.engine.sampling_params import SamplingParams
+from shared import streams
+from shared.protocol import (
+    Abort,
+    DecodeError,
+    EngineHeartbeat,
+    GenerateRequest,
+    RequestError,
+    TokenDeltas,
+    decode,
+    encode,
+)
+from shared.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+_REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_RECENT_IDS = 10_000  # finished request ids remembered to drop redelivered duplicates
+
+
+@dataclass(slots=True)
+class _Active:
+    entry_id: bytes
+    reply_to: str
+    num_choices: int
+    num_finished: int = 0
+
+
+def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
+    """Build and validate SamplingParams from a wire dict (logit_bias keys arrive as strings)."""
+    fields = dict(sampling)
+    if fields.get("logit_bias"):
+        fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
+    params = SamplingParams(**fields)
+    params.validate()
+    return params
+
+
+class EngineService:
+    def __init__(self, settings: EngineSettings, model: str, engine: Engine, model_source: str | None) -> None:
+        self.settings, self.model, self.engine = settings, model, engine
+        self.model_source = model_source
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.active: dict[str, _Active] = {}
+        self.recent: OrderedDict[str, None] = OrderedDict()
+        self.has_room = threading.Event()
+        self.has_room.set()
+        self.stopping = threading.Event()
+        self.step_count = 0
+        self.last_stats = engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
+        self._io_ready = threading.Event()
+        self._io_thread = threading.Thread(target=self._run_io, name="engine-redis-io", daemon=True)
+
+    # ── compute side ──────────────────────────────────────────────────────────────────────────
+    def serve(self) -> None:
+        """Run until `stop()`: start the I/O thread, then step the engine whenever there is work."""
+        self._io_thread.start()
+        self._io_ready.wait()
+        log.info("engine %s serving %s", self.settings.engine_id, self.model)
+        while not self.stopping.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                try:
+                    self._publish_step(self.engine.step())
+                except Exception:  # a bug must not take every request of this replica down with it
+                    log.exception("engine step failed; ending the running requests with an error")
+                    self._fail_active("internal engine error")
+            self._update_room()
+        self._send(("close", None))
+        self._io_thread.join(timeout=5)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.inbox.put(("wake", None))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "generate":
+                self._add(*payload)
+            elif kind == "abort":
+                self.engine.abort([rid for rid in payload if rid in self.active])
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, entry_id: bytes, req: GenerateRequest) -> None:
+        if req.request_id in self.active or req.request_id in self.recent:
+            if req.request_id not in self.active:
+                self._send(("ack", entry_id))  # a redelivered duplicate of finished work
+            return
+        try:
+            params = sampling_params_from_wire(req.sampling)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids)
+        except (TypeError, ValueError) as exc:
+            param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+            error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
+            self._send(("error", (req.reply_to, error, entry_id)))
+            return
+        self.active[req.request_id] = _Active(entry_id, req.reply_to, params.n)
+
+    def _publish_step(self, outputs: list[Any]) -> None:
+        self.step_count += 1
+        by_gateway: dict[str, TokenDeltas] = defaultdict(
+            lambda: TokenDeltas(self.settings.engine_id, self.step_count, [], [], [], [], [], [], [], [])
+        )
+        finished_entries: list[bytes] = []
+        for out in outputs:
+            state = self.active.get(out.request_id)
+            if state is None:
+                continue
+            d = by_gateway[state.reply_to]
+            d.request_ids.append(out.request_id)
+            d.indexes.append(out.index)
+            d.token_ids.append(list(out.new_token_ids))
+            d.logprobs.append(_wire_logprobs(out.new_logprobs))
+            d.finish_reasons.append(out.finish_reason)
+            d.num_prompt_tokens.append(out.num_prompt_tokens)
+            d.num_output_tokens.append(out.num_output_tokens)
+            d.num_cached_tokens.append(out.num_cached_tokens)
+            if out.finish_reason is not None:
+                state.num_finished += 1
+                if state.num_finished >= state.num_choices:
+                    finished_entries.append(state.entry_id)
+                    del self.active[out.request_id]
+                    self._remember(out.request_id)
+        if by_gateway:
+            self._send(("deltas", (dict(by_gateway), finished_entries)))
+
+    def _fail_active(self, message: str) -> None:
+        ids = list(self.active)
+        self.engine.abort(ids)  # frees their blocks at once
+        for request_id in ids:
+            state = self.active.pop(request_id)
+            error = RequestError(request_id, 500, message, type="internal_server_error")
+            self._send(("error", (state.reply_to, error, state.entry_id)))
+            self._remember(request_id)
+
+    def _remember(self, request_id: str) -> None:
+        self.recent[request_id] = None
+        if len(self.recent) > _RECENT_IDS:
+            self.recent.popitem(last=False)
+
+    def _update_room(self) -> None:
+        self.last_stats = self.engine.stats()  # a snapshot the I/O thread may read
+        if self.engine.has_room():
+            self.has_room.set()
+        else:
+            self.has_room.clear()
+
+    def _send(self, item: tuple[str, Any]) -> None:
+        assert self._loop is not None and self._outbox is not None
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, item)
+
+    # ── I/O side (its own thread and event loop) ─────────────────────────────────────────────
+    def _run_io(self) -> None:
+        asyncio.run(self._io_main())
+
+    async def _io_main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        redis = streams.connect(self.settings.redis_url)
+        reader = streams.GroupReader(
+            redis, streams.generate_stream(self.model), streams.engine_group(self.model),
+            self.settings.engine_id, claim_idle_ms=self.settings.claim_idle_ms,
+        )
+        self._io_ready.set()
+        tasks = [
+            asyncio.create_task(self._read_requests(reader)),
+            asyncio.create_task(self._read_aborts(redis)),
+            asyncio.create_task(self._heartbeat(redis, reader)),
+        ]
+        try:
+            await self._write_outputs(redis, reader)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await redis.delete(streams.engine_key(self.model, self.settings.engine_id))
+            await redis.aclose()
+
+    async def _read_requests(self, reader: streams.GroupReader) -> None:
+        await _retrying(reader.ensure_group)
+        while True:
+            if not self.has_room.is_set() or self.stopping.is_set():
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                entries = await reader.read(count=8, block_ms=200)
+                entries += await reader.claim_stale(count=8)
+            except _REDIS_ERRORS as exc:
+                await _backoff("reading requests", exc)
+                continue
+            for entry in entries:
+                if isinstance(entry.message, GenerateRequest):
+                    self.inbox.put(("generate", (entry.entry_id, entry.message)))
+                else:
+                    log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
+                    await reader.ack(entry.entry_id)
+
+    async def _read_aborts(self, redis: Any) -> None:
+        stream, last_id = streams.control_stream(self.model), "$"
+        while True:
+            try:
+                reply = await redis.xread({stream: last_id}, block=1000, count=256)
+            except _REDIS_ERRORS as exc:
+                await _backoff("reading aborts", exc)
+                continue
+            for _, items in reply or []:
+                for entry_id, fields in items:
+                    last_id = entry_id
+                    try:
+                        msg = decode(fields.get(streams.DATA_FIELD, b""))
+                    except DecodeError as exc:
+                        log.error("skipping undecodable control entry %s: %s", entry_id, exc)
+                        continue
+                    if isinstance(msg, Abort):
+                        self.inbox.put(("abort", msg.request_ids))
+
+    async def _heartbeat(self, redis: Any, reader: streams.GroupReader) -> None:
+        key = streams.engine_key(self.model, self.settings.engine_id)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        while True:
+            stats = self.last_stats
+            beat = EngineHeartbeat(
+                engine_id=self.settings.engine_id, model=self.model, max_model_len=self.engine.max_model_len,
+                num_running=stats.num_running, num_waiting=stats.num_waiting,
+                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
+            )
+            try:
+                await redis.set(key, encode(beat), px=ttl_ms)
+                await reader.refresh_claims([a.entry_id for a in list(self.active.values())])
+            except _REDIS_ERRORS as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
+        assert self._outbox is not None
+        maxlen = self.settings.stream_maxlen
+        while True:
+            kind, payload = await self._outbox.get()
+            if kind == "close":
+                return
+            try:
+                if kind == "deltas":
+                    by_gateway, finished = payload
+                    for gateway_id, deltas in by_gateway.items():
+                        await streams.publish(redis, streams.response_stream(gateway_id), deltas, maxlen)
+                    await reader.ack(*finished)
+                elif kind == "error":
+                    reply_to, error, entry_id = payload
+                    await streams.publish(redis, streams.response_stream(reply_to), error, maxlen)
+                    await reader.ack(entry_id)
+                elif kind == "ack":
+                    await reader.ack(payload)
+            except _REDIS_ERRORS as exc:
+                # The entries stay pending; the gateway notices the silence and ends those streams.
+                log.warning("could not publish %s: %s", kind, exc)
+
+
+def _wire_logprobs(logprobs: Any) -> list[Any] | None:
+    if logprobs is None:
+        return None
+    return [[lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
+
+
+async def _retrying(fn: Any) -> None:
+    while True:
+        try:
+            await fn()
+            return
+        except _REDIS_ERRORS as exc:
+            await _backoff("connecting", exc)
+
+
+_last_warning = 0.0
+
+
+async def _backoff(what: str, exc: BaseException) -> None:
+    global _last_warning
+    now = time.monotonic()
+    if now - _last_warning > 5.0:  # one line per 5 s while Redis is down, not a hot loop of errors
+        log.warning("redis unavailable while %s: %s; retrying", what, exc)
+        _last_warning = now
+    await asyncio.sleep(0.5)

@@ -1,0 +1,205 @@
+"""The gateway's side of a request's life: submit, wait for Accepted, turn deltas into choice text.
+
+    submit()  ──XADD ps:req:{model}──►  tokenizer  ──Accepted | RequestError──►  router queue
+    Generation.updates()  ◄── Delta per engine step ◄── router queue
+    (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.gateway.detokenizer import ChoiceText
+from services.gateway.errors import APIError, model_not_found, model_unavailable
+from services.gateway.registry import ModelRegistry
+from services.gateway.router import Delta, Disconnected, ResponseRouter
+from shared import streams
+from shared.model_source import resolve_model_dir
+from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, RequestError
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+_REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Any] | None  # per token [logprob, [[token_id, logprob], ...]]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Generation:
+    frontend: Frontend
+    request_id: str
+    model: str
+    accepted: Accepted
+    queue: asyncio.Queue[Any]
+    choices: list[ChoiceText]
+    created: int = field(default_factory=lambda: int(time.time()))
+    num_cached_tokens: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    engine_finished: set[int] = field(default_factory=set)  # choices the engine itself ended
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finish_reasons) == len(self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        prompt = self.accepted.num_prompt_tokens
+        return {
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Choice updates until every choice finished; raises APIError if the request cannot go on."""
+        settings = self.frontend.settings
+        deadline = time.monotonic() + settings.request_timeout_s
+        try:
+            while not self.is_finished:
+                timeout = min(settings.engine_silence_timeout_s, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise APIError(408, "the request timed out", code="timeout")
+                try:
+                    reply = await asyncio.wait_for(self.queue.get(), timeout)
+                except TimeoutError:
+                    entry = self.frontend.registry.get(self.model)
+                    if entry is None or not entry.is_live:
+                        raise model_unavailable(self.model) from None
+                    continue  # engines are alive but busy: keep waiting until the deadline
+                update = self._apply(reply)
+                if update is not None:
+                    yield update
+        finally:
+            self.frontend.release(self)
+
+    def _apply(self, reply: Any) -> ChoiceUpdate | None:
+        if isinstance(reply, Disconnected):
+            raise APIError(503, reply.message, retry_after=2)
+        if isinstance(reply, RequestError):
+            raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
+        if not isinstance(reply, Delta) or reply.index in self.finish_reasons:
+            return None  # a duplicate Accepted, or tokens after a stop string ended the choice
+        self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
+        if reply.finish_reason is not None:
+            self.engine_finished.add(reply.index)
+        choice = self.choices[reply.index]
+        token_ids = reply.token_ids
+        # The engine ends a choice with "stop" on an EOS/stop token: count it, never show it.
+        shown = token_ids[:-1] if reply.finish_reason == "stop" and token_ids else token_ids
+        text = choice.add(shown, is_last=reply.finish_reason is not None)
+        if reply.finish_reason == "stop" and token_ids:
+            choice.token_ids.append(token_ids[-1])
+        finish = text.finish_reason or reply.finish_reason
+        if finish is not None:
+            self.finish_reasons[reply.index] = finish
+        return ChoiceUpdate(reply.index, text.text, token_ids, reply.logprobs, finish)
+
+
+class Frontend:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.redis = streams.connect(settings.redis_url)
+        self.router = ResponseRouter(self.redis, settings.gateway_id)
+        self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
+        self.num_in_flight = 0
+        self.is_draining = False
+        self._tokenizers: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.router.run()), asyncio.create_task(self.registry.run())]
+        try:
+            await self.registry.refresh()
+        except _REDIS_ERRORS as exc:
+            log.warning("redis not reachable at start: %s", exc)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.aclose()
+
+    async def tokenizer_for(self, model: str, source: str | None) -> Any:
+        if model not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            model_dir = await asyncio.to_thread(resolve_model_dir, source)
+            self._tokenizers[model] = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+        return self._tokenizers[model]
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def submit(self, req: ChatRequest | CompletionRequest, stop: list[str], n: int) -> Generation:
+        if self.is_draining:
+            raise APIError(503, "the server is shutting down", retry_after=1)
+        entry = self.registry.get(req.model)
+        if entry is None:
+            raise model_not_found(req.model)
+        if not entry.is_live:
+            raise model_unavailable(req.model)
+        if self.num_in_flight >= self.settings.max_in_flight:
+            raise APIError(429, "too many requests in flight; retry shortly", retry_after=1)
+        tokenizer = await self.tokenizer_for(req.model, entry.model_source)
+        self.num_in_flight += 1
+        queue = self.router.register(req.request_id)
+        try:
+            await streams.publish(self.redis, streams.request_stream(req.model), req, self.settings.stream_maxlen)
+            reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
+        except _REDIS_ERRORS as exc:
+            self._forget(req.request_id)
+            raise APIError(503, f"the request queue is unavailable: {exc}", retry_after=2) from None
+        except TimeoutError:
+            self._forget(req.request_id)
+            raise APIError(503, "no tokenizer answered in time; retry shortly", retry_after=2) from None
+        except BaseException:
+            self._forget(req.request_id)
+            raise
+        if isinstance(reply, RequestError):
+            self._forget(req.request_id)
+            raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
+        choices = [ChoiceText(tokenizer, reply.prompt_token_ids, stop) for _ in range(n)]
+        return Generation(self, req.request_id, req.model, reply, queue, choices)
+
+    async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
+        while True:
+            reply = await queue.get()
+            if isinstance(reply, Disconnected):
+                raise RedisConnectionError(reply.message)
+            if isinstance(reply, Accepted | RequestError):
+                return reply
+
+    def release(self, gen: Generation) -> None:
+        """Called once when a generation ends for any reason: abort unfinished work, free the slot."""
+        if self.router.queues.get(gen.request_id) is None:
+            return
+        self._forget(gen.request_id)
+        if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
+            task = asyncio.get_running_loop().create_task(self.abort(gen.model, gen.request_id))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    def _forget(self, request_id: str) -> None:
+        self.router.unregister(request_id)
+        self.num_in_flight -= 1
+
+    async def abort(self, model: str, request_id: str) -> None:
+        try:
+            await streams.publish(self.redis, streams.control_stream(model), Abort([request_id]), 10_000)
+        except _REDIS_ERRORS as exc:
+            log.warning("could not send abort for %s: %s", request_id, exc)

@@ -1,0 +1,112 @@
+"""One receiver task reads this gateway's response stream and wakes per-request queues.
+
+Requests register a queue before they are published, so no reply can arrive unseen. TokenDeltas
+are columnar (many requests per entry); the router splits them into per-request `Delta`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared import streams
+from shared.protocol import Accepted, DecodeError, RequestError, TokenDeltas, decode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Delta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[Any] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    engine_id: str
+
+
+@dataclass(slots=True)
+class Disconnected:
+    """Redis went away: replies for in-flight requests may be lost."""
+
+    message: str
+
+
+Reply = Accepted | RequestError | Delta | Disconnected
+
+
+class ResponseRouter:
+    def __init__(self, redis: Any, gateway_id: str) -> None:
+        self.redis = redis
+        self.stream = streams.response_stream(gateway_id)
+        self.queues: dict[str, asyncio.Queue[Reply]] = {}
+        self.last_id = b"0-0"  # a gateway's stream is its own: read all of it, once
+
+    def register(self, request_id: str) -> asyncio.Queue[Reply]:
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self.queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    async def run(self) -> None:
+        was_down = False
+        while True:
+            try:
+                reply = await self.redis.xread({self.stream: self.last_id}, block=1000, count=512)
+                if was_down:
+                    log.info("redis is back; response stream resumed")
+                    was_down = False
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if not was_down:
+                    log.warning("response stream lost: %s", exc)
+                    self._fail_all(f"lost the connection to Redis: {exc}")
+                    was_down = True
+                await asyncio.sleep(0.5)
+                continue
+            for _, items in reply or []:
+                for entry_id, fields in items:
+                    self.last_id = entry_id
+                    self._dispatch(fields.get(streams.DATA_FIELD, b""))
+            if reply:
+                await self._trim()
+
+    async def _trim(self) -> None:
+        # Replies are read once, by this gateway alone: drop what has been read.
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+            await self.redis.xtrim(self.stream, minid=self.last_id, approximate=True)
+
+    def _dispatch(self, data: bytes) -> None:
+        try:
+            msg = decode(data)
+        except DecodeError as exc:
+            log.error("skipping an undecodable reply: %s", exc)
+            return
+        if isinstance(msg, TokenDeltas):
+            for i, request_id in enumerate(msg.request_ids):
+                queue = self.queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(Delta(
+                        msg.indexes[i], msg.token_ids[i], msg.logprobs[i], msg.finish_reasons[i],
+                        msg.num_prompt_tokens[i], msg.num_output_tokens[i], msg.num_cached_tokens[i],
+                        msg.engine_id,
+                    ))
+        elif isinstance(msg, Accepted | RequestError):
+            queue = self.queues.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+        else:
+            log.error("unexpected %s on the response stream", type(msg).__name__)
+
+    def _fail_all(self, message: str) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(Disconnected(message))

@@ -1,0 +1,102 @@
+"""Turns a chat or completion request into prompt token ids, with the length checks (no Redis here)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
+    """Context length and EOS ids from config.json and generation_config.json."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    native = int(
+        text_config.get("max_position_embeddings") or text_config.get("n_positions") or text_config.get("seq_length")
+        or 2048
+    )
+    if max_model_len is not None and max_model_len > native:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {native} tokens")
+    eos: Any = None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = text_config.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return ModelLimits(max_model_len=max_model_len or native, eos_token_ids=eos_ids)
+
+
+class PromptProcessor:
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            ids = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                **req.chat_template_kwargs,
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(req.prompt, str):
+            return list(self.tokenizer.encode(req.prompt, add_special_tokens=True))
+        return list(req.prompt)
+
+    def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        try:
+            prompt_ids = self.prompt_ids(req)
+        except Exception as exc:  # template errors come from user content: answer 400, keep serving
+            return RequestError(req.request_id, 400, f"could not build the prompt: {exc}", param=param)
+        vocab = len(self.tokenizer)
+        if not prompt_ids:
+            return RequestError(req.request_id, 400, "the prompt is empty", param=param)
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            return RequestError(req.request_id, 400, f"prompt token ids must be in [0, {vocab})", param=param)
+        num_prompt, limit = len(prompt_ids), self.limits.max_model_len
+        if req.max_tokens is None:
+            if num_prompt >= limit:
+                return _too_long(req.request_id, num_prompt, limit, param)
+            max_tokens = limit - num_prompt
+        else:
+            max_tokens = req.max_tokens
+            if num_prompt + max_tokens > limit:
+                return RequestError(
+                    req.request_id, 400,
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                    f"completion). Please reduce the prompt or max_tokens.",
+                    param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded",
+                )
+        min_tokens = int(req.sampling.get("min_tokens", 0) or 0)
+        if min_tokens > max_tokens:
+            return RequestError(
+                req.request_id, 400, f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
+        sampling = {**req.sampling, "max_tokens": max_tokens}
+        accepted = Accepted(req.request_id, num_prompt, max_tokens, prompt_token_ids=prompt_ids)
+        generate = GenerateRequest(
+            request_id=req.request_id, reply_to=req.reply_to, model=req.model, prompt_token_ids=prompt_ids,
+            sampling=sampling, arrival_time=req.arrival_time, traceparent=req.traceparent,
+        )
+        return accepted, generate
+
+
+def _too_long(request_id: str, num_prompt: int, limit: int, param: str) -> RequestError:
+    return RequestError(
+        request_id, 400,
+        f"This model's maximum context length is {limit} tokens. However, your prompt has {num_prompt} "
+        f"tokens, which leaves no room for the completion. Please reduce the length of the prompt.",
+        param=param, code="context_length_exceeded",
+    )

@@ -1,0 +1,71 @@
+"""The tokenizer service: reads requests, renders and tokenizes prompts, forwards them to the engines.
+
+For each request: Accepted (or RequestError) to the gateway first, then the GenerateRequest to the
+model's engine stream, then XACK. A crash in between leaves the entry pending; another tokenizer
+claims it and redoes it, and the duplicate is harmless (the gateway and the engines dedupe on
+request_id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.tokenizer.processor import PromptProcessor
+from shared import streams
+from shared.protocol import ChatRequest, CompletionRequest, RequestError
+from shared.settings import TokenizerSettings
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerService:
+    def __init__(self, settings: TokenizerSettings, model: str, processor: PromptProcessor) -> None:
+        self.settings, self.model, self.processor = settings, model, processor
+        self.redis = streams.connect(settings.redis_url)
+        self.reader = streams.GroupReader(
+            self.redis, streams.request_stream(model), streams.TOKENIZER_GROUP, settings.consumer_name,
+            claim_idle_ms=settings.claim_idle_ms,
+        )
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        backoff = 0.1
+        log.info("tokenizer %s serving model %s", self.settings.consumer_name, self.model)
+        while not self._stopping.is_set():
+            try:
+                await self.reader.ensure_group()
+                while not self._stopping.is_set():
+                    entries = await self.reader.read(count=32, block_ms=500)
+                    entries += await self.reader.claim_stale()
+                    for entry in entries:
+                        await self._handle(entry)
+                    backoff = 0.1
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        await self.redis.aclose()
+
+    async def _handle(self, entry: streams.Entry) -> None:
+        req = entry.message
+        if not isinstance(req, ChatRequest | CompletionRequest):
+            log.error("unexpected %s on the request stream; skipped", type(req).__name__)
+            await self.reader.ack(entry.entry_id)
+            return
+        result = await asyncio.to_thread(self.processor.process, req)
+        reply_stream = streams.response_stream(req.reply_to)
+        maxlen = self.settings.stream_maxlen
+        if isinstance(result, RequestError):
+            await streams.publish(self.redis, reply_stream, result, maxlen)
+        else:
+            accepted, generate = result
+            await streams.publish(self.redis, reply_stream, accepted, maxlen)
+            await streams.publish(self.redis, streams.generate_stream(self.model), generate, maxlen)
+        await self.reader.ack(entry.entry_id)

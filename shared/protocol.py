@@ -1,0 +1,175 @@
+"""Every message that crosses a process boundary, and its msgpack codec.
+
+Each message is a slots dataclass with a `TAG`; on the wire it is a msgpack map
+`{"v": SCHEMA_VERSION, "t": TAG, **fields}` stored under the field `d` of a stream entry.
+Decoding checks the version and the tag and builds the dataclass from known fields only, so a
+newer producer's extra fields are ignored and garbage raises `DecodeError` (never anything else).
+Nothing is ever unpickled.
+
+Sampling options travel as a plain dict whose keys are the engine's `SamplingParams` fields:
+the engine validates them, and the wire stays free of engine imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class DecodeError(ValueError):
+    """A stream entry that is not a message of this schema."""
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    TAG: ClassVar[str] = "chat"
+    request_id: str
+    reply_to: str  # the gateway id whose response stream gets the replies
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # None = the context that is left
+    stream: bool = False
+    arrival_time: float = 0.0
+    traceparent: str | None = None  # W3C trace context of the request's span
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    TAG: ClassVar[str] = "completion"
+    request_id: str
+    reply_to: str
+    model: str
+    prompt: str | list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    stream: bool = False
+    arrival_time: float = 0.0
+    traceparent: str | None = None
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    TAG: ClassVar[str] = "generate"
+    request_id: str
+    reply_to: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # includes the resolved max_tokens and stop_token_ids
+    arrival_time: float = 0.0
+    traceparent: str | None = None
+    # A continuation (migration to another replica) carries the tokens already streamed.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Accepted:
+    TAG: ClassVar[str] = "accepted"
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestError:
+    TAG: ClassVar[str] = "error"
+    request_id: str
+    status: int  # the HTTP status the gateway answers with
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(slots=True)
+class TokenDeltas:
+    """One engine step's new tokens for every request of one gateway, as columns."""
+
+    TAG: ClassVar[str] = "deltas"
+    engine_id: str
+    step: int
+    request_ids: list[str]
+    indexes: list[int]  # choice index (n > 1)
+    token_ids: list[list[int]]
+    # Per request: None, or per new token [logprob, [[token_id, logprob], ...top alternatives]].
+    logprobs: list[list[Any] | None]
+    finish_reasons: list[str | None]
+    num_prompt_tokens: list[int]
+    num_output_tokens: list[int]  # this choice's total so far
+    num_cached_tokens: list[int]
+
+
+@dataclass(slots=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    request_ids: list[str]
+    reason: str = "abort"
+
+
+@dataclass(slots=True)
+class EngineHeartbeat:
+    """The registry record an engine refreshes (a key with a TTL, not a stream entry)."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    engine_id: str
+    model: str
+    max_model_len: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    is_draining: bool = False
+    time: float = 0.0
+    model_source: str | None = None  # what the engine loaded (a name or path); the gateway's tokenizer
+
+
+Message = (
+    ChatRequest | CompletionRequest | GenerateRequest | Accepted | RequestError | TokenDeltas | Abort
+    | EngineHeartbeat
+)
+_TYPES: dict[str, type[Any]] = {
+    cls.TAG: cls
+    for cls in (
+        ChatRequest, CompletionRequest, GenerateRequest, Accepted, RequestError, TokenDeltas, Abort,
+        EngineHeartbeat,
+    )
+}
+_FIELDS = {tag: {f.name for f in dataclasses.fields(cls)} for tag, cls in _TYPES.items()}
+T = TypeVar("T")
+
+
+def encode(msg: Message) -> bytes:
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return msgpack.packb({"v": SCHEMA_VERSION, "t": msg.TAG, **body}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    if not isinstance(data, bytes | bytearray) or len(data) > MAX_MESSAGE_BYTES:
+        raise DecodeError("not a message: wrong type or too large")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise DecodeError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("v") != SCHEMA_VERSION or raw.get("t") not in _TYPES:
+        raise DecodeError("not a pagedserve message of this schema version")
+    tag = raw["t"]
+    known = {k: v for k, v in raw.items() if k in _FIELDS[tag]}
+    try:
+        return _TYPES[tag](**known)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise DecodeError(f"bad {tag} message: {exc}") from None
+
+
+def decode_as(data: bytes, cls: type[T]) -> T:
+    msg = decode(data)
+    if not isinstance(msg, cls):
+        raise DecodeError(f"expected {cls.__name__}, got {type(msg).__name__}")
+    return msg

@@ -1,0 +1,76 @@
+"""Settings, one pydantic-settings class per service, each with its own environment prefix.
+
+Each service builds its settings once in `main()` and passes them down; deep modules never read
+the environment. `PAGEDSERVE_REDIS_URL` sets the Redis URL for every service at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_REDIS_URL = Field(
+    default="redis://127.0.0.1:6379/0",
+    validation_alias=AliasChoices("redis_url", "PAGEDSERVE_REDIS_URL"),
+    description="Redis URL; PAGEDSERVE_REDIS_URL sets it for every service.",
+)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_GATEWAY_", populate_by_name=True)
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    gateway_id: str = Field(default_factory=lambda: _new_id("gw"))
+    redis_url: str = _REDIS_URL
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 512
+    request_timeout_s: float = 600.0
+    accept_timeout_s: float = 30.0  # waiting for the tokenizer's Accepted/RequestError
+    engine_silence_timeout_s: float = 60.0  # no delta and no live engine for this long = error
+    registry_refresh_s: float = 1.0
+    max_n: int = 16
+    max_stop: int = 16
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+    stream_maxlen: int = 100_000
+
+
+class TokenizerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_TOKENIZER_", populate_by_name=True)
+
+    model: str | None = None  # None = the default model
+    served_model_name: str | None = None
+    redis_url: str = _REDIS_URL
+    consumer_name: str = Field(default_factory=lambda: _new_id("tok"))
+    max_model_len: int | None = None
+    claim_idle_ms: int = 30_000
+    stream_maxlen: int = 100_000
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_ENGINE_", populate_by_name=True)
+
+    model: str | None = None
+    served_model_name: str | None = None
+    redis_url: str = _REDIS_URL
+    engine_id: str = Field(default_factory=lambda: _new_id("eng"))
+    device: str = "auto"  # auto = cuda when available
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    claim_idle_ms: int = 60_000
+    stream_maxlen: int = 100_000

@@ -1,0 +1,93 @@
+"""Session-wide fixtures: a private Redis server, and the real services started once as processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.model_source import DEFAULT_MODEL, resolve_model_dir
+from shared.redis_server import PrivateRedis, free_port
+
+E2E_MAX_MODEL_LEN = 2048  # small enough that an over-long prompt is cheap to build
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[PrivateRedis]:
+    server = PrivateRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model_dir(None)
+
+
+@dataclass
+class RunningServices:
+    base_url: str
+    redis_url: str
+    model: str
+    processes: dict[str, subprocess.Popen[bytes]]
+    log_dir: Path
+
+
+def wait_ready(base_url: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [name for name, p in processes.items() if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"service(s) exited during start-up: {dead}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"services at {base_url} not ready after {timeout_s}s")
+
+
+def start_service(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
+    log = (log_dir / f"{name}.log").open("wb")
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
+    for p in processes.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in processes.values():
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.fixture(scope="session")
+def services(redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServices]:
+    """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis."""
+    log_dir = tmp_path_factory.mktemp("service-logs")
+    port = free_port()
+    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
+    length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
+    processes = {
+        "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
+        "engine": start_service("engine", ["engine", "--device", "cpu", "--dtype", "float32", *length], env, log_dir),
+        "gateway": start_service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_dir),
+    }
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, processes)
+        yield RunningServices(base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir)
+    finally:
+        stop_all(processes)
+        for name in processes:  # shown on failure by pytest's -ra summary via captured output
+            print(f"----- {name} log (tail) -----\n" + (log_dir / f"{name}.log").read_text()[-3000:])

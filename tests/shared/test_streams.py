@@ -1,0 +1,107 @@
+"""The consumer-group reader against a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from shared import streams
+from shared.protocol import Abort
+from shared.redis_server import PrivateRedis
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def _names() -> tuple[str, str]:
+    return f"test:{uuid.uuid4().hex}", "group"
+
+
+def test_garbage_is_acked_and_skipped_and_reading_goes_on(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+        reader = streams.GroupReader(r, stream, group, "c1")
+        await reader.ensure_group()
+        await r.xadd(stream, {b"d": b"\xc1 not msgpack"})
+        await r.xadd(stream, {b"x": b"no data field"})
+        await streams.publish(r, stream, Abort(["ok"]))
+        got = []
+        for _ in range(3):
+            got += await reader.read(count=10, block_ms=100)
+        assert [e.message for e in got] == [Abort(["ok"])]
+        pending = await r.xpending(stream, group)
+        assert pending["pending"] == 1  # only the real message waits for its ack
+        await reader.ack(got[0].entry_id)
+        assert (await r.xpending(stream, group))["pending"] == 0
+        await r.aclose()
+
+    run(go())
+
+
+def test_a_restarted_consumer_rereads_its_own_pending_entries(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+        first = streams.GroupReader(r, stream, group, "same-consumer")
+        await first.ensure_group()
+        await streams.publish(r, stream, Abort(["a"]))
+        await first.read(block_ms=100)
+        await first.read(block_ms=100)
+        restarted = streams.GroupReader(r, stream, group, "same-consumer")
+        again = await restarted.read(block_ms=100)
+        assert [e.message for e in again] == [Abort(["a"])]
+        await r.aclose()
+
+    run(go())
+
+
+def test_a_lost_group_is_recreated(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+        reader = streams.GroupReader(r, stream, group, "c1")
+        await reader.ensure_group()
+        await reader.read(block_ms=50)
+        await r.delete(stream)  # as after a Redis restart without persistence
+        assert await reader.read(block_ms=50) == []
+        await streams.publish(r, stream, Abort(["after"]))
+        assert [e.message for e in await reader.read(block_ms=100)] == [Abort(["after"])]
+        await r.aclose()
+
+    run(go())
+
+
+def test_stale_entries_of_a_dead_consumer_are_claimed(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+        dead = streams.GroupReader(r, stream, group, "dead")
+        await dead.ensure_group()
+        await streams.publish(r, stream, Abort(["orphan"]))
+        await dead.read(block_ms=50)
+        await dead.read(block_ms=50)
+        alive = streams.GroupReader(r, stream, group, "alive", claim_idle_ms=50)
+        assert await alive.claim_stale() == []  # not idle long enough yet
+        await asyncio.sleep(0.1)
+        claimed = await alive.claim_stale()
+        assert [e.message for e in claimed] == [Abort(["orphan"])]
+        await r.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize("maxlen", [50])
+def test_publish_trims_the_stream(redis_server: PrivateRedis, maxlen: int) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, _ = _names()
+        for i in range(2000):
+            await streams.publish(r, stream, Abort([str(i)]), maxlen=maxlen)
+        assert await r.xlen(stream) < 2000 // 4  # approximate trimming keeps it near maxlen
+        await r.aclose()
+
+    run(go())
