@@ -84,6 +84,14 @@ class BlockPool:
         self._cached.clear()
         self.block_hashes = [None] * self.num_blocks
 
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (tests and debugging)."""
+        assert all(count >= 0 for count in self.ref_counts), "negative ref count"
+        assert set(self._free) == {b for b, count in enumerate(self.ref_counts) if count == 0}
+        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+        assert all(self.block_hashes[b] == h for h, b in self._cached.items())
+        assert sum(h is not None for h in self.block_hashes) == len(self._cached)
+
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:

@@ -104,6 +104,16 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         self._num_published.clear()
 
+    def check_invariants(self) -> None:
+        """Assert that every reference on a block belongs to exactly one sequence holding it."""
+        self.pool.check_invariants()
+        holders = [0] * self.num_blocks
+        for block_ids in self._blocks.values():
+            assert len(set(block_ids)) == len(block_ids), "a sequence holds a block twice"
+            for block_id in block_ids:
+                holders[block_id] += 1
+        assert holders == self.pool.ref_counts, "ref counts differ from the sequences holding blocks"
+
     def _extend_hashes(self, request: Request) -> None:
         """Hash every full block of the request's known tokens not hashed yet."""
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size

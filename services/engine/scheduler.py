@@ -97,6 +97,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Apply a step's results: computed tokens advance, sampling sequences get their token
         (in `output.scheduled` order) and may finish. Returns the sequences that got a token."""
+        if len(sampled_token_ids) != sum(1 for s in output.scheduled if s.is_sampling):
+            raise ValueError("sampled_token_ids do not match the sampling sequences")
         sampled = iter(sampled_token_ids)
         updated = []
         for item in output.scheduled:
@@ -112,8 +114,6 @@ class Scheduler:
             if reason is not None:
                 self._release(request, reason)
             updated.append(request)
-        if len(updated) != sum(1 for s in output.scheduled if s.is_sampling) or next(sampled, None) is not None:
-            raise ValueError("sampled_token_ids do not match the sampling sequences")
         self.running = [r for r in self.running if not r.is_finished]
         return updated
 

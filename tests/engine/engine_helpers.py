@@ -1,0 +1,27 @@
+"""Small builders shared by the engine tests (no model needed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+def make_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+    max_tokens: int = 16,
+    eos_token_ids: frozenset[int] = frozenset({2}),
+) -> Request:
+    arrival = next(_arrivals)
+    params = params or SamplingParams(max_tokens=max_tokens)
+    return Request.create(
+        request_id or f"req-{arrival}", 0, prompt_token_ids, [], params, params.max_tokens or max_tokens,
+        eos_token_ids, arrival, torch.device("cpu"),
+    )
