@@ -1,4 +1,11 @@
-"""`CausalLM`: the base every family derives from, so callers see one typed interface."""
+"""`CausalLM`, the typed interface callers see, and `DecoderLM`, the stack every family builds.
+
+    DecoderLM.model.embed_tokens -> model.layers[i](positions, x, kv_caches[i], meta) -> model.norm
+    compute_logits: lm_head, or embed_tokens.weight when embeddings are tied
+
+Families differ only in their layers, their config keys and their checkpoint names, which they
+translate to ours in `checkpoint_to_params` (see `rename`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionMetadata
@@ -18,7 +26,7 @@ ParamPiece = tuple[str, torch.Tensor, str | None]
 class CausalLM(nn.Module):
     spec: ModelSpec
 
-    def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
 
@@ -26,6 +34,11 @@ class CausalLM(nn.Module):
     def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
         """Rename family-specific config keys to the Llama-style ones `build_spec` reads."""
         return cfg
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], spec: ModelSpec) -> CausalLM:
+        """Build the (unloaded) module; families take `(cfg, spec)` in their constructor."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -42,3 +55,45 @@ class CausalLM(nn.Module):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         """Checkpoint tensor -> the parameter pieces it fills; yields nothing for unused tensors."""
         yield name, tensor, None
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class DecoderLM(CausalLM):
+    def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module, is_tied: bool) -> None:
+        super().__init__(spec)
+        self.model = DecoderStack(spec, layers, norm)
+        self.is_tied = is_tied
+        # Tied: compute_logits reads embed_tokens.weight, so no second parameter can drift apart.
+        self.lm_head = None if is_tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        out: torch.Tensor = self.model.norm(x)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def rename(name: str, pairs: list[tuple[str, str]]) -> str:
+    """Apply every (checkpoint fragment -> our fragment) substitution that matches."""
+    for old, new in pairs:
+        if old in name:
+            name = name.replace(old, new)
+    return name

@@ -139,3 +139,32 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LayerNormBlock(nn.Module):
+    """A LayerNorm decoder layer (GPT-NeoX, Falcon), with a parallel or a sequential residual.
+
+    parallel:   x = x + attn(ln_1(x)) + mlp(ln_2(x))     (ln_2 is ln_1 when `has_mlp_norm` is False)
+    sequential: h = x + attn(ln_1(x));  x = h + mlp(ln_2(h))
+    """
+
+    def __init__(
+        self, attn: Attention, mlp: MLP, hidden_size: int, eps: float, is_parallel: bool, has_mlp_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn, self.mlp, self.is_parallel = attn, mlp, is_parallel
+        self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps) if has_mlp_norm else None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        attn_in = self.input_layernorm(x)
+        attn_out = self.self_attn(positions, attn_in, kv_cache, meta)
+        mlp_norm = self.post_attention_layernorm
+        if self.is_parallel:
+            mlp_out = self.mlp(attn_in if mlp_norm is None else mlp_norm(x))
+            return mlp_out + attn_out + x
+        assert mlp_norm is not None
+        h = attn_out + x
+        return self.mlp(mlp_norm(h)) + h

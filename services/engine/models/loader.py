@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from services.engine.models.base import CausalLM
+from services.engine.models.falcon import FalconForCausalLM
+from services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.rotary import RotaryEmbedding
 from services.engine.models.spec import ModelSpec, build_spec, read_json
@@ -37,6 +39,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "RWForCausalLM": FalconForCausalLM,  # Falcon checkpoints from before its transformers port
 }
 
 
@@ -86,7 +91,7 @@ def load_model(
     torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour
     try:
         with torch.device("meta"):
-            model = cls(cfg, spec)
+            model = cls.from_config(cfg, spec)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
