@@ -6,7 +6,6 @@ real engine: scheduler, chunked prefill, paged KV cache, sampler) must match tok
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import CASES, build_tiny_model
 
 _gen = torch.Generator().manual_seed(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [torch.randint(3, 256, (n,), generator=_gen).tolist() for n in (1, 5, 13, 23)]
 NUM_NEW_TOKENS = 20
 
@@ -32,15 +32,6 @@ class Loaded:
     model_dir: Path
     hf: PreTrainedModel
     ours: CausalLM
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from threads, and busy CI machines make OpenMP spin-waits ~50x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -12,7 +12,8 @@ The interface every family implements (the runner relies on nothing else):
     logits = model.compute_logits(hidden)  # [n, vocab_size] float32
     model.spec  -> ModelSpec (architecture, num_layers, num_heads, num_kv_heads, head_dim,
                    hidden_size, vocab_size, max_position_embeddings (alias max_position),
-                   max_model_len, dtype, eos_token_ids, bos_token_id; kv_bytes_per_token())
+                   max_model_len, dtype, eos_token_ids, bos_token_id, generation_defaults;
+                   kv_bytes_per_token())
 """
 
 from services.engine.models.base import CausalLM

@@ -24,6 +24,8 @@ class ModelSpec:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # Sampling defaults the checkpoint ships in generation_config.json (temperature, top_p, top_k, ...).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_position(self) -> int:  # the name the engine contract uses
@@ -49,10 +51,17 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
+
+
+def generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "generation_config.json"
+    return read_json(path) if path.exists() else {}
+
+
 def eos_token_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
-    gen_path = model_dir / "generation_config.json"
-    eos = read_json(gen_path).get("eos_token_id") if gen_path.exists() else None
+    eos = generation_config(model_dir).get("eos_token_id")
     if eos is None:
         eos = cfg.get("eos_token_id")
     if eos is None:
@@ -89,4 +98,5 @@ def build_spec(model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, max_mod
         dtype=dtype,
         eos_token_ids=eos_token_ids(model_dir, cfg),
         bos_token_id=cfg.get("bos_token_id"),
+        generation_defaults={k: v for k, v in generation_config(model_dir).items() if k in _SAMPLING_KEYS},
     )
