@@ -63,6 +63,7 @@ class EngineSettings(BaseSettings):
     redis_url: str = _REDIS_URL
     engine_id: str = Field(default_factory=lambda: _new_id("eng"))
     device: str = "auto"  # auto = cuda when available
+    cpu_threads: int | None = None  # torch intra-op threads; fewer avoids stalls when cores are shared
     dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None

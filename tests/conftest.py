@@ -80,7 +80,10 @@ def services(redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: py
     length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
     processes = {
         "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
-        "engine": start_service("engine", ["engine", "--device", "cpu", "--dtype", "float32", *length], env, log_dir),
+        # One torch thread: the engine shares the cores with the gateway, the tokenizer and the client.
+        "engine": start_service(
+            "engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", *length], env, log_dir
+        ),
         "gateway": start_service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_dir),
     }
     base_url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """Paged attention as the models call it: per-step metadata plus a backend chosen at start-up.
 
-The CPU path is the torch reference in `kernels.reference`; on CUDA the Triton kernels in
+The CPU path is a batched torch version of `kernels.reference` (the oracle); on CUDA the Triton kernels in
 `kernels/` take over (`use_backend("triton")`). Models never import a backend directly.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
+from services.engine.torch_attention import paged_attention_padded
 
 
 @dataclass(slots=True)
@@ -30,7 +31,35 @@ WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Non
 Attend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
+_MAX_PADDED_TOKENS = 1 << 16  # bounds the padded K/V the CPU path gathers at once (per chunk of sequences)
+
+
 def _torch_attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The CPU path: batched SDPA over padded sequences, in chunks that bound the padding's memory."""
+    num_seqs = meta.seq_lens.shape[0]
+    per_chunk = max(1, _MAX_PADDED_TOKENS // max(1, meta.max_seq_len))
+    if per_chunk >= num_seqs:
+        return paged_attention_padded(
+            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
+            meta.max_seq_len, scale,
+        )
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    for first in range(0, num_seqs, per_chunk):
+        last = min(num_seqs, first + per_chunk)
+        q0, q1 = starts[first], starts[last]
+        if q1 == q0:
+            continue
+        out[q0:q1] = paged_attention_padded(
+            query[q0:q1], kv_cache, meta.query_start_loc[first : last + 1] - q0, meta.seq_lens[first:last],
+            meta.block_tables[first:last], meta.max_query_len, meta.max_seq_len, scale,
+        )
+    return out
+
+
+def _reference_attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     return reference.paged_attention(
         query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
     )
@@ -42,16 +71,19 @@ _backend_name = "torch"
 
 
 def use_backend(name: str) -> None:
-    """Select the attention implementation for this process: "torch" (any device) or "triton" (CUDA)."""
+    """Select the attention implementation for this process: "torch" (any device, batched),
+    "reference" (the per-sequence oracle) or "triton" (CUDA)."""
     global _write_kv, _attend, _backend_name
     if name == "torch":
         _write_kv, _attend = reference.write_kv_cache, _torch_attend
+    elif name == "reference":
+        _write_kv, _attend = reference.write_kv_cache, _reference_attend
     elif name == "triton":
         from kernels import triton_backend  # imported lazily: triton is absent on many CPU machines
 
         _write_kv, _attend = triton_backend.write_kv_cache, triton_backend.attend
     else:
-        raise ValueError(f"unknown attention backend {name!r} (expected 'torch' or 'triton')")
+        raise ValueError(f"unknown attention backend {name!r} (expected 'torch', 'reference' or 'triton')")
     _backend_name = name
 
 

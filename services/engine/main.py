@@ -21,6 +21,8 @@ def build_engine(settings: EngineSettings) -> Engine:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if settings.cpu_threads:
+        torch.set_num_threads(settings.cpu_threads)
     attention.use_backend(attention.default_backend(torch.device(device)))
     config = EngineConfig(
         model_dir=str(resolve_model_dir(settings.model)), dtype=settings.dtype, device=device,
