@@ -43,7 +43,7 @@ from shared.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-_RECENT_IDS = 10_000  # finished request ids remembered to drop redelivered duplicates
+_RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 
 
 @dataclass(slots=True)
@@ -113,16 +113,22 @@ class EngineService:
             if kind == "generate":
                 self._add(*payload)
             elif kind == "abort":
-                self.engine.abort([rid for rid in payload if rid in self.active])
+                self._abort(payload)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort([rid for rid in request_ids if rid in self.active])
+        for rid in request_ids:  # an abort may overtake its request (client gone while tokenizing)
+            if rid not in self.active:
+                self._remember(rid)
+
     def _add(self, entry_id: bytes, req: GenerateRequest) -> None:
         if req.request_id in self.active or req.request_id in self.recent:
             if req.request_id not in self.active:
-                self._send(("ack", entry_id))  # a redelivered duplicate of finished work
+                self._send(("ack", entry_id))  # finished, aborted, or a redelivered duplicate
             return
         try:
             params = sampling_params_from_wire(req.sampling)
