@@ -41,7 +41,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]
         elif annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
         else:
-            kind = annotation if annotation in (int, float) else str
+            kind: Any = annotation if annotation in (int, float) else str
             parser.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
 
 
@@ -108,10 +108,10 @@ def serve(args: argparse.Namespace) -> None:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         device_args = ["--device", args.device] if args.device else []
-        commands.append(me + ["tokenizer", *model_args, *length_args])
-        commands.append(me + ["engine", *model_args, *length_args, *device_args])
+        commands.append([*me, "tokenizer", *model_args, *length_args])
+        commands.append([*me, "engine", *model_args, *length_args, *device_args])
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]
-    commands.append(me + ["gateway", "--host", args.host, "--port", str(args.port), *keys])
+    commands.append([*me, "gateway", "--host", args.host, "--port", str(args.port), *keys])
     children = [subprocess.Popen(cmd, env=env) for cmd in commands]
     print(f"pagedserve: serving on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
 
@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace) -> None:
             private_redis.stop()
     failed = [c.args for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     if failed and not stopping:
-        sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]}")
+        sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]!r}")
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def decode(data: bytes) -> Message:
     tag = raw["t"]
     known = {k: v for k, v in raw.items() if k in _FIELDS[tag]}
     try:
-        return _TYPES[tag](**known)  # type: ignore[no-any-return]
+        message: Message = _TYPES[tag](**known)
+        return message
     except TypeError as exc:
         raise DecodeError(f"bad {tag} message: {exc}") from None
 

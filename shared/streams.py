@@ -10,7 +10,9 @@ terminal state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -58,7 +60,8 @@ def connect(url: str) -> aioredis.Redis:
 
 async def publish(redis: aioredis.Redis, stream: str, msg: Message, maxlen: int = 100_000) -> bytes:
     """XADD one message, trimming the stream approximately so it never grows without bound."""
-    return await redis.xadd(stream, {DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)  # type: ignore[no-any-return]
+    entry_id: Any = await redis.xadd(stream, {DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+    return bytes(entry_id)
 
 
 @dataclass(slots=True)
@@ -88,7 +91,7 @@ class GroupReader:
         """Up to `count` decoded entries; [] on timeout. Garbage is acked and skipped here."""
         start = "0" if self._reading_pending else ">"
         try:
-            reply = await self.redis.xreadgroup(
+            reply: Any = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: start}, count=count,
                 block=None if self._reading_pending else block_ms,
             )
@@ -106,7 +109,7 @@ class GroupReader:
     async def claim_stale(self, count: int = 16) -> list[Entry]:
         """Take over entries that a dead consumer left pending for longer than claim_idle_ms."""
         try:
-            reply = await self.redis.xautoclaim(
+            reply: Any = await self.redis.xautoclaim(
                 self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms, count=count
             )
         except ResponseError as exc:
@@ -119,11 +122,11 @@ class GroupReader:
             log.info("claimed %d stale entries on %s", len(claimed), self.stream)
         return await self._decode(claimed)
 
-    async def refresh_claims(self, entry_ids: list[bytes]) -> None:
+    async def refresh_claims(self, entry_ids: Sequence[bytes | str]) -> None:
         """Reset the idle time of entries we are still working on, so nobody claims them."""
         if entry_ids:
             await self.redis.xclaim(
-                self.stream, self.group, self.consumer, min_idle_time=0, message_ids=entry_ids, justid=True
+                self.stream, self.group, self.consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True
             )
 
     async def ack(self, *entry_ids: bytes) -> None:

@@ -57,7 +57,8 @@ def wait_ready(base_url: str, processes: dict[str, subprocess.Popen[bytes]], tim
 
 def start_service(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
     log = (log_dir / f"{name}.log").open("wb")
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "services.cli", *args]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
@@ -72,7 +73,9 @@ def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
 
 
 @pytest.fixture(scope="session")
-def services(redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServices]:
+def services(
+    redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServices]:
     """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis."""
     log_dir = tmp_path_factory.mktemp("service-logs")
     port = free_port()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -20,12 +22,12 @@ def client(services: RunningServices) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):  # type: ignore[no-untyped-def]
+def tokenizer(smollm2_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def test_capital_of_france_non_streaming_and_streaming_agree(client: openai.OpenAI, services: RunningServices,
-                                                             tokenizer) -> None:  # type: ignore[no-untyped-def]
+                                                             tokenizer: Any) -> None:
     reply = client.chat.completions.create(model=services.model, messages=QUESTION, temperature=0, logprobs=True)
     text = reply.choices[0].message.content
     assert text is not None and "Paris" in text
@@ -70,7 +72,7 @@ def test_sixteen_concurrent_streams_match_their_sequential_answers(services: Run
             r = await client.chat.completions.create(model=services.model, messages=messages, temperature=0,
                                                      max_tokens=20)
             return r.choices[0].message.content or ""
-        parts = []
+        parts: list[str] = []
         async for chunk in await client.chat.completions.create(
             model=services.model, messages=messages, temperature=0, max_tokens=20, stream=True
         ):

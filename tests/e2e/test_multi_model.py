@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def second_model(services: RunningServices, tiny_model_dir: Path) -> Iterator[dict]:  # type: ignore[type-arg]
+def second_model(services: RunningServices, tiny_model_dir: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
     common = ["--model", str(tiny_model_dir), "--served-model-name", TINY]
     processes = {
@@ -63,12 +64,12 @@ def _model_ids(services: RunningServices) -> list[str]:
 
 
 def test_two_models_answer_concurrently_each_by_its_own_engine(
-    services: RunningServices, second_model: dict, tiny_model_dir: Path  # type: ignore[type-arg]
+    services: RunningServices, second_model: dict[str, subprocess.Popen[bytes]], tiny_model_dir: Path
 ) -> None:
     assert _model_ids(services) == sorted([services.model, TINY])
     prompt_ids = [1, 9690, 198, 2683, 359, 253, 5356]
 
-    async def go() -> tuple[openai.types.Completion, openai.types.Completion]:
+    async def go() -> list[openai.types.Completion]:
         async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0) as client:
             return await asyncio.gather(*(
                 client.completions.create(model=m, prompt=prompt_ids, max_tokens=8, temperature=0,
@@ -90,7 +91,7 @@ def test_two_models_answer_concurrently_each_by_its_own_engine(
 
 
 def test_a_model_whose_engine_dies_drops_out_and_answers_503(
-    services: RunningServices, second_model: dict  # type: ignore[type-arg]
+    services: RunningServices, second_model: dict[str, subprocess.Popen[bytes]]
 ) -> None:
     second_model["tiny-engine"].send_signal(signal.SIGKILL)  # no clean deregistration: the TTL must do it
     second_model["tiny-engine"].wait()

@@ -6,8 +6,20 @@ import msgpack
 import pytest
 
 from shared.protocol import (
-    SCHEMA_VERSION, Abort, Accepted, ChatRequest, CompletionRequest, DecodeError, EngineHeartbeat,
-    GenerateRequest, RequestError, TokenDeltas, decode, decode_as, encode,
+    SCHEMA_VERSION,
+    Abort,
+    Accepted,
+    ChatRequest,
+    CompletionRequest,
+    DecodeError,
+    EngineHeartbeat,
+    GenerateRequest,
+    Message,
+    RequestError,
+    TokenDeltas,
+    decode,
+    decode_as,
+    encode,
 )
 
 SAMPLES = [
@@ -27,12 +39,12 @@ SAMPLES = [
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
-def test_every_message_round_trips(msg: object) -> None:
-    data = encode(msg)  # type: ignore[arg-type]
+def test_every_message_round_trips(msg: Message) -> None:
+    data = encode(msg)
     back = decode(data)
     assert back == msg
     assert type(back) is type(msg)
-    assert msgpack.unpackb(data)["t"] == type(msg).TAG  # type: ignore[attr-defined]
+    assert msgpack.unpackb(data)["t"] == type(msg).TAG
 
 
 def test_every_message_type_is_sampled() -> None:

@@ -12,7 +12,7 @@ from shared.protocol import Abort
 from shared.redis_server import PrivateRedis
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro):
     return asyncio.run(coro)
 
 
