@@ -1,10 +1,12 @@
 """Batched sampling on the engine's device: one row per sampling sequence, no loops over the vocabulary.
 
 Order (as in vLLM v1): logprobs of the raw logits -> logit_bias, min_tokens bans -> penalties ->
-greedy argmax | temperature -> min_p -> top_k / top_p -> a draw.
+greedy argmax | temperature -> min_p -> top_k -> top_p -> a draw.
 
-A draw is `argmax(probs / q)` with `q ~ Exponential(1)` per vocabulary entry (the exponential race,
-equivalent to sampling from `probs`). Rows with a seed fill their own `q` row from their private
+Filters zero out probabilities instead of renormalizing, and a draw is an inverse-CDF lookup with
+one uniform number per row: `searchsorted(cumsum(probs), u * total)`. That needs no sort of the
+vocabulary (top_p looks at the 256 most likely tokens and sorts only rows they do not settle), no
+vocabulary-sized random tensor and no host sync. Rows with a seed draw `u` from their private
 generator, so their tokens do not depend on which other sequences share the step.
 """
 
@@ -31,7 +33,8 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # [num_rows, vocab]; a copy we may edit in place
+        """Sample one token per row of `logits` [num_rows, vocab] (edited in place when fp32)."""
+        logits = logits.float()
         raw_logprobs = None
         if meta.logprob_row_ids is not None:
             raw_logprobs = torch.log_softmax(logits[meta.logprob_row_ids], dim=-1)
@@ -41,21 +44,24 @@ class Sampler:
             sampled = greedy_ids
         else:
             probs = sampling_probs(logits, meta)
-            sampled = torch.where(meta.is_greedy, greedy_ids, self._draw(probs, meta))
+            sampled = torch.where(meta.is_greedy, greedy_ids, self._draw(probs, meta, greedy_ids))
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         token_ids, logprobs = gather_logprobs(raw_logprobs, sampled[meta.logprob_row_ids], meta.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs)
 
-    def _draw(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        q = torch.empty_like(probs)  # [num_rows, vocab]
-        q.exponential_(generator=self.generator)
+    def _draw(self, probs: torch.Tensor, meta: SamplingMetadata, fallback_ids: torch.Tensor) -> torch.Tensor:
+        """One token per row from unnormalized probabilities [num_rows, vocab]."""
+        num_rows, vocab_size = probs.shape
+        uniform = torch.rand(num_rows, 1, generator=self.generator, device=probs.device)
         for row, generator in enumerate(meta.generators):
             if generator is not None:
-                q[row].exponential_(generator=generator)
-        # q == 0 would turn a banned token's 0/0 into NaN, which argmax picks.
-        q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+        cdf = probs.cumsum(dim=-1)  # [num_rows, vocab]
+        token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=vocab_size - 1)[:, 0]
+        # Rounding can step past the last token with mass: a zero-probability token must never win.
+        has_mass = probs.gather(1, token_ids[:, None])[:, 0] > 0
+        return torch.where(has_mass, token_ids, fallback_ids)
 
 
 def apply_logit_edits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -89,38 +95,44 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyInputs) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature, min_p, top_k and top_p applied; probabilities [num_rows, vocab]."""
-    logits = logits / meta.temperature[:, None]
+    """Temperature, then min_p, top_k and top_p as zeroed entries: unnormalized [num_rows, vocab]."""
+    probs = torch.softmax(logits / meta.temperature[:, None], dim=-1)
     if meta.min_p is not None:
-        probs = torch.softmax(logits, dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs.masked_fill_(probs < threshold, 0.0)
+    if meta.top_k is not None:
+        max_k = int(meta.top_k.max())
+        top = probs.topk(max_k, dim=-1).values  # [num_rows, max_k]
+        kth = top.gather(1, (meta.top_k - 1).clamp(max=max_k - 1)[:, None])  # ties may keep a few more
+        probs.masked_fill_(probs < kth, 0.0)
     if meta.top_p is not None:
-        logits = _top_k_top_p_sorted(logits, meta.top_k, meta.top_p)
-    elif meta.top_k is not None:
-        logits = _top_k(logits, meta.top_k)
-    return torch.softmax(logits, dim=-1)
+        probs.masked_fill_(probs < _top_p_threshold(probs, meta.top_p), 0.0)
+    return probs
 
 
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep logits >= each row's k-th largest (ties at the boundary may keep a few more)."""
-    max_k = int(top_k.max())
-    top_values = logits.topk(max_k, dim=-1).values  # [num_rows, max_k]
-    kth = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1)[:, None])  # [num_rows, 1]
-    return logits.masked_fill(logits < kth, float("-inf"))
+TOP_P_CANDIDATES = 256
 
 
-def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device)
-        sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token once the more likely ones already reach p; the most likely one always stays.
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [num_rows, 1]
+    """The smallest probability kept by top_p: tokens go, least likely first, while the more likely
+    ones alone reach p of the remaining mass. Rows with p = 1 keep everything (threshold 0)."""
+    total = probs.sum(dim=-1, keepdim=True)  # < 1 after min_p / top_k
+    target = top_p[:, None] * total
+    num_candidates = min(TOP_P_CANDIDATES, probs.shape[1])
+    candidates = probs.topk(num_candidates, dim=-1).values  # [num_rows, num_candidates], descending
+    threshold = _threshold_in_sorted(candidates, target)
+    unsettled = (candidates.sum(dim=-1, keepdim=True) < target) & (top_p[:, None] < 1.0)
+    if num_candidates < probs.shape[1] and bool(unsettled.any()):  # a flat distribution: sort those rows
+        rows = unsettled[:, 0].nonzero()[:, 0]
+        sorted_probs = probs[rows].sort(dim=-1, descending=True).values
+        threshold[rows] = _threshold_in_sorted(sorted_probs, target[rows])
+    return threshold.masked_fill(top_p[:, None] >= 1.0, 0.0)
+
+
+def _threshold_in_sorted(sorted_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    threshold = top_p.masked_fill(top_p >= 1.0, float("inf"))  # rounding must not cut p = 1 rows
-    sorted_logits.masked_fill_(mass_before >= threshold[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    num_kept = (mass_before < target).sum(dim=-1, keepdim=True).clamp(min=1)  # the best always stays
+    return sorted_probs.gather(1, num_kept - 1)
 
 
 def gather_logprobs(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.request import Request
-from services.engine.sampler import Sampler, apply_logit_edits
+from services.engine.sampler import Sampler, apply_logit_edits, sampling_probs
 from services.engine.sampling_metadata import build_sampling_metadata
 from services.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_request
@@ -65,6 +65,39 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     expected[order[:3]] = probs[order[:3]] / probs[order[:3]].sum()
     assert freq[order[3:]].sum() == 0
     assert (freq - expected).abs().sum() < 0.04
+
+
+def reference_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Which tokens may be sampled, by the definitions, with a full sort (slow and plain)."""
+    probs = torch.softmax(logits / params.temperature, dim=0)
+    keep = probs >= params.min_p * probs.max()
+    probs = probs * keep
+    order = probs.argsort(descending=True)
+    if params.top_k > 0:
+        keep[order[params.top_k :]] = False
+    probs = probs * keep
+    if params.top_p < 1.0:
+        sorted_probs = probs[order]
+        mass_before = sorted_probs.cumsum(0) - sorted_probs
+        keep[order[(mass_before >= params.top_p * probs.sum()).nonzero()[:, 0]]] = False
+        keep[order[0]] = True
+    return keep
+
+
+def test_filters_match_a_full_sort_reference_on_wide_vocabularies() -> None:
+    gen = torch.Generator().manual_seed(11)
+    vocab = 3000  # wider than the top_p candidate set, so flat rows take the sorting fallback
+    scales = [0.05, 0.5, 3.0, 8.0]  # from nearly flat to peaked
+    logits = torch.cat([torch.randn(4, vocab, generator=gen) * scale for scale in scales])
+    params = [
+        SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
+        for t, p, k, m in [(1.0, 0.9, 0, 0.0), (0.7, 0.5, 50, 0.0), (1.3, 0.95, 0, 0.05), (1.0, 1.0, 2000, 0.0)]
+    ] * len(scales)
+    requests = [make_request([1], p) for p in params]
+    probs = sampling_probs(logits.clone(), build_sampling_metadata(requests, vocab, CPU))
+    for row, p in enumerate(params):
+        expected = reference_support(logits[row], p)
+        assert torch.equal(probs[row] > 0, expected), f"row {row}: {p}"
 
 
 def test_min_p_drops_tokens_below_a_share_of_the_best() -> None:
