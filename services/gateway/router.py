@@ -66,7 +66,9 @@ class ResponseRouter:
                 if was_down:
                     log.info("redis is back; response stream resumed")
                     was_down = False
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except RedisTimeoutError:
+                continue  # a slow reply loses nothing: the stream keeps the entries after last_id
+            except (RedisConnectionError, OSError) as exc:
                 if not was_down:
                     log.warning("response stream lost: %s", exc)
                     self._fail_all(f"lost the connection to Redis: {exc}")
