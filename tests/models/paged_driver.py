@@ -25,8 +25,9 @@ class PagedDriver:
     def __init__(self, model: CausalLM, num_blocks: int = 256, block_size: int = 4, seed: int = 0) -> None:
         spec = model.spec
         self.model, self.block_size = model, block_size
+        self.device = next(model.parameters()).device
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
         # Hand out blocks in a shuffled order so block tables are never simply contiguous.
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.seqs: dict[int, _Seq] = {}
@@ -50,16 +51,18 @@ class PagedDriver:
             seq_lens.append(seq.num_tokens)
             tables.append(seq.block_ids)
         width = max(len(t) for t in tables)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
             max_query_len=max(len(ids) for ids in batch.values()),
             max_seq_len=max(seq_lens),
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+            ids_t, pos_t = torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
         return list(logits.split([len(ids) for ids in batch.values()]))
 

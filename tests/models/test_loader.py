@@ -41,7 +41,7 @@ def copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
 
 
 def prompt_logits(model_dir: Path, **kwargs: object) -> torch.Tensor:
-    model = load_model(model_dir, show_progress=False, **kwargs)  # type: ignore[arg-type]
+    model = load_model(model_dir, show_progress=False, **kwargs)
     return PagedDriver(model).step({0: PROMPT})[0]
 
 

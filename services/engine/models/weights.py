@@ -54,10 +54,17 @@ def load_weights(model: CausalLM, files: list[Path], show_progress: bool = True)
             module_name, _, param_name = name.rpartition(".")
             with torch.no_grad():
                 if shard_id is None:
-                    assert params[name].shape == loaded.shape, (name, params[name].shape, loaded.shape)
-                    params[name].copy_(loaded)
+                    _assign(params[name], loaded, name)
                 else:
                     model.get_submodule(module_name).load_shard(param_name, loaded, shard_id)  # type: ignore[operator]
             unwritten.discard(name)
     if unwritten:
         raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")
+
+
+def _assign(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    assert param.shape == loaded.shape, (name, tuple(param.shape), tuple(loaded.shape))
+    if param.dtype == loaded.dtype and param.device == loaded.device and loaded.is_contiguous():
+        param.data = loaded  # already a fresh tensor of the right kind: adopt it, skip a copy
+    else:
+        param.copy_(loaded)
