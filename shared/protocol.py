@@ -112,6 +112,9 @@ class Abort:
     TAG: ClassVar[str] = "abort"
     request_ids: list[str]
     reason: str = "abort"
+    # Empty: end every choice of these requests. Otherwise only these choice indexes (a stop string
+    # ended one choice of an n > 1 request); sent only to engines whose heartbeat says they can.
+    choice_indexes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,6 +132,7 @@ class EngineHeartbeat:
     is_draining: bool = False
     time: float = 0.0
     model_source: str | None = None  # what the engine loaded (a name or path); the gateway's tokenizer
+    supports_choice_abort: bool = False  # honours Abort.choice_indexes
 
 
 Message = (

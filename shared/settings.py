@@ -7,9 +7,10 @@ the environment. `PAGEDSERVE_REDIS_URL` sets the Redis URL for every service at 
 from __future__ import annotations
 
 import uuid
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _REDIS_URL = Field(
     default="redis://127.0.0.1:6379/0",
@@ -29,7 +30,10 @@ class GatewaySettings(BaseSettings):
     port: int = 8000
     gateway_id: str = Field(default_factory=lambda: _new_id("gw"))
     redis_url: str = _REDIS_URL
-    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Bearer keys; empty = no auth (PAGEDSERVE_GATEWAY_API_KEYS: comma-separated)",
+    )
     max_body_bytes: int = 4 * 1024 * 1024
     max_in_flight: int = 512
     request_timeout_s: float = 600.0
@@ -41,6 +45,13 @@ class GatewaySettings(BaseSettings):
     max_logit_bias: int = 1024
     max_messages: int = 1024
     stream_maxlen: int = 100_000
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment: "key1,key2"
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
 
 
 class TokenizerSettings(BaseSettings):

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 
 _TYPE_FOR_STATUS = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # what OpenAI answers for a bad key (code invalid_api_key)
     404: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
@@ -24,17 +24,19 @@ class APIError(Exception):
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None,
         type: str | None = None, retry_after: float | None = None, should_retry: bool | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPE_FOR_STATUS.get(status, "invalid_request_error")
         self.retry_after, self.should_retry = retry_after, should_retry
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after is not None:
             headers["retry-after"] = str(max(1, round(self.retry_after)))
         if self.should_retry is not None:

@@ -22,8 +22,9 @@ from services.gateway.detokenizer import ChoiceText
 from services.gateway.errors import APIError, model_not_found, model_unavailable
 from services.gateway.registry import ModelRegistry
 from services.gateway.router import Delta, Disconnected, ResponseRouter
+from services.gateway.token_text import TokenTexts
+from services.gateway.tokenizers import TokenizerCache
 from shared import streams
-from shared.model_source import resolve_model_dir
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, RequestError
 from shared.settings import GatewaySettings
 
@@ -48,6 +49,7 @@ class Generation:
     accepted: Accepted
     queue: asyncio.Queue[Any]
     choices: list[ChoiceText]
+    token_texts: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
@@ -107,6 +109,8 @@ class Generation:
         finish = text.finish_reason or reply.finish_reason
         if finish is not None:
             self.finish_reasons[reply.index] = finish
+        if reply.finish_reason is None and text.finish_reason is not None and not self.is_finished:
+            self.frontend.abort_choice(self, reply.index)  # a stop string ended one choice of several
         return ChoiceUpdate(reply.index, text.text, token_ids, reply.logprobs, finish)
 
 
@@ -118,7 +122,7 @@ class Frontend:
         self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
         self.num_in_flight = 0
         self.is_draining = False
-        self._tokenizers: dict[str, Any] = {}
+        self.tokenizers = TokenizerCache()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -127,6 +131,14 @@ class Frontend:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
             log.warning("redis not reachable at start: %s", exc)
+        for entry in self.registry.live_models():  # warm up, so the first request does not wait
+            self._spawn(self._warm_tokenizer(entry.name, entry.model_source))
+
+    async def _warm_tokenizer(self, model: str, source: str | None) -> None:
+        try:
+            await self.tokenizers.get(model, source)
+        except Exception as exc:  # the first request for the model retries and reports it
+            log.warning("could not load the tokenizer of %s: %s", model, exc)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -135,12 +147,16 @@ class Frontend:
         await self.redis.aclose()
 
     async def tokenizer_for(self, model: str, source: str | None) -> Any:
-        if model not in self._tokenizers:
-            from transformers import AutoTokenizer
+        return (await self.tokenizers.get(model, source))[0]
 
-            model_dir = await asyncio.to_thread(resolve_model_dir, source)
-            self._tokenizers[model] = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
-        return self._tokenizers[model]
+    async def tokenizer_of(self, model: str) -> tuple[Any, int]:
+        """A served model's tokenizer and context length, for /tokenize and /detokenize."""
+        entry = self.registry.get(model)
+        if entry is None:
+            raise model_not_found(model)
+        if not self.tokenizers.has(model) and not entry.is_live:  # its source is known from live engines
+            raise model_unavailable(model)
+        return await self.tokenizer_for(model, entry.model_source), entry.max_model_len
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
@@ -155,10 +171,10 @@ class Frontend:
             raise model_unavailable(req.model)
         if self.num_in_flight >= self.settings.max_in_flight:
             raise APIError(429, "too many requests in flight; retry shortly", retry_after=1)
-        tokenizer = await self.tokenizer_for(req.model, entry.model_source)
-        self.num_in_flight += 1
+        self.num_in_flight += 1  # before any await: the cap holds however many requests arrive at once
         queue = self.router.register(req.request_id)
         try:
+            tokenizer, token_texts = await self.tokenizers.get(req.model, entry.model_source)
             await streams.publish(self.redis, streams.request_stream(req.model), req, self.settings.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
         except _REDIS_ERRORS as exc:
@@ -174,7 +190,7 @@ class Frontend:
             self._forget(req.request_id)
             raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
         choices = [ChoiceText(tokenizer, reply.prompt_token_ids, stop) for _ in range(n)]
-        return Generation(self, req.request_id, req.model, reply, queue, choices)
+        return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts)
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
         while True:
@@ -190,16 +206,26 @@ class Frontend:
             return
         self._forget(gen.request_id)
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
-            task = asyncio.get_running_loop().create_task(self.abort(gen.model, gen.request_id))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+            self._spawn(self.abort(gen.model, gen.request_id))
+
+    def abort_choice(self, gen: Generation, index: int) -> None:
+        """End one choice of a request whose other choices go on, where every engine can do that."""
+        entry = self.registry.get(gen.model)
+        if entry is not None and entry.engines and all(e.supports_choice_abort for e in entry.engines):
+            self._spawn(self.abort(gen.model, gen.request_id, [index]))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)  # a strong reference until it is done
+        task.add_done_callback(self._tasks.remove)
 
     def _forget(self, request_id: str) -> None:
         self.router.unregister(request_id)
         self.num_in_flight -= 1
 
-    async def abort(self, model: str, request_id: str) -> None:
+    async def abort(self, model: str, request_id: str, choice_indexes: list[int] | None = None) -> None:
+        msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
-            await streams.publish(self.redis, streams.control_stream(model), Abort([request_id]), 10_000)
+            await streams.publish(self.redis, streams.control_stream(model), msg, 10_000)
         except _REDIS_ERRORS as exc:
             log.warning("could not send abort for %s: %s", request_id, exc)

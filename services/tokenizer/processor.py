@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.tokenizer.prompts import chat_prompt_ids, check_template_kwargs, text_prompt_ids
 from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 
 
@@ -14,6 +15,7 @@ from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRe
 class ModelLimits:
     max_model_len: int
     eos_token_ids: list[int]
+    vocab_size: int | None = None  # the model's (embedding rows), for stop_token_ids / logit_bias
 
 
 def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
@@ -33,7 +35,9 @@ def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
     if eos is None:
         eos = text_config.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return ModelLimits(max_model_len=max_model_len or native, eos_token_ids=eos_ids)
+    vocab = text_config.get("vocab_size")
+    return ModelLimits(max_model_len=max_model_len or native, eos_token_ids=eos_ids,
+                       vocab_size=int(vocab) if vocab else None)
 
 
 class PromptProcessor:
@@ -43,17 +47,16 @@ class PromptProcessor:
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(req, ChatRequest):
-            ids = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                **req.chat_template_kwargs,
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(req.prompt, str):
-            return list(self.tokenizer.encode(req.prompt, add_special_tokens=True))
-        return list(req.prompt)
+            return chat_prompt_ids(self.tokenizer, req.messages, req.chat_template_kwargs)
+        return text_prompt_ids(self.tokenizer, req.prompt)
 
     def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        if isinstance(req, ChatRequest):
+            try:
+                check_template_kwargs(req.chat_template_kwargs, self.tokenizer)
+            except ValueError as exc:
+                return RequestError(req.request_id, 400, str(exc), param="chat_template_kwargs")
         try:
             prompt_ids = self.prompt_ids(req)
         except Exception as exc:  # template errors come from user content: answer 400, keep serving
@@ -84,6 +87,9 @@ class PromptProcessor:
                 req.request_id, 400, f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})",
                 param="min_tokens",
             )
+        bad_ids = self._check_token_ids(req)
+        if bad_ids is not None:
+            return bad_ids
         sampling = {**req.sampling, "max_tokens": max_tokens}
         accepted = Accepted(req.request_id, num_prompt, max_tokens, prompt_token_ids=prompt_ids)
         generate = GenerateRequest(
@@ -91,6 +97,20 @@ class PromptProcessor:
             sampling=sampling, arrival_time=req.arrival_time, traceparent=req.traceparent,
         )
         return accepted, generate
+
+    def _check_token_ids(self, req: ChatRequest | CompletionRequest) -> RequestError | None:
+        """stop_token_ids and logit_bias keys must be token ids of this model (checked before any SSE byte)."""
+        vocab = self.limits.vocab_size or len(self.tokenizer)
+        for param in ("stop_token_ids", "logit_bias"):
+            try:
+                ids = [int(t) for t in req.sampling.get(param) or []]  # logit_bias: its keys
+            except (TypeError, ValueError):
+                return RequestError(req.request_id, 400, f"{param}: token ids must be integers", param=param)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                return RequestError(req.request_id, 400, f"{param}: token id {bad[0]} is not in [0, {vocab})",
+                                    param=param)
+        return None
 
 
 def _too_long(request_id: str, num_prompt: int, limit: int, param: str) -> RequestError:

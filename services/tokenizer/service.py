@@ -59,7 +59,12 @@ class TokenizerService:
             log.error("unexpected %s on the request stream; skipped", type(req).__name__)
             await self.reader.ack(entry.entry_id)
             return
-        result = await asyncio.to_thread(self.processor.process, req)
+        try:
+            result = await asyncio.to_thread(self.processor.process, req)
+        except Exception:  # a bug, or a malformed message from a foreign producer: answer, keep serving
+            log.exception("could not process request %s", req.request_id)
+            result = RequestError(req.request_id, 500, "internal error while preparing the prompt",
+                                  type="internal_server_error")
         reply_stream = streams.response_stream(req.reply_to)
         maxlen = self.settings.stream_maxlen
         if isinstance(result, RequestError):

@@ -1,0 +1,53 @@
+"""Chat messages as the OpenAI API sends them, validated strictly, and turned into chat-template input.
+
+Only text is supported. An assistant message echoed back from one of our own responses (with
+`refusal: null`, `tool_calls: null`, ...) is accepted; tool calls, images and audio are refused
+with a clear error rather than dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    """Unknown fields are rejected (as OpenAI does); no type coercion ("1" is not a number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, min_length=1)
+    tool_call_id: str | None = None
+    # Fields of an assistant message as we return it; accepted only when empty.
+    refusal: None = None
+    tool_calls: list[Any] | None = Field(default=None, max_length=0)
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message

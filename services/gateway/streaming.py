@@ -1,0 +1,104 @@
+"""Turning a Generation into an HTTP answer: SSE chunks while streaming, or one JSON body.
+
+By the time these run the request was accepted (every check passed), so errors from here on are
+in-band for a stream (`data: {"error": ...}` then `data: [DONE]`) and a plain error response
+otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway import responses
+from services.gateway.errors import APIError
+from services.gateway.frontend import Generation
+
+log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 1.0
+
+
+@dataclass(slots=True)
+class StreamFormat:
+    include_usage: bool = False  # a last chunk with usage and no choices
+    continuous_usage: bool = False  # usage so far in every chunk too
+    echo: str = ""  # completions: the prompt, sent first in every choice
+
+
+def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:  # headers are out: the error goes in-band, then [DONE]
+            yield responses.sse(exc.body())
+        except Exception:
+            log.exception("a stream failed")
+            yield responses.sse(APIError(500, "internal server error", type="internal_server_error").body())
+        yield responses.sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _with_usage(gen: Generation, chunk: dict[str, Any], fmt: StreamFormat) -> dict[str, Any]:
+    if not fmt.include_usage:
+        return chunk
+    return {**chunk, "usage": gen.usage() if fmt.continuous_usage else None}
+
+
+async def chat_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator[bytes]:
+    seen: set[int] = set()  # choices whose first chunk (with the role) went out
+    async for update in gen.updates():
+        is_first = update.index not in seen
+        if update.text or update.finish_reason or update.logprobs or is_first:
+            seen.add(update.index)
+            yield responses.sse(_with_usage(gen, responses.chat_chunk(gen, update, is_first), fmt))
+    if fmt.include_usage:
+        yield responses.sse(responses.usage_chunk(gen, "chat.completion.chunk"))
+
+
+async def completion_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator[bytes]:
+    offsets = [len(fmt.echo)] * len(gen.choices)  # text_offset of each choice's next token
+    if fmt.echo:
+        for i in range(len(gen.choices)):
+            choice = {"index": i, "text": fmt.echo, "logprobs": None, "finish_reason": None}
+            yield responses.sse(_with_usage(gen, responses.envelope(gen, "text_completion", [choice]), fmt))
+    async for update in gen.updates():
+        if update.text or update.finish_reason or update.logprobs:
+            chunk = responses.completion_chunk(gen, update, offsets[update.index])
+            offsets[update.index] += len(update.text)
+            yield responses.sse(_with_usage(gen, chunk, fmt))
+    if fmt.include_usage:
+        yield responses.sse(responses.usage_chunk(gen, "text_completion"))
+
+
+async def collect(request: Request, gen: Generation, is_chat: bool, prefix: str = "") -> Response:
+    """Gather a whole answer, aborting the request if the client goes away meanwhile."""
+    texts = [prefix] * len(gen.choices)
+    logprobs: list[Any] = [None] * len(gen.choices)
+
+    async def gather() -> None:
+        async for u in gen.updates():
+            if is_chat:
+                part = responses.chat_logprobs(gen.token_texts, u)
+            else:
+                part = responses.completion_logprobs(gen.token_texts, u, len(texts[u.index]))
+            logprobs[u.index] = responses.merge_logprobs(logprobs[u.index], part)
+            texts[u.index] += u.text
+
+    task = asyncio.create_task(gather())
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # updates() ends in its `finally`: the engine gets an Abort
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    task.result()  # re-raises an APIError from the generation
+    builder = responses.chat_response if is_chat else responses.completion_response
+    return JSONResponse(builder(gen, texts, logprobs))
