@@ -38,12 +38,15 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     is_decode_only: bool  # one program per sequence, no sequence search
+    # Mixed batches: a second launch with these tiles takes the single-token sequences, so decodes
+    # do not pay for prefill-sized query tiles (each launch skips the other's sequences).
+    decode: AttentionConfig | None = None
 
     def block_q(self, num_queries_per_kv: int) -> int:
         """Query tokens per program: the packed rows are (token, head-in-group) pairs."""
         return 1 if self.is_decode_only else max(1, self.block_m // num_queries_per_kv)
 
-    def with_(self, **changes: int | bool) -> AttentionConfig:
+    def with_(self, **changes: int | bool | AttentionConfig | None) -> AttentionConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -57,24 +60,13 @@ def choose_config(
     num_sms: int,
 ) -> AttentionConfig:
     """Pick tiles for one step; decode-only batches may split the KV range (flash-decoding)."""
-    group = num_heads // num_kv_heads
-    group_rows = max(MIN_BLOCK_M, next_power_of_2(group))
+    group_rows = max(MIN_BLOCK_M, next_power_of_2(num_heads // num_kv_heads))
     head_dim_padded = next_power_of_2(head_dim)
     if max_query_len <= 1:
-        num_programs = num_seqs * num_kv_heads
-        num_segments = 1
-        while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
-            num_segments *= 2
-        return AttentionConfig(
-            block_m=group_rows,
-            tile_n=64 if head_dim_padded <= 128 else 32,
-            num_segments=num_segments,
-            num_warps=4,
-            num_stages=3,
-            is_decode_only=True,
-        )
+        return _decode_config(num_seqs * num_kv_heads, group_rows, head_dim_padded, num_sms)
+    decode = _decode_config(0, group_rows, head_dim_padded, num_sms).with_(num_segments=1)
     if max_query_len >= PREFILL_QUERY_LEN:
-        block_m = max(128 if head_dim_padded <= 128 else 64, next_power_of_2(group))
+        block_m = max(128 if head_dim_padded <= 128 else 64, group_rows)
         return AttentionConfig(
             block_m=block_m,
             tile_n=64,
@@ -82,6 +74,7 @@ def choose_config(
             num_warps=8 if block_m >= 128 else 4,
             num_stages=3 if head_dim_padded <= 128 else 2,
             is_decode_only=False,
+            decode=decode,
         )
     # Short queries (speculative / small chunks): a few tokens per program.
     return AttentionConfig(
@@ -91,4 +84,20 @@ def choose_config(
         num_warps=4,
         num_stages=3,
         is_decode_only=False,
+        decode=decode,
+    )
+
+
+def _decode_config(num_programs: int, group_rows: int, head_dim_padded: int, num_sms: int) -> AttentionConfig:
+    """One program per (sequence, KV head), split over the KV range while that leaves SMs idle."""
+    num_segments = 1
+    while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
+        num_segments *= 2
+    return AttentionConfig(
+        block_m=group_rows,
+        tile_n=64 if head_dim_padded <= 128 else 32,
+        num_segments=num_segments,
+        num_warps=4,
+        num_stages=3,
+        is_decode_only=True,
     )

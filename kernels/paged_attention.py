@@ -25,14 +25,16 @@ from kernels.launch_config import AttentionConfig, next_power_of_2
 from kernels.split_kv_reduce import reduce_segments
 
 LOG2_E = 1.4426950408889634
+# Which sequences one launch serves (mixed batches use two launches with different tiles).
+ALL_SEQS, SINGLE_TOKEN_SEQS, MULTI_TOKEN_SEQS = 0, 1, 2
 
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence i owns the q blocks [qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1): a
     # host-free upper bound on cdiv(query_len, BLOCK_Q); surplus programs exit at once.
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi = lo + num_seqs  # a tensor even when num_seqs is a specialised constant
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -63,6 +65,7 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     IS_MASKED: tl.constexpr,
 ):
     offs_n = tile_start + tl.arange(0, TILE_N)
@@ -90,7 +93,7 @@ def _attend_tile(
         k = tl.load(key_cache_ptr + kv_offs)
         v = tl.load(value_cache_ptr + kv_offs)
 
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
     if IS_MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & key_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -103,11 +106,11 @@ def _attend_tile(
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]                     (NUM_SEGMENTS == 1)
     seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED] fp32 (NUM_SEGMENTS > 1)
@@ -139,6 +142,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IS_DECODE_ONLY: tl.constexpr,
+    SEQ_FILTER: tl.constexpr,  # ALL_SEQS | SINGLE_TOKEN_SEQS | MULTI_TOKEN_SEQS
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (engine runs fp32 models on GPU too), else unused
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,6 +158,12 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return
+    if SEQ_FILTER == 1:  # noqa: SIM102 (a constexpr branch: compiled out, never mixed with tensors)
+        if q_len != 1:
+            return
+    if SEQ_FILTER == 2:  # noqa: SIM102
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys before this step's first query token
 
@@ -192,13 +203,13 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
             t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, False,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, DOT_PRECISION, False,
         )  # fmt: skip
     for t in range(tile_mid, tile_hi):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
             t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, DOT_PRECISION, True,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -224,16 +235,40 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:
     """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    assert num_heads == group * num_kv_heads and kv_cache.shape[4] == head_dim
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0 and kv_cache.shape[4] == head_dim
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
-    assert config.block_m >= group, "a program must hold all query heads of its KV head"
-    head_dim_padded = next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(query)
+    args = (query, kv_cache, query_start_loc, seq_lens, block_tables, scale, out)
+    if config.decode is None or config.is_decode_only:
+        _launch(*args, config, ALL_SEQS)
+    else:
+        # Partial results would need a per-token owner in the reduction: split launches do not split KV.
+        assert config.num_segments == 1 and config.decode.num_segments == 1
+        _launch(*args, config.decode, SINGLE_TOKEN_SEQS)
+        _launch(*args, config, MULTI_TOKEN_SEQS)
+    return out
+
+
+def _launch(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    config: AttentionConfig,
+    seq_filter: int,
+) -> None:
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    assert config.block_m >= group, "a program must hold all query heads of its KV head"
+    head_dim_padded = next_power_of_2(head_dim)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_q = config.block_q(group)
     num_q_blocks = num_seqs if config.is_decode_only else num_tokens // block_q + num_seqs
@@ -251,9 +286,9 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
-        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only,
+        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only, SEQ_FILTER=seq_filter,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_segments > 1:
         reduce_segments(out, seg_out, seg_max, seg_sum)
-    return out

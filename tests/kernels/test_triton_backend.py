@@ -1,4 +1,4 @@
-"""The backend as the engine calls it: write this step's K/V, then attend, vs the torch backend."""
+"""The backend as the engine calls it: write this step's K/V, then attend, vs the reference backend."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def restore_backend() -> Iterator[None]:
 
 
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [([1, 1, 1], [9, 40, 2]), ([1, 12, 4], [30, 12, 19])])
-def test_write_then_attend_matches_torch_backend(
+def test_write_then_attend_matches_reference_backend(
     device: torch.device, restore_backend: None, query_lens: list[int], seq_lens: list[int]
 ) -> None:
     batch = make_paged_batch(
@@ -39,7 +39,7 @@ def test_write_then_attend_matches_torch_backend(
         max_seq_len=batch.max_seq_len,
     )
     outputs, caches = [], []
-    for name in ("torch", "triton"):
+    for name in ("reference", "triton"):
         attention.use_backend(name)
         cache = batch.kv_cache.clone()
         outputs.append(attention.paged_attention(batch.query, new_kv[0], new_kv[1], cache, meta, 0.2))

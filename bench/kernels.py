@@ -1,0 +1,290 @@
+"""Paged attention (Triton, scattered blocks) vs torch SDPA (contiguous K/V) on the same shapes.
+
+    PYTHONPATH=. python3 bench/kernels.py [--sweep] [--json bench/results/kernels-h100.json]
+
+Times are medians of CUDA-graph replays (each graph runs the call many times, rotating over input
+copies that together exceed L2), so launch overhead is out and the data comes from HBM. TB/s counts
+the bytes a call must move at least (every K/V entry once, the queries and the output); "% copy" is
+that rate over the measured device-to-device copy rate (bytes read + written). `--sweep` also times
+alternative tilings and prints the best, which is how kernels/launch_config.py was tuned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernels import reference
+from kernels.launch_config import AttentionConfig, choose_config
+from kernels.paged_attention import paged_attention
+from kernels.paged_batch import PagedBatch, make_paged_batch
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    groups: tuple[tuple[int, int, int], ...]  # (num_seqs, query_len, seq_len)
+    block_size: int = 16
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [q for n, q, _ in self.groups for _ in range(n)]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [s for n, _, s in self.groups for _ in range(n)]
+
+
+SHAPES = [
+    Shape("decode b64 ctx4096 32/8 d128", 32, 8, 128, ((64, 1, 4096),)),
+    Shape("decode b256 ctx1024 32/8 d128", 32, 8, 128, ((256, 1, 1024),)),
+    Shape("decode b32 ctx8192 9/3 d64", 9, 3, 64, ((32, 1, 8192),)),
+    Shape("prefill 8x2048 32/8 d128", 32, 8, 128, ((8, 2048, 2048),)),
+    Shape("mixed 2x512 new + 2x512 after 1536 + 128 decodes ctx2048, 32/8 d128", 32, 8, 128,
+          ((2, 512, 512), (2, 512, 2048), (128, 1, 2048))),
+]  # fmt: skip
+
+
+def traffic(shape: Shape) -> tuple[int, float]:
+    """(minimum bytes moved, attention FLOPs) of one call."""
+    elem = torch.tensor([], dtype=DTYPE).element_size()
+    kv = sum(shape.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * elem
+    qo = 2 * sum(shape.query_lens) * shape.num_heads * shape.head_dim * elem
+    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(shape.query_lens, shape.seq_lens))
+    return kv + qo, 4.0 * shape.num_heads * shape.head_dim * pairs
+
+
+def time_us(calls: list[Callable[[], object]], target_ms: float = 8.0) -> float:
+    """Median per-call time of a CUDA graph that cycles through `calls` (one per input copy)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls * 2:  # compile, autotune libraries, warm the allocator
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for call in calls:
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(1, min(100, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for call in calls:
+                call()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1000.0 / (reps * len(calls))
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = time_us([lambda: dst.copy_(src)])
+    return 2 * src.numel() / us / 1e6  # TB/s
+
+
+def num_copies(bytes_per_call: int) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    return max(1, min(8, math.ceil(3 * l2 / bytes_per_call)))
+
+
+def sdpa_calls(shape: Shape, copies: int) -> list[Callable[[], object]]:
+    """One SDPA call per group of equal-length sequences, on contiguous [n, heads, len, d] tensors."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    def one_copy() -> Callable[[], object]:
+        parts = []
+        for n, q_len, s_len in shape.groups:
+            q = torch.randn(n, shape.num_heads, q_len, shape.head_dim, device="cuda", dtype=DTYPE)
+            k = torch.randn(n, shape.num_kv_heads, s_len, shape.head_dim, device="cuda", dtype=DTYPE)
+            v = torch.randn_like(k)
+            mask = None if q_len in (1, s_len) else causal_lower_right(q_len, s_len)
+            parts.append((q, k, v, mask, q_len == s_len and q_len > 1))
+
+        def call() -> None:
+            for q, k, v, mask, is_causal in parts:
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+
+        return call
+
+    return [one_copy() for _ in range(copies)]
+
+
+def sdpa_times(shape: Shape, copies: int) -> dict[str, float | str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    calls = sdpa_calls(shape, copies)
+    times: dict[str, float | str] = {}
+    for backend in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        name = "default" if backend is None else backend.name.lower()
+        try:
+            if backend is None:
+                times[name] = time_us(calls)
+            else:
+                with sdpa_kernel([backend]):
+                    times[name] = time_us(calls)
+        except Exception as exc:  # a backend that does not take this shape (GQA, mask, ...)
+            times[name] = f"n/a: {type(exc).__name__}: {str(exc)[:120]}"
+    return times
+
+
+def paged_calls(batches: list[PagedBatch], config: AttentionConfig) -> list[Callable[[], object]]:
+    def bind(b: PagedBatch) -> Callable[[], object]:
+        scale = b.query.shape[2] ** -0.5
+        return lambda: paged_attention(
+            b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
+        )
+
+    return [bind(b) for b in batches]
+
+
+def sweep(base: AttentionConfig) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
+    """Phases of alternatives; each phase varies the best config found by the phases before it."""
+    if base.is_decode_only:
+        # (tile_n, num_warps, num_stages): stages >= 5 double-buffers K/V behind the block-table load.
+        tiles = [(64, 4, 4), (64, 4, 5), (32, 4, 5), (32, 2, 5), (64, 2, 5), (64, 8, 5), (128, 4, 5),
+                 (128, 8, 5), (16, 4, 6), (64, 4, 2)]  # fmt: skip
+        return [
+            lambda best: [best.with_(num_segments=s) for s in (1, 2, 4, 8, 16, 32)],
+            lambda best: [best.with_(tile_n=t, num_warps=w, num_stages=st) for t, w, st in tiles],
+        ]
+    # (block_m, tile_n, num_warps, num_stages)
+    tiles4 = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (64, 64, 4, 3),
+              (64, 64, 4, 5), (64, 128, 4, 2), (64, 32, 4, 4), (32, 64, 4, 3)]  # fmt: skip
+    return [
+        lambda best: [best.with_(block_m=m, tile_n=t, num_warps=w, num_stages=st) for m, t, w, st in tiles4],
+        # One launch for all sequences (decodes then ride in prefill-sized query tiles).
+        lambda best: [best.with_(decode=None)] + [best.with_(decode=None, block_m=m) for m in (16, 32, 64)],
+    ]
+
+
+def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> dict[str, object]:
+    nbytes, flops = traffic(shape)
+    copies = num_copies(nbytes)
+    batches = [
+        make_paged_batch(shape.query_lens, shape.seq_lens, num_heads=shape.num_heads,
+                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         block_size=shape.block_size, dtype=DTYPE, device="cuda", seed=i)
+        for i in range(copies)
+    ]  # fmt: skip
+    b0 = batches[0]
+    scale = shape.head_dim**-0.5
+    ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
+    config = choose_config(num_seqs=len(shape.seq_lens), num_heads=shape.num_heads,
+                           num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                           max_query_len=b0.max_query_len, num_sms=num_sms)  # fmt: skip
+
+    def measure(cfg: AttentionConfig) -> dict[str, object]:
+        try:
+            out = paged_calls([b0], cfg)[0]()
+            assert isinstance(out, torch.Tensor)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            us = time_us(paged_calls(batches, cfg)) if err < 1e-2 else float("nan")
+        except Exception as exc:  # e.g. out of shared memory for a large tile
+            return {"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        return {"config": asdict(cfg), "us": us, "rel_err": err}
+
+    ours = measure(config)
+    tried = [ours]
+    best, best_us = config, float(ours.get("us", math.inf))  # type: ignore[arg-type]
+    for phase in sweep(config) if do_sweep else []:
+        for cfg in phase(best):
+            tried.append(measure(cfg))
+            us = float(tried[-1].get("us", math.inf))  # type: ignore[arg-type]
+            if us < best_us:
+                best, best_us = cfg, us
+        print(f"  sweep {shape.name}: best so far {best} {best_us:.1f} us", flush=True)
+    sdpa = sdpa_times(shape, copies)
+    sdpa_us = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
+    sdpa_us = float(sdpa["default"]) if isinstance(sdpa["default"], float) else sdpa_us
+    ours_us = float(ours.get("us", math.nan))  # type: ignore[arg-type]
+    return {
+        "shape": shape.name,
+        "bytes": nbytes,
+        "flops": flops,
+        "input_copies": copies,
+        "ours": ours,
+        "sdpa_us": sdpa,
+        "ours_tbs": nbytes / ours_us / 1e6,
+        "sdpa_tbs": nbytes / sdpa_us / 1e6,
+        "ours_pct_copy": 100 * nbytes / ours_us / 1e6 / copy_tbs,
+        "sdpa_pct_copy": 100 * nbytes / sdpa_us / 1e6 / copy_tbs,
+        "ours_tflops": flops / ours_us / 1e6,
+        "sdpa_tflops": flops / sdpa_us / 1e6,
+        "speedup_vs_sdpa": sdpa_us / ours_us,
+        "sdpa_default_us": sdpa_us,
+        "ours_us": ours_us,
+        "best_swept": {"config": asdict(best), "us": best_us} if do_sweep else None,
+        "sweep": tried[1:],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
+    parser.add_argument("--json", type=Path, default=Path("bench/results/kernels.json"))
+    parser.add_argument("--only", default="", help="run only shapes whose name contains this")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    copy_tbs = copy_bandwidth()
+    print(f"{props.name}: {props.multi_processor_count} SMs, copy {copy_tbs:.2f} TB/s", flush=True)
+    result: dict[str, object] = {
+        "device": props.name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": "PYTHONPATH=. python3 bench/kernels.py" + (" --sweep" if args.sweep else ""),
+        "copy_tbs": copy_tbs,
+        "rows": [],
+    }
+    rows: list[dict[str, object]] = result["rows"]  # type: ignore[assignment]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    for shape in SHAPES:
+        if args.only not in shape.name:
+            continue
+        try:
+            rows.append(run_shape(shape, copy_tbs, props.multi_processor_count, args.sweep))
+        except Exception:  # keep the other shapes' numbers
+            traceback.print_exc()
+            continue
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "sweep"}), flush=True)
+        args.json.write_text(json.dumps(result, indent=1))  # after every shape: a timeout keeps the rest
+        torch.cuda.empty_cache()
+    print(f"\n{props.name}, copy {copy_tbs:.2f} TB/s (read + write), bf16, block_size 16")
+    print(f"{'shape':<70} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'ours TB/s':>9} "
+          f"{'SDPA TB/s':>9} {'ours %cp':>8} {'SDPA %cp':>8} {'ours TF/s':>9} {'SDPA TF/s':>9}")  # fmt: skip
+    for r in rows:
+        print(f"{r['shape']:<70} {r['ours_us']:>9.1f} {r['sdpa_default_us']:>9.1f} "
+              f"{r['speedup_vs_sdpa']:>9.2f} {r['ours_tbs']:>9.2f} {r['sdpa_tbs']:>9.2f} "
+              f"{r['ours_pct_copy']:>8.1f} {r['sdpa_pct_copy']:>8.1f} {r['ours_tflops']:>9.1f} "
+              f"{r['sdpa_tflops']:>9.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
