@@ -145,3 +145,16 @@ def test_missing_tensor_is_an_error(llama_dir: Path, tmp_path: Path) -> None:
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
         load_model(model_dir, show_progress=False)
+
+
+def test_gpt_neox_config_and_head_name_variants_load_the_same(tmp_path: Path) -> None:
+    """Pythia-style rotary_pct/rotary_emb_base config keys; the head saved as `lm_head` (transformers 5
+    module name) instead of `embed_out` (what save_pretrained writes); stale rotary buffers."""
+    current = tmp_path / "current"
+    build_tiny_model("gpt_neox-sequential-half-rotary", current)
+    old = copy_with_config(current, tmp_path / "old", rope_parameters=None, rotary_pct=0.5, rotary_emb_base=10000)
+    tensors = load_file(old / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("embed_out.weight")
+    tensors["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = torch.ones(2)  # stale buffers are skipped
+    save_file(tensors, old / "model.safetensors", metadata={"format": "pt"})
+    torch.testing.assert_close(prompt_logits(old), prompt_logits(current), atol=0, rtol=0)

@@ -72,6 +72,11 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         dict(new_decoder_architecture=True, num_kv_heads=2, bias=False, tie_word_embeddings=False),
         "40KB",
     ),
+    "falcon2-new-decoder-one-norm": (
+        "falcon",
+        dict(new_decoder_architecture=True, num_kv_heads=1, num_ln_in_parallel_attn=1, tie_word_embeddings=False),
+        None,
+    ),
     "falcon-per-head-sequential-bias": (
         "falcon",
         dict(multi_query=False, new_decoder_architecture=False, parallel_attn=False, bias=True),

@@ -14,6 +14,18 @@ The interface every family implements (the runner relies on nothing else):
                    hidden_size, vocab_size, max_position_embeddings (alias max_position),
                    max_model_len, dtype, eos_token_ids, bos_token_id, generation_defaults;
                    kv_bytes_per_token())
+
+Families (one shared `DecoderLM` stack, layers from `layers.py`, rotary from `rotary.py`):
+    llama.py     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM
+                 (q/k RMSNorm); GQA/MQA, tied embeddings, rope default/linear/dynamic/llama3
+    gpt_neox.py  GPTNeoXForCausalLM: LayerNorm, parallel or sequential residual, partial rotary
+    falcon.py    FalconForCausalLM / RWForCausalLM: multi-query, new decoder architecture (grouped kv,
+                 one or two norms), per-head qkv; rotary only (ALiBi Falcon is refused)
+Anything else raises UnsupportedArchitectureError naming these. Loading (`loader.py`, `weights.py`):
+config.json, single or sharded safetensors (index file) streamed tensor by tensor into parameters
+of a module built on the meta device, a tqdm bar, dtype "auto" = fp32 on CPU, the config's dtype
+on CUDA (bf16 when it says fp32). Sliding-window models (Mistral v0.1) are limited to their window.
+`python -m services.engine.models [MODEL]` prints the spec and the resolve/load times.
 """
 
 from services.engine.models.base import CausalLM
