@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import tempfile
@@ -176,6 +177,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "torch": torch.__version__, "num_threads": torch.get_num_threads(), "model": str(args.model or "SmolLM2"),
         "random_weights": args.random_weights, "dtype": str(model.spec.dtype),
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared CPU box skews timings
     }
     out = args.out or RESULTS_DIR / f"offline_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
