@@ -113,6 +113,17 @@ class Engine:
             self.scheduler.finish(live, "abort")
             self._pending.extend(_output(r, [], None) for r in live)
 
+    def abort_choices(self, request_id: str, indexes: Iterable[int]) -> None:
+        """End some choices of an n > 1 request (a stop string hit one); idempotent, like abort()."""
+        choices = self._requests.get(request_id)
+        if choices is None:
+            return
+        wanted = set(indexes)
+        live = [r for r in choices if r.index in wanted and not r.is_finished]
+        self.scheduler.finish(live, "abort")
+        self._pending.extend(_output(r, [], None) for r in live)
+        self._forget_if_done(request_id)
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return every sequence's new tokens."""
         outputs, self._pending = self._pending, []

@@ -78,6 +78,19 @@ def test_abort_alone_is_still_reported(engine: Engine) -> None:
     assert not engine.has_unfinished()
 
 
+def test_abort_choices_ends_only_those(engine: Engine) -> None:
+    engine.add_request("n3", [5, 6, 7], SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    engine.abort_choices("n3", [1, 7])  # 7 does not exist: ignored
+    engine.abort_choices("n3", [1])
+    results = run(engine)
+    assert [o.finish_reason for o in results["n3", 1]] == ["abort"]
+    assert all(results["n3", i][-1].finish_reason == "length" for i in (0, 2))
+    assert len(tokens_of(results["n3", 0])) == 5  # the first token came before run()
+    engine.abort_choices("n3", [0])  # finished: nothing happens
+    assert not engine.has_unfinished() and engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
 def test_continuation_emits_only_new_tokens(engine: Engine) -> None:
     full = engine.generate([[5, 6, 7]], GREEDY)[0].token_ids
     engine.add_request("cont", [5, 6, 7], GREEDY, output_token_ids=full[:4])
