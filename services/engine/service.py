@@ -113,13 +113,17 @@ class EngineService:
             if kind == "generate":
                 self._add(*payload)
             elif kind == "abort":
-                self._abort(payload)
+                self._abort(payload.request_ids, payload.choice_indexes)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], choice_indexes: list[int]) -> None:
+        if choice_indexes:  # a stop string ended some choices of an n > 1 request; the rest go on
+            for rid in request_ids:
+                self.engine.abort_choices(rid, choice_indexes)
+            return
         self.engine.abort([rid for rid in request_ids if rid in self.active])
         for rid in request_ids:  # an abort may overtake its request (client gone while tokenizing)
             if rid not in self.active:
@@ -256,7 +260,7 @@ class EngineService:
                         log.error("skipping undecodable control entry %s: %s", entry_id, exc)
                         continue
                     if isinstance(msg, Abort):
-                        self.inbox.put(("abort", msg.request_ids))
+                        self.inbox.put(("abort", msg))
 
     async def _heartbeat(self, redis: Any, reader: streams.GroupReader) -> None:
         key = streams.engine_key(self.model, self.settings.engine_id)
@@ -268,6 +272,7 @@ class EngineService:
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
+                supports_choice_abort=True,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)
