@@ -9,18 +9,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 
 from shared.model_source import DEFAULT_MODEL, resolve_model_dir
-from shared.redis_server import PrivateRedis, free_port
+
+if TYPE_CHECKING:  # redis and httpx are imported lazily: the GPU machine runs tests without them
+    from shared.redis_server import PrivateRedis
 
 E2E_MAX_MODEL_LEN = 2048  # small enough that an over-long prompt is cheap to build
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[PrivateRedis]:
+    from shared.redis_server import PrivateRedis
+
     server = PrivateRedis().start()
     yield server
     server.stop()
@@ -41,6 +45,8 @@ class RunningServices:
 
 
 def wait_ready(base_url: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float = 180) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = [name for name, p in processes.items() if p.poll() is not None]
@@ -77,6 +83,8 @@ def services(
     redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServices]:
     """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis."""
+    from shared.redis_server import free_port
+
     log_dir = tmp_path_factory.mktemp("service-logs")
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
