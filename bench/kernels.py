@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import statistics
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,10 +26,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import reference
-from kernels.launch_config import AttentionConfig, choose_config
-from kernels.paged_attention import paged_attention
-from kernels.paged_batch import PagedBatch, make_paged_batch
+# This script shares its name with the `kernels` package: keep its own folder off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from kernels import reference  # noqa: E402
+from kernels.launch_config import AttentionConfig, choose_config  # noqa: E402
+from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_batch import PagedBatch, make_paged_batch  # noqa: E402
 
 DTYPE = torch.bfloat16
 
