@@ -49,7 +49,12 @@ def build_app(settings: GatewaySettings) -> Starlette:
             max_tokens=req.token_budget, stream=req.is_stream, arrival_time=time.time(),
             traceparent=request.headers.get("traceparent"), chat_template_kwargs=req.chat_template_kwargs or {},
         )
-        gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
+        try:
+            gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
+        except APIError as exc:  # name the field the client actually sent
+            if exc.param == "max_tokens" and req.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+            raise
         if req.is_stream:
             fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage)
             return streaming.event_stream(streaming.chat_events(gen, fmt))
