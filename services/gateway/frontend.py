@@ -3,6 +3,11 @@
     submit()  ──XADD ps:req:{model}──►  tokenizer  ──Accepted | RequestError──►  router queue
     Generation.updates()  ◄── Delta per engine step ◄── router queue
     (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
+
+If the engine serving a request stops heartbeating, the request moves to a live replica as a
+continuation (prompt + tokens already streamed, under a new internal id; the old id is aborted so a
+replica that later claims the stale entry drops it): the client stream goes on with no lost or
+repeated tokens. With no live replica the stream ends with an error instead of hanging.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
 from shared import streams
-from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, RequestError
+from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_WATCH_INTERVAL_S = 1.0  # how often a waiting request checks that its engine is still alive
+_MAX_MIGRATIONS = 3
 
 
 @dataclass(slots=True)
@@ -50,10 +57,17 @@ class Generation:
     queue: asyncio.Queue[Any]
     choices: list[ChoiceText]
     token_texts: TokenTexts
+    sampling: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
     engine_finished: set[int] = field(default_factory=set)  # choices the engine itself ended
+    engine_id: str | None = None  # the replica producing the tokens, once one has sent any
+    current_id: str = ""  # the id the engines know: request_id, or its continuation's id
+    num_migrations: int = 0
+
+    def __post_init__(self) -> None:
+        self.current_id = self.current_id or self.request_id
 
     @property
     def is_finished(self) -> bool:
@@ -72,17 +86,24 @@ class Generation:
         settings = self.frontend.settings
         deadline = time.monotonic() + settings.request_timeout_s
         try:
+            silent_since = time.monotonic()
             while not self.is_finished:
-                timeout = min(settings.engine_silence_timeout_s, deadline - time.monotonic())
+                timeout = min(_WATCH_INTERVAL_S, deadline - time.monotonic())
                 if timeout <= 0:
                     raise APIError(408, "the request timed out", code="timeout")
                 try:
                     reply = await asyncio.wait_for(self.queue.get(), timeout)
                 except TimeoutError:
-                    entry = self.frontend.registry.get(self.model)
-                    if entry is None or not entry.is_live:
-                        raise model_unavailable(self.model) from None
-                    continue  # engines are alive but busy: keep waiting until the deadline
+                    if self._is_engine_lost():
+                        await self._migrate()
+                        silent_since = time.monotonic()
+                    elif time.monotonic() - silent_since > settings.engine_silence_timeout_s:
+                        entry = self.frontend.registry.get(self.model)
+                        if entry is None or not entry.is_live:
+                            raise model_unavailable(self.model) from None
+                        silent_since = time.monotonic()  # engines are alive but busy: keep waiting
+                    continue
+                silent_since = time.monotonic()
                 update = self._apply(reply)
                 if update is not None:
                     yield update
@@ -97,6 +118,7 @@ class Generation:
         if not isinstance(reply, Delta) or reply.index in self.finish_reasons:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
+        self.engine_id = reply.engine_id
         if reply.finish_reason is not None:
             self.engine_finished.add(reply.index)
         choice = self.choices[reply.index]
@@ -112,6 +134,25 @@ class Generation:
         if reply.finish_reason is None and text.finish_reason is not None and not self.is_finished:
             self.frontend.abort_choice(self, reply.index)  # a stop string ended one choice of several
         return ChoiceUpdate(reply.index, text.text, token_ids, reply.logprobs, finish)
+
+    def _is_engine_lost(self) -> bool:
+        registry = self.frontend.registry
+        entry = registry.get(self.model)
+        if self.engine_id is None or not registry.is_redis_up or entry is None:
+            return False  # not started yet (a dead reader's entry is claimed by another), or Redis is down
+        return all(e.engine_id != self.engine_id for e in entry.engines)
+
+    async def _migrate(self) -> None:
+        """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
+        entry = self.frontend.registry.get(self.model)
+        if len(self.choices) != 1 or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+            raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
+                           code="engine_lost")
+        self.num_migrations += 1
+        old_id, self.current_id = self.current_id, f"{self.request_id}.r{self.num_migrations}"
+        log.warning("engine %s is gone; %s continues as %s", self.engine_id, self.request_id, self.current_id)
+        self.engine_id = None
+        await self.frontend.move(self, old_id)
 
 
 class Frontend:
@@ -190,7 +231,7 @@ class Frontend:
             self._forget(req.request_id)
             raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
         choices = [ChoiceText(tokenizer, reply.prompt_token_ids, stop) for _ in range(n)]
-        return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts)
+        return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
         while True:
@@ -205,14 +246,31 @@ class Frontend:
         if self.router.queues.get(gen.request_id) is None:
             return
         self._forget(gen.request_id)
+        self.router.unregister(gen.current_id)
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
-            self._spawn(self.abort(gen.model, gen.request_id))
+            self._spawn(self.abort(gen.model, gen.current_id))
 
     def abort_choice(self, gen: Generation, index: int) -> None:
         """End one choice of a request whose other choices go on, where every engine can do that."""
         entry = self.registry.get(gen.model)
         if entry is not None and entry.engines and all(e.supports_choice_abort for e in entry.engines):
-            self._spawn(self.abort(gen.model, gen.request_id, [index]))
+            self._spawn(self.abort(gen.model, gen.current_id, [index]))
+
+    async def move(self, gen: Generation, old_id: str) -> None:
+        """Continue `gen` under its new id on whichever live replica takes it."""
+        self.router.unregister(old_id)  # late tokens of the dead engine must not reach the client
+        self.router.queues[gen.current_id] = gen.queue
+        request = GenerateRequest(
+            request_id=gen.current_id, reply_to=self.settings.gateway_id, model=gen.model,
+            prompt_token_ids=gen.accepted.prompt_token_ids,
+            sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens}, arrival_time=time.time(),
+            output_token_ids=list(gen.choices[0].token_ids),
+        )
+        try:
+            await self.abort(gen.model, old_id)
+            await streams.publish(self.redis, streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
+        except _REDIS_ERRORS as exc:
+            raise APIError(503, f"could not move the request to another engine: {exc}", retry_after=2) from None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,0 +1,88 @@
+"""Reliability scenario 1: SIGKILL an engine replica mid-stream under load. Its client streams go on
+on the other replica with no lost or repeated tokens, and nothing stays pending in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import redis
+
+from shared import streams
+from shared.protocol import EngineHeartbeat, decode_as
+from tests.conftest import RunningServices, start_service, stop_all
+
+PROMPTS = [f"Write a long story about a {thing}." for thing in
+           ("cat", "dog", "ship", "tree", "robot", "river", "castle", "comet")]
+MAX_TOKENS = 48
+
+
+def _heartbeat(r: redis.Redis, model: str, engine_id: str) -> EngineHeartbeat | None:
+    raw = r.get(streams.engine_key(model, engine_id))
+    return None if raw is None else decode_as(raw, EngineHeartbeat)
+
+
+def test_killing_a_replica_mid_stream_loses_and_repeats_nothing(services: RunningServices) -> None:
+    base_url = f"{services.base_url}/v1"
+
+    async def ask(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
+        kwargs = {"model": services.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                  "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+        if not stream:
+            reply = await client.chat.completions.create(**kwargs)
+            return reply.choices[0].message.content or ""
+        parts: list[str] = []
+        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+            parts.extend(c.delta.content or "" for c in chunk.choices)
+        return "".join(parts)
+
+    async def run(replica_killer: asyncio.Task[None] | None = None) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as client:
+            return list(await asyncio.gather(*(ask(client, p, stream=True) for p in PROMPTS)))
+
+    expected = asyncio.run(run())  # the greedy answers with one healthy engine
+
+    r = redis.Redis.from_url(services.redis_url)
+    env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
+    replica_id = "eng-doomed"
+    replica = start_service(
+        "doomed-engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1",
+                          "--max-model-len", "2048", "--engine-id", replica_id, "--heartbeat-ttl-s", "3"],
+        env, services.log_dir,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _heartbeat(r, services.model, replica_id) is None:
+            assert replica.poll() is None and time.monotonic() < deadline, "the extra replica did not start"
+            time.sleep(0.2)
+
+        async def kill_when_busy() -> None:
+            while True:  # wait until the replica is generating for some of the requests, then kill it
+                beat = _heartbeat(r, services.model, replica_id)
+                if beat is not None and beat.num_running > 0:
+                    await asyncio.sleep(0.5)
+                    replica.send_signal(signal.SIGKILL)
+                    return
+                await asyncio.sleep(0.05)
+
+        async def scenario() -> list[str]:
+            killer = asyncio.create_task(kill_when_busy())
+            answers = await run()
+            await asyncio.wait_for(killer, timeout=5)
+            return answers
+
+        answers = asyncio.run(scenario())
+        assert replica.wait(timeout=5) == -signal.SIGKILL, "the replica should have died mid-stream"
+        assert answers == expected
+
+        group = streams.engine_group(services.model)
+        deadline = time.monotonic() + 40  # the dead consumer's entries are claimed and dropped
+        while (pending := r.xpending(streams.generate_stream(services.model), group)["pending"]) != 0:
+            assert time.monotonic() < deadline, f"{pending} entries still pending"
+            time.sleep(0.5)
+    finally:
+        stop_all({"doomed-engine": replica})
+        r.close()
