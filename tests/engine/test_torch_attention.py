@@ -10,7 +10,9 @@ from services.engine import attention
 from services.engine.attention import AttentionMetadata
 
 
-def _ragged_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, is_decode_only: bool):  # type: ignore[no-untyped-def]
+def _ragged_batch(
+    seed: int, block_size: int, num_heads: int, num_kv_heads: int, is_decode_only: bool
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     gen = torch.Generator().manual_seed(seed)
     head_dim, num_blocks, num_seqs = 16, 96, 6
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
