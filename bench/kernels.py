@@ -106,11 +106,19 @@ def time_us(calls: list[Callable[[], object]], target_ms: float = 8.0) -> float:
     return statistics.median(times) * 1000.0 / (reps * len(calls))
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+def copy_bandwidth() -> dict[str, float]:
+    """Device copy rates in TB/s (bytes read + written), and a read-only rate for context."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB of fp32
     dst = torch.empty_like(src)
-    us = time_us([lambda: dst.copy_(src)])
-    return 2 * src.numel() / us / 1e6  # TB/s
+    total = torch.empty((), device="cuda")
+    nbytes = src.numel() * src.element_size()
+    rates = {
+        "memcpy": 2 * nbytes / time_us([lambda: dst.copy_(src)]) / 1e6,
+        "elementwise": 2 * nbytes / time_us([lambda: torch.mul(src, 1.0, out=dst)]) / 1e6,
+        "read_only_sum": nbytes / time_us([lambda: torch.sum(src, 0, out=total)]) / 1e6,
+    }
+    rates["copy"] = max(rates["memcpy"], rates["elementwise"])
+    return rates
 
 
 def num_copies(bytes_per_call: int) -> int:
@@ -171,21 +179,17 @@ def paged_calls(batches: list[PagedBatch], config: AttentionConfig) -> list[Call
 def sweep(base: AttentionConfig) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
     """Phases of alternatives; each phase varies the best config found by the phases before it."""
     if base.is_decode_only:
-        # (tile_n, num_warps, num_stages): stages >= 5 double-buffers K/V behind the block-table load.
-        tiles = [(64, 4, 4), (64, 4, 5), (32, 4, 5), (32, 2, 5), (64, 2, 5), (64, 8, 5), (128, 4, 5),
-                 (128, 8, 5), (16, 4, 6), (64, 4, 2)]  # fmt: skip
+        # (tile_n, num_warps, num_stages): 1 = no cp.async pipeline, >= 5 double-buffers K/V.
+        tiles = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 1), (32, 4, 1), (64, 2, 1), (128, 4, 1),
+                 (64, 2, 3), (64, 2, 5), (32, 4, 5), (128, 4, 5)]  # fmt: skip
         return [
             lambda best: [best.with_(num_segments=s) for s in (1, 2, 4, 8, 16, 32)],
             lambda best: [best.with_(tile_n=t, num_warps=w, num_stages=st) for t, w, st in tiles],
         ]
     # (block_m, tile_n, num_warps, num_stages)
-    tiles4 = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (64, 64, 4, 3),
-              (64, 64, 4, 5), (64, 128, 4, 2), (64, 32, 4, 4), (32, 64, 4, 3)]  # fmt: skip
-    return [
-        lambda best: [best.with_(block_m=m, tile_n=t, num_warps=w, num_stages=st) for m, t, w, st in tiles4],
-        # One launch for all sequences (decodes then ride in prefill-sized query tiles).
-        lambda best: [best.with_(decode=None)] + [best.with_(decode=None, block_m=m) for m in (16, 32, 64)],
-    ]
+    tiles4 = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 8, 3),
+              (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3)]  # fmt: skip
+    return [lambda best: [best.with_(block_m=m, tile_n=t, num_warps=w, num_stages=st) for m, t, w, st in tiles4]]
 
 
 def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> dict[str, object]:
@@ -256,8 +260,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only shapes whose name contains this")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    copy_tbs = copy_bandwidth()
-    print(f"{props.name}: {props.multi_processor_count} SMs, copy {copy_tbs:.2f} TB/s", flush=True)
+    rates = copy_bandwidth()
+    copy_tbs = rates["copy"]
+    print(f"{props.name}: {props.multi_processor_count} SMs, rates {rates}", flush=True)
     result: dict[str, object] = {
         "device": props.name,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -265,6 +270,7 @@ def main() -> None:
         "triton": triton.__version__,
         "command": "PYTHONPATH=. python3 bench/kernels.py" + (" --sweep" if args.sweep else ""),
         "copy_tbs": copy_tbs,
+        "bandwidth_tbs": rates,
         "rows": [],
     }
     rows: list[dict[str, object]] = result["rows"]  # type: ignore[assignment]

@@ -17,10 +17,12 @@ from dataclasses import dataclass, replace
 
 # Query rows (tokens x packed heads) per program: tl.dot wants M >= 16.
 MIN_BLOCK_M = 16
-# max_query_len at or above which a batch counts as prefill-heavy and gets 128-row tiles.
+# max_query_len at or above which a batch counts as prefill-heavy and gets 64-row tiles.
 PREFILL_QUERY_LEN = 64
-# Split-KV aims for at least this many programs per SM before it stops splitting.
-TARGET_PROGRAMS_PER_SM = 4
+# Split-KV stops once the grid fills about two waves of resident programs. Resident decode programs
+# per SM (registers bound them: ~156 regs at head_dim 128, ~90 at 64) as measured on an H200;
+# fewer than two waves leaves a ragged last wave (bench/results/kernels-h200.md).
+TARGET_WAVES = 2
 MAX_SEGMENTS = 16
 
 
@@ -38,15 +40,12 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     is_decode_only: bool  # one program per sequence, no sequence search
-    # Mixed batches: a second launch with these tiles takes the single-token sequences, so decodes
-    # do not pay for prefill-sized query tiles (each launch skips the other's sequences).
-    decode: AttentionConfig | None = None
 
     def block_q(self, num_queries_per_kv: int) -> int:
         """Query tokens per program: the packed rows are (token, head-in-group) pairs."""
         return 1 if self.is_decode_only else max(1, self.block_m // num_queries_per_kv)
 
-    def with_(self, **changes: int | bool | AttentionConfig | None) -> AttentionConfig:
+    def with_(self, **changes: int | bool) -> AttentionConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -59,22 +58,36 @@ def choose_config(
     max_query_len: int,
     num_sms: int,
 ) -> AttentionConfig:
-    """Pick tiles for one step; decode-only batches may split the KV range (flash-decoding)."""
+    """Pick tiles for one step; decode-only batches may split the KV range (flash-decoding).
+
+    Mixed batches use one launch: a second, decode-shaped launch for their single-token sequences
+    measured slower on an H200 (the two launches serialise), so decodes ride in the query tiles.
+    """
     group_rows = max(MIN_BLOCK_M, next_power_of_2(num_heads // num_kv_heads))
     head_dim_padded = next_power_of_2(head_dim)
     if max_query_len <= 1:
-        return _decode_config(num_seqs * num_kv_heads, group_rows, head_dim_padded, num_sms)
-    decode = _decode_config(0, group_rows, head_dim_padded, num_sms).with_(num_segments=1)
-    if max_query_len >= PREFILL_QUERY_LEN:
-        block_m = max(128 if head_dim_padded <= 128 else 64, group_rows)
+        resident_per_sm = 5 if head_dim_padded <= 64 else 3
+        num_programs = num_seqs * num_kv_heads
+        num_segments = 1
+        while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_WAVES * resident_per_sm * num_sms:
+            num_segments *= 2
         return AttentionConfig(
-            block_m=block_m,
-            tile_n=64,
+            block_m=group_rows,
+            tile_n=64 if head_dim_padded <= 128 else 32,
+            num_segments=num_segments,
+            num_warps=4,
+            num_stages=2 if head_dim_padded <= 64 else 3,
+            is_decode_only=True,
+        )
+    if max_query_len >= PREFILL_QUERY_LEN:
+        # 64 rows x 4 warps matched 128 x 8 on prefill and beat it on mixed batches (H200 sweep).
+        return AttentionConfig(
+            block_m=max(64, group_rows),
+            tile_n=64 if head_dim_padded <= 128 else 32,
             num_segments=1,
-            num_warps=8 if block_m >= 128 else 4,
+            num_warps=4 if head_dim_padded <= 128 else 8,  # 4 warps spill at head_dim 256
             num_stages=3 if head_dim_padded <= 128 else 2,
             is_decode_only=False,
-            decode=decode,
         )
     # Short queries (speculative / small chunks): a few tokens per program.
     return AttentionConfig(
@@ -84,20 +97,4 @@ def choose_config(
         num_warps=4,
         num_stages=3,
         is_decode_only=False,
-        decode=decode,
-    )
-
-
-def _decode_config(num_programs: int, group_rows: int, head_dim_padded: int, num_sms: int) -> AttentionConfig:
-    """One program per (sequence, KV head), split over the KV range while that leaves SMs idle."""
-    num_segments = 1
-    while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
-        num_segments *= 2
-    return AttentionConfig(
-        block_m=group_rows,
-        tile_n=64 if head_dim_padded <= 128 else 32,
-        num_segments=num_segments,
-        num_warps=4,
-        num_stages=3,
-        is_decode_only=True,
     )

@@ -25,8 +25,6 @@ from kernels.launch_config import AttentionConfig, next_power_of_2
 from kernels.split_kv_reduce import reduce_segments
 
 LOG2_E = 1.4426950408889634
-# Which sequences one launch serves (mixed batches use two launches with different tiles).
-ALL_SEQS, SINGLE_TOKEN_SEQS, MULTI_TOKEN_SEQS = 0, 1, 2
 
 
 @triton.jit
@@ -142,7 +140,6 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IS_DECODE_ONLY: tl.constexpr,
-    SEQ_FILTER: tl.constexpr,  # ALL_SEQS | SINGLE_TOKEN_SEQS | MULTI_TOKEN_SEQS
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (engine runs fp32 models on GPU too), else unused
 ):
     q_block_id = tl.program_id(0)
@@ -158,12 +155,9 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return
-    if SEQ_FILTER == 1:  # noqa: SIM102 (a constexpr branch: compiled out, never mixed with tensors)
-        if q_len != 1:
-            return
-    if SEQ_FILTER == 2:  # noqa: SIM102
-        if q_len == 1:
-            return
+    if not IS_DECODE_ONLY:
+        # The last query block sees the most keys: start it first so the grid ends on light work.
+        q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys before this step's first query token
 
@@ -235,39 +229,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:
     """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    assert num_heads % num_kv_heads == 0 and kv_cache.shape[4] == head_dim
-    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
-    if out is None:
-        out = torch.empty_like(query)
-    args = (query, kv_cache, query_start_loc, seq_lens, block_tables, scale, out)
-    if config.decode is None or config.is_decode_only:
-        _launch(*args, config, ALL_SEQS)
-    else:
-        # Partial results would need a per-token owner in the reduction: split launches do not split KV.
-        assert config.num_segments == 1 and config.decode.num_segments == 1
-        _launch(*args, config.decode, SINGLE_TOKEN_SEQS)
-        _launch(*args, config, MULTI_TOKEN_SEQS)
-    return out
-
-
-def _launch(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    scale: float,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    config: AttentionConfig,
-    seq_filter: int,
-) -> None:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads and kv_cache.shape[4] == head_dim
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert config.block_m >= group, "a program must hold all query heads of its KV head"
+    if out is None:
+        out = torch.empty_like(query)
     head_dim_padded = next_power_of_2(head_dim)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     block_q = config.block_q(group)
@@ -286,9 +256,10 @@ def _launch(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
-        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only, SEQ_FILTER=seq_filter,
+        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_segments > 1:
         reduce_segments(out, seg_out, seg_max, seg_sum)
+    return out

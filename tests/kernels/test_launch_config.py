@@ -52,4 +52,11 @@ def test_every_program_holds_a_whole_head_group(heads: tuple[int, int], head_dim
 
 def test_prefill_uses_large_tiles() -> None:
     cfg = choose_config(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
-    assert cfg.block_m == 128 and cfg.num_segments == 1 and cfg.block_q(4) == 32
+    assert cfg.block_m == 64 and cfg.num_segments == 1 and cfg.block_q(4) == 16 and not cfg.is_decode_only
+
+
+def test_split_kv_fills_two_waves_of_resident_programs() -> None:
+    # The shapes the H200 sweep measured: 64 x 8 programs want 2 segments, 32 x 3 (d=64) want 16.
+    assert _decode(64).num_segments == 2
+    assert _decode(256).num_segments == 1
+    assert _decode(32, heads=(9, 3), head_dim=64).num_segments == 16
