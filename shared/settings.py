@@ -84,5 +84,6 @@ class EngineSettings(BaseSettings):
     enable_prefix_caching: bool = True
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for at most this long
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000

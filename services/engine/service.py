@@ -74,6 +74,7 @@ class EngineService:
         self.has_room = threading.Event()
         self.has_room.set()
         self.stopping = threading.Event()
+        self.drain_deadline = float("inf")
         self.step_count = 0
         self.last_stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,11 +84,15 @@ class EngineService:
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
-        """Run until `stop()`: start the I/O thread, then step the engine whenever there is work."""
+        """Run until `stop()` and the drain: start the I/O thread, then step the engine whenever there is work.
+
+        After `stop()` the replica pulls no new work and says so in its heartbeat (gateways stop
+        counting it as live), finishes what it holds until `drain_timeout_s`, and exits; whatever is
+        left unfinished is taken over by other replicas once its heartbeat record is gone."""
         self._io_thread.start()
         self._io_ready.wait()
         log.info("engine %s serving %s", self.settings.engine_id, self.model)
-        while not self.stopping.is_set():
+        while not self._is_done():
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 try:
@@ -100,8 +105,15 @@ class EngineService:
         self._io_thread.join(timeout=5)
 
     def stop(self) -> None:
+        """Begin draining; a second call stops at once."""
+        now = time.monotonic()
+        self.drain_deadline = now if self.stopping.is_set() else now + self.settings.drain_timeout_s
         self.stopping.set()
         self.inbox.put(("wake", None))
+        log.info("engine %s draining %d requests", self.settings.engine_id, len(self.active))
+
+    def _is_done(self) -> bool:
+        return self.stopping.is_set() and (not self.active or time.monotonic() >= self.drain_deadline)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
