@@ -24,6 +24,7 @@ from services.gateway import schemas, streaming, token_routes
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.errors import APIError, model_not_found
 from services.gateway.frontend import Frontend, Generation
+from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from services.gateway.validation import read_json, validate
 from shared.protocol import ChatRequest, CompletionRequest
 from shared.settings import GatewaySettings
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 def build_app(settings: GatewaySettings) -> Starlette:
     frontend = Frontend(settings)
+    metrics = frontend.metrics = GatewayMetrics()
+    metrics.watch_engines(frontend.registry)
+    metrics.in_flight.set_function(lambda: frontend.num_in_flight)
 
     async def parse(request: Request, cls: type[Any]) -> Any:
         req = validate(cls, await read_json(request, settings.max_body_bytes))
@@ -111,6 +115,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/detokenize", token_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan,
@@ -119,6 +124,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
     app.state.frontend = frontend
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
     return app
 
 

@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.gateway.detokenizer import ChoiceText
 from services.gateway.errors import APIError, model_not_found, model_unavailable
+from services.gateway.metrics import GatewayMetrics, observe_generation
 from services.gateway.registry import ModelRegistry
 from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
@@ -65,6 +66,8 @@ class Generation:
     engine_id: str | None = None  # the replica producing the tokens, once one has sent any
     current_id: str = ""  # the id the engines know: request_id, or its continuation's id
     num_migrations: int = 0
+    started: float = field(default_factory=time.monotonic)
+    has_first_token: bool = False
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -119,6 +122,10 @@ class Generation:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
+        if not self.has_first_token and reply.token_ids:
+            self.has_first_token = True
+            if self.frontend.metrics is not None:
+                self.frontend.metrics.ttft.labels(self.model).observe(time.monotonic() - self.started)
         if reply.finish_reason is not None:
             self.engine_finished.add(reply.index)
         choice = self.choices[reply.index]
@@ -164,6 +171,7 @@ class Frontend:
         self.num_in_flight = 0
         self.is_draining = False
         self.tokenizers = TokenizerCache()
+        self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -247,6 +255,7 @@ class Frontend:
             return
         self._forget(gen.request_id)
         self.router.unregister(gen.current_id)
+        observe_generation(self.metrics, gen.model, gen.usage())
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
             self._spawn(self.abort(gen.model, gen.current_id))
 
