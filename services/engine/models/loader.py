@@ -8,6 +8,7 @@ slow and the torch paged attention computes in fp32 anyway).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.rotary import RotaryEmbedding
 from services.engine.models.spec import ModelSpec, build_spec, read_json
-from services.engine.models.weights import load_weights, safetensors_files
+from services.engine.models.weights import load_tensors, load_weights, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,13 @@ def load_model(
     *,
     max_model_len: int | None = None,
     show_progress: bool = True,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> CausalLM:
-    """Build the family's module on the meta device, materialize it on `device`, stream weights in."""
+    """Build the family's module on the meta device, materialize it on `device`, stream weights in.
+
+    `tensors` (checkpoint names, e.g. an HF module's `state_dict().items()`) replace the directory's
+    safetensors files: benchmarks load random weights in memory (tensors already of the right dtype
+    and device are adopted, not copied)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -96,7 +102,10 @@ def load_model(
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     model.requires_grad_(False)
-    load_weights(model, safetensors_files(model_dir), show_progress)
+    if tensors is None:
+        load_weights(model, safetensors_files(model_dir), show_progress)
+    else:
+        load_tensors(model, tensors, str(model_dir))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,14 +40,19 @@ def iter_checkpoint(files: list[Path], show_progress: bool = True) -> Iterator[t
 
 
 def load_weights(model: CausalLM, files: list[Path], show_progress: bool = True) -> None:
-    """Copy every checkpoint tensor into its parameter (casting dtype and moving device on the way).
+    """Copy every checkpoint tensor of `files` into its parameter (see `load_tensors`)."""
+    load_tensors(model, iter_checkpoint(files, show_progress), str(files[0].parent))
+
+
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy every (checkpoint name, tensor) into its parameter (casting dtype and moving device on the way).
 
     The model translates names (and splits fused tensors) in `checkpoint_to_params`; modules that
     own fused parameters take their piece through `load_shard`. Every parameter must be written.
     """
     params = dict(model.named_parameters())
     unwritten = set(params)
-    for ckpt_name, tensor in iter_checkpoint(files, show_progress):
+    for ckpt_name, tensor in tensors:
         for name, loaded, shard_id in model.checkpoint_to_params(ckpt_name, tensor):
             if name not in params:
                 raise KeyError(f"checkpoint tensor {ckpt_name!r} maps to unknown parameter {name!r}")
@@ -59,7 +64,7 @@ def load_weights(model: CausalLM, files: list[Path], show_progress: bool = True)
                     model.get_submodule(module_name).load_shard(param_name, loaded, shard_id)  # type: ignore[operator]
             unwritten.discard(name)
     if unwritten:
-        raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")
+        raise ValueError(f"checkpoint in {source} lacks parameters: {sorted(unwritten)[:8]}")
 
 
 def _assign(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
