@@ -19,10 +19,9 @@ from dataclasses import dataclass, replace
 MIN_BLOCK_M = 16
 # max_query_len at or above which a batch counts as prefill-heavy and gets 64-row tiles.
 PREFILL_QUERY_LEN = 64
-# Split-KV stops once the grid fills about two waves of resident programs. Resident decode programs
-# per SM (registers bound them: ~156 regs at head_dim 128, ~90 at 64) as measured on an H200;
-# fewer than two waves leaves a ragged last wave (bench/results/kernels-h200.md).
-TARGET_WAVES = 2
+# Split-KV (decode-only batches) doubles the segments until the grid has this many programs per SM:
+# on an H200 that picked the fastest split measured for 64 x 8, 256 x 8 and 32 x 3 programs.
+TARGET_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 16
 
 
@@ -66,10 +65,9 @@ def choose_config(
     group_rows = max(MIN_BLOCK_M, next_power_of_2(num_heads // num_kv_heads))
     head_dim_padded = next_power_of_2(head_dim)
     if max_query_len <= 1:
-        resident_per_sm = 5 if head_dim_padded <= 64 else 3
         num_programs = num_seqs * num_kv_heads
         num_segments = 1
-        while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_WAVES * resident_per_sm * num_sms:
+        while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
             num_segments *= 2
         return AttentionConfig(
             block_m=group_rows,
@@ -80,13 +78,13 @@ def choose_config(
             is_decode_only=True,
         )
     if max_query_len >= PREFILL_QUERY_LEN:
-        # 64 rows x 4 warps matched 128 x 8 on prefill and beat it on mixed batches (H200 sweep).
+        # 64 rows x 4 warps x 2 stages was the fastest tiling measured for prefill and mixed (H200).
         return AttentionConfig(
             block_m=max(64, group_rows),
             tile_n=64 if head_dim_padded <= 128 else 32,
             num_segments=1,
             num_warps=4 if head_dim_padded <= 128 else 8,  # 4 warps spill at head_dim 256
-            num_stages=3 if head_dim_padded <= 128 else 2,
+            num_stages=2,
             is_decode_only=False,
         )
     # Short queries (speculative / small chunks): a few tokens per program.
