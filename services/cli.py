@@ -21,7 +21,7 @@ from typing import Any, get_args, get_origin
 from pydantic_settings import BaseSettings
 
 from shared.settings import EngineSettings, GatewaySettings, TokenizerSettings
-from shared.telemetry import setup_logging
+from shared.telemetry import setup_logging, setup_tracing
 
 _SERVICES: dict[str, type[BaseSettings]] = {
     "gateway": GatewaySettings, "tokenizer": TokenizerSettings, "engine": EngineSettings,
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.command)
+    if args.command != "serve":
+        setup_tracing(args.command)
     if args.command == "serve":
         serve(args)
     elif args.command == "gateway":

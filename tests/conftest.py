@@ -87,7 +87,8 @@ def services(
 
     log_dir = tmp_path_factory.mktemp("service-logs")
     port = free_port()
-    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
+    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO",
+           "PAGEDSERVE_TRACE_CONSOLE": "1"}  # spans go to the service logs, where test_tracing reads them
     length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
     processes = {
         "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),

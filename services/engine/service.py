@@ -23,12 +23,13 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
-from shared import streams
+from shared import streams, telemetry
 from shared.protocol import (
     Abort,
     DecodeError,
@@ -51,6 +52,7 @@ class _Active:
     entry_id: bytes
     reply_to: str
     num_choices: int
+    span: Span
     num_finished: int = 0
 
 
@@ -154,7 +156,13 @@ class EngineService:
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
             self._send(("error", (req.reply_to, error, entry_id)))
             return
-        self.active[req.request_id] = _Active(entry_id, req.reply_to, params.n)
+        span = telemetry.tracer(__name__).start_span(
+            "engine.generate", context=telemetry.context_from(req.traceparent),
+            attributes={"pagedserve.request_id": req.request_id, "pagedserve.engine_id": self.settings.engine_id,
+                        "pagedserve.prompt_tokens": len(req.prompt_token_ids),
+                        "pagedserve.continued_tokens": len(req.output_token_ids)},
+        )
+        self.active[req.request_id] = _Active(entry_id, req.reply_to, params.n, span)
 
     def _publish_step(self, outputs: list[Any]) -> None:
         self.step_count += 1
@@ -178,6 +186,9 @@ class EngineService:
             if out.finish_reason is not None:
                 state.num_finished += 1
                 if state.num_finished >= state.num_choices:
+                    state.span.set_attributes({"pagedserve.finish_reason": out.finish_reason,
+                                               "pagedserve.cached_tokens": out.num_cached_tokens})
+                    state.span.end()
                     finished_entries.append(state.entry_id)
                     del self.active[out.request_id]
                     self._remember(out.request_id)
@@ -189,6 +200,8 @@ class EngineService:
         self.engine.abort(ids)  # frees their blocks at once
         for request_id in ids:
             state = self.active.pop(request_id)
+            state.span.set_status(Status(StatusCode.ERROR, message))
+            state.span.end()
             error = RequestError(request_id, 500, message, type="internal_server_error")
             self._send(("error", (state.reply_to, error, state.entry_id)))
             self._remember(request_id)

@@ -34,6 +34,11 @@ def paged_attention_padded(
     blocks = block_tables[:, :num_ctx_blocks].long()  # [num_seqs, num_ctx_blocks]
     k = kv_cache[0][blocks].reshape(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1][blocks].reshape(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    # Slots past a sequence's end hold anything (NaN in a fresh cache): a masked weight of 0 times
+    # NaN is still NaN, so zero them.
+    is_ctx = torch.arange(max_ctx, device=device)[None, :] < seq_lens.long()[:, None]  # [num_seqs, max_ctx]
+    k = torch.where(is_ctx[:, None, :, None], k, 0)
+    v = torch.where(is_ctx[:, None, :, None], v, 0)
 
     starts = query_start_loc[:-1].long()
     query_lens = query_start_loc[1:].long() - starts  # [num_seqs]

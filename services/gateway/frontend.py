@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -30,7 +31,7 @@ from services.gateway.registry import ModelRegistry
 from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
-from shared import streams
+from shared import streams, telemetry
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 from shared.settings import GatewaySettings
 
@@ -68,6 +69,7 @@ class Generation:
     num_migrations: int = 0
     started: float = field(default_factory=time.monotonic)
     has_first_token: bool = False
+    span: Span | None = None  # the request's trace span, ended when the generation ends
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -211,6 +213,22 @@ class Frontend:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def submit(self, req: ChatRequest | CompletionRequest, stop: list[str], n: int) -> Generation:
+        """Send the request on its way and wait for the tokenizer's verdict, inside the request's span."""
+        span = telemetry.tracer(__name__).start_span(
+            "gateway.generate", context=telemetry.context_from(req.traceparent),
+            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model},
+        )
+        req.traceparent = telemetry.traceparent_of(span)  # tokenizer and engine spans become its children
+        try:
+            gen = await self._submit(req, stop, n)
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            span.end()
+            raise
+        gen.span = span
+        return gen
+
+    async def _submit(self, req: ChatRequest | CompletionRequest, stop: list[str], n: int) -> Generation:
         if self.is_draining:
             raise APIError(503, "the server is shutting down", retry_after=1)
         entry = self.registry.get(req.model)
@@ -256,6 +274,13 @@ class Frontend:
         self._forget(gen.request_id)
         self.router.unregister(gen.current_id)
         observe_generation(self.metrics, gen.model, gen.usage())
+        if gen.span is not None:
+            gen.span.set_attributes({
+                "pagedserve.completion_tokens": gen.usage()["completion_tokens"],
+                "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
+                "pagedserve.migrations": gen.num_migrations,
+            })
+            gen.span.end()
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
             self._spawn(self.abort(gen.model, gen.current_id))
 

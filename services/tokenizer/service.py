@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.tokenizer.processor import PromptProcessor
-from shared import streams
+from shared import streams, telemetry
 from shared.protocol import ChatRequest, CompletionRequest, RequestError
 from shared.settings import TokenizerSettings
 
@@ -59,6 +59,14 @@ class TokenizerService:
             log.error("unexpected %s on the request stream; skipped", type(req).__name__)
             await self.reader.ack(entry.entry_id)
             return
+        with telemetry.tracer(__name__).start_as_current_span(
+            "tokenizer.process", context=telemetry.context_from(req.traceparent),
+            attributes={"pagedserve.request_id": req.request_id},
+        ):
+            await self._process(req)
+        await self.reader.ack(entry.entry_id)
+
+    async def _process(self, req: ChatRequest | CompletionRequest) -> None:
         try:
             result = await asyncio.to_thread(self.processor.process, req)
         except Exception:  # a bug, or a malformed message from a foreign producer: answer, keep serving
@@ -71,6 +79,6 @@ class TokenizerService:
             await streams.publish(self.redis, reply_stream, result, maxlen)
         else:
             accepted, generate = result
+            generate.traceparent = telemetry.current_traceparent()  # the engine's span: a child of this one
             await streams.publish(self.redis, reply_stream, accepted, maxlen)
             await streams.publish(self.redis, streams.generate_stream(self.model), generate, maxlen)
-        await self.reader.ack(entry.entry_id)

@@ -51,6 +51,18 @@ def test_batched_path_matches_the_reference(seed: int, num_heads: int, num_kv_he
     torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_unused_cache_slots_never_leak_into_the_output() -> None:
+    query, kv_cache, meta = _ragged_batch(7, 8, 6, 2, is_decode_only=False)
+    expected = reference_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3)
+    used = torch.zeros(kv_cache.shape[1], kv_cache.shape[2], dtype=torch.bool)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        for pos in range(n):
+            used[meta.block_tables[i, pos // 8], pos % 8] = True
+    kv_cache[:, ~used] = float("nan")  # block tails and unused blocks, as in a fresh torch.empty cache
+    out = attention._torch_attend(query, kv_cache, meta, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_backends_can_be_switched() -> None:
     attention.use_backend("reference")
     assert attention.backend_name() == "reference"
