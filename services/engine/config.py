@@ -30,6 +30,12 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     max_num_waiting: int | None = None  # has_room() is False beyond this; None: max_num_seqs // 4 (>= 8)
     watermark_fraction: float = 0.01  # has_room() keeps this share of blocks free
+    # CUDA only: decode steps of up to this many sequences replay captured graphs (0 = eager always).
+    cuda_graph_max_batch: int = 512
+    # Schedule and launch step N+1 before step N's tokens reach the host. None: on CUDA only.
+    async_scheduling: bool | None = None
+    warm_up: bool = True  # CUDA: compile kernels and capture graphs at start-up, not on the first request
+    profile_steps: bool = False  # time each step's phases (Engine.profile)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -39,12 +45,18 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks: must be >= 1")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError("cuda_graph_max_batch: must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        return self.async_scheduling if self.async_scheduling is not None else self.torch_device.type == "cuda"
 
     @property
     def num_max_waiting(self) -> int:

@@ -11,26 +11,38 @@ engine service feeds it from a queue).
 A sequence finishes with "stop" when it samples an EOS id of the model (unless ignore_eos) or one
 of its stop_token_ids (either only after min_tokens), with "length" at max_tokens or the context
 limit, with "abort" after `abort()`. The finishing token is part of `new_token_ids`.
+
+With `async_scheduling` (the CUDA default) a step's tokens come back from the next call of `step()`,
+which has launched the following step before waiting for them (see async_steps.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from services.engine import attention
+from services.engine.async_steps import (
+    PLACEHOLDER_TOKEN_ID,
+    InflightStep,
+    KnownTokensKVCacheManager,
+    Placeholders,
+    SampledRow,
+    is_stop_token,
+)
 from services.engine.config import EngineConfig
-from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
+from services.engine.step_profile import StepProfile
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +62,25 @@ class Engine:
         self.max_model_len = _fit_max_model_len(config, spec.max_model_len, num_blocks)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.vocab_size = spec.vocab_size
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.placeholders = Placeholders()
+        self.kv_cache = KnownTokensKVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                                  self.placeholders.num_known_tokens)  # fmt: skip
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, config.seed)
+        self.profile = StepProfile(enabled=config.profile_steps)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, self.device, config.seed, max_num_seqs=config.max_num_seqs,
+            max_num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            cuda_graph_max_batch=config.cuda_graph_max_batch, profile=self.profile,
+        )
+        self.is_async = config.is_async_scheduling
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()
+        self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
         self._arrival = itertools.count()
+        if self.device.type == "cuda" and config.warm_up:
+            self._warm_up()
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, config.block_size,
                  self.max_model_len)
 
@@ -109,9 +132,7 @@ class Engine:
             choices = self._requests.pop(request_id, None)
             if choices is None:
                 continue
-            live = [r for r in choices if not r.is_finished]
-            self.scheduler.finish(live, "abort")
-            self._pending.extend(_output(r, [], None) for r in live)
+            self._abort_choices(choices)
 
     def abort_choices(self, request_id: str, indexes: Iterable[int]) -> None:
         """End some choices of an n > 1 request (a stop string hit one); idempotent, like abort()."""
@@ -119,33 +140,99 @@ class Engine:
         if choices is None:
             return
         wanted = set(indexes)
-        live = [r for r in choices if r.index in wanted and not r.is_finished]
-        self.scheduler.finish(live, "abort")
-        self._pending.extend(_output(r, [], None) for r in live)
+        self._abort_choices([r for r in choices if r.index in wanted])
         self._forget_if_done(request_id)
 
+    def _abort_choices(self, choices: list[Request]) -> None:
+        # A choice the scheduler ended at a launch whose tokens were not reported yet still counts as live.
+        live = [r for r in choices
+                if r.finish_reason != "abort" and (not r.is_finished or self.placeholders.has_unreported(r))]
+        self.scheduler.finish(live, "abort")
+        for request in live:
+            request.finish_reason = "abort"  # also over a length limit found at launch
+        self._pending.extend(_output(r, [], None) for r in live)
+
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return every sequence's new tokens."""
+        """Schedule and launch a step; return the new tokens of the step before it (async
+        scheduling) or of this one, and outputs of aborts made since the last call."""
+        profile = self.profile
+        profile.start()
         outputs, self._pending = self._pending, []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and previous.needs_tokens:
+            outputs += self._finish(previous)
+            previous = None
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return outputs
+        profile.mark("schedule")
+        kind = "eager" if previous is None else previous.handle.kind
+        if not scheduled.is_empty:
+            current = self._launch(scheduled, previous)
+            kind = current.handle.kind
+            if self.is_async:
+                self._inflight = current
+            else:
+                outputs += self._finish(current)
+        if previous is not None:
+            outputs += self._finish(previous)
+        profile.end_call(kind)
+        return outputs
+
+    def _launch(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> InflightStep:
+        """Enqueue a step on the device, then tell the scheduler its sampling sequences got a
+        (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
         block_tables = [self.kv_cache.block_ids(s.request) for s in scheduled.scheduled]
         try:
-            result = self.runner.execute(scheduled.scheduled, block_tables)
+            handle = self.runner.launch(scheduled.scheduled, block_tables,
+                                        previous.pending_rows() if previous is not None else None,
+                                        previous.handle if previous is not None else None)  # fmt: skip
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
             self.kv_cache.reset_prefix_cache()
             raise
-        updated = self.scheduler.update(scheduled, result.sampled_token_ids)
-        for request, logprob in zip(updated, result.logprobs, strict=True):
-            outputs.append(_output(request, [request.all_token_ids[-1]], None if logprob is None else [logprob]))
-            if request.is_finished:
+        num_sampling = sum(1 for s in scheduled.scheduled if s.is_sampling)
+        updated = self.scheduler.update(scheduled, [PLACEHOLDER_TOKEN_ID] * num_sampling)
+        rows = [SampledRow(r, r.num_tokens - 1) for r in updated]
+        for row in rows:
+            self.placeholders.add(row.request, row.position)
+        self.profile.mark("update")
+        needs_tokens = any(row.request.params.has_penalties for row in rows)
+        return InflightStep(scheduled, handle, rows, needs_tokens)
+
+    def _finish(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for a step's tokens, put them in place of its placeholders, apply stop tokens."""
+        try:
+            result = step.handle.result()
+        except BaseException:
+            self.kv_cache.reset_prefix_cache()
+            raise
+        self.profile.mark("wait")
+        self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
+        outputs = []
+        for row, token_id, logprob in zip(step.rows, result.sampled_token_ids, result.logprobs, strict=True):
+            request, position = row.request, row.position
+            self.placeholders.resolve(request, position)
+            tokens = request.all_token_ids
+            if request.finish_reason == "abort" or position >= len(tokens):
+                continue  # aborted, or a stop token one step earlier ended it: drop the token
+            tokens[position] = token_id
+            if is_stop_token(request, token_id, position):
+                del tokens[position + 1 :]  # a placeholder scheduled after it
+                if request.is_finished:  # by a length limit found at a later launch
+                    request.finish_reason = "stop"
+                else:
+                    self.scheduler.finish([request], "stop")
+            elif not request.is_finished:
+                self.kv_cache.publish_known(request)
+            is_last = request.is_finished and position == len(tokens) - 1
+            outputs.append(_output(request, [token_id], None if logprob is None else [logprob],
+                                   position + 1 - request.num_prompt_tokens, is_last))  # fmt: skip
+            if is_last:
                 self._forget_if_done(request.request_id)
+        self.profile.mark("output")
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def has_room(self) -> bool:
         """Whether to take more work: a short waiting queue and some free KV blocks."""
@@ -177,13 +264,33 @@ class Engine:
         """Run prompts (token ids, or text: then the tokenizer is loaded once) to completion."""
         return generate(self, prompts, params, use_tqdm)
 
+    def _warm_up(self) -> None:
+        """Compile every kernel variant a step can need and capture the decode graphs, so that the
+        first requests run at full speed; then forget the warm-up's requests, cache and counters."""
+        start = time.perf_counter()
+        self.runner.capture_graphs()
+        longest = min(100, self.max_model_len - 3)
+        for lengths in ((longest, 1), (min(8, longest), 1)):  # a prefill-sized and a short-query mix
+            prompts = [[i % self.vocab_size for i in range(n)] for n in lengths]
+            self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        self.kv_cache.reset_prefix_cache()
+        self.scheduler.counters = SchedulerCounters()
+        self.profile.reset()
+        log.info("warm-up done in %.1f s", time.perf_counter() - start)
+
     def _forget_if_done(self, request_id: str) -> None:
         choices = self._requests.get(request_id)
         if choices is not None and all(r.status is RequestStatus.FINISHED for r in choices):
             del self._requests[request_id]
 
 
-def _output(request: Request, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
+def _output(
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: list | None,
+    num_output_tokens: int | None = None,
+    is_last: bool = True,  # False: the token of a step before the one that finished the sequence
+) -> RequestOutput:
     if logprobs is None and request.params.logprobs is not None:
         logprobs = []
     return RequestOutput(
@@ -191,9 +298,9 @@ def _output(request: Request, new_token_ids: list[int], logprobs: list | None) -
         index=request.index,
         new_token_ids=new_token_ids,
         new_logprobs=logprobs,
-        finish_reason=request.finish_reason,
+        finish_reason=request.finish_reason if is_last else None,
         num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
+        num_output_tokens=request.num_output_tokens if num_output_tokens is None else num_output_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
 

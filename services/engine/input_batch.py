@@ -1,22 +1,56 @@
-"""A step's flattened ragged model input, built on the host with numpy and copied once to the device.
+"""A step's flattened ragged model input: built on the host with numpy, then copied once to the device.
 
     scheduled   A: positions 0..4 (prompt)   B: position 9 (decode)   C: positions 16..18 (chunk)
     input_ids   [a0 a1 a2 a3 a4 | b9 | c16 c17 c18]
     query_start_loc [0, 5, 6, 9]    seq_lens [5, 10, 19]
     slot of a token = block_table[pos // block_size] * block_size + pos % block_size
     logits_rows     [4, 5, 8]  (the last row of each sequence that samples this step)
+
+With overlapped steps a sequence's last token may still be a placeholder (PLACEHOLDER_TOKEN_ID): it
+was sampled by the step still running on the GPU. Its row is listed in `patch_rows`, and the runner
+copies the token from that step's device tensor (row `patch_src`) before the forward pass.
+
+On CUDA, `InputBuffers` holds persistent device tensors (CUDA graphs read them in place) and two sets
+of pinned staging arrays, used in turn: a step's host->device copies may still be pending while the
+next step is prepared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata
+from services.engine.request import Request
 from services.engine.scheduler import ScheduledRequest
+
+PLACEHOLDER_TOKEN_ID = -1  # a token the GPU sampled but the host has not seen yet
+
+
+@dataclass(slots=True)
+class HostBatch:
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    block_tables: np.ndarray  # [num_seqs, num_table_blocks] int32 (padding reads block 0, masked out)
+    logits_rows: np.ndarray  # [num_sampling] int64: hidden rows whose logits are computed
+    patch_rows: np.ndarray  # [num_patched] int64: rows whose token the previous step sampled
+    patch_src: np.ndarray  # [num_patched] int64: that token's row in the previous step's samples
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
 
 
 @dataclass(slots=True)
@@ -24,15 +58,17 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [num_sampling] int64: hidden rows whose logits are computed
+    logits_rows: torch.Tensor  # [num_sampling] int64
+    patch_rows: torch.Tensor | None  # [num_patched] int64
+    patch_src: torch.Tensor | None  # [num_patched] int64
 
 
-def prepare_inputs(
+def build_host_batch(
     scheduled: Sequence[ScheduledRequest],
     block_tables: Sequence[Sequence[int]],  # per scheduled sequence, its block ids
     block_size: int,
-    device: torch.device,
-) -> ModelInput:
+    pending_rows: Mapping[Request, int] | None = None,  # last token a placeholder -> its sample row
+) -> HostBatch:
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -42,35 +78,140 @@ def prepare_inputs(
     seq_lens = starts + num_new
 
     token_ids: list[int] = []
-    for s in scheduled:
-        token_ids.extend(s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+    patch_rows: list[int] = []
+    patch_src: list[int] = []
+    for i, s in enumerate(scheduled):
+        all_ids = s.request.all_token_ids
+        end = s.num_computed_tokens + s.num_new_tokens
+        token_ids.extend(all_ids[s.num_computed_tokens : end])
+        if pending_rows and end == len(all_ids) and s.request in pending_rows:
+            patch_rows.append(int(query_start_loc[i + 1]) - 1)
+            patch_src.append(pending_rows[s.request])
+    input_ids = np.array(token_ids, dtype=np.int64)
+    is_placeholder = input_ids < 0
+    assert int(is_placeholder.sum()) == len(patch_rows), "a placeholder token without its source"
+    input_ids[is_placeholder] = 0  # overwritten on the device; a valid id meanwhile
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
     positions = np.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + starts[seq_of_token]
 
     num_table_blocks = int(-(-seq_lens.max() // block_size))
-    tables = np.zeros((num_seqs, num_table_blocks), dtype=np.int64)  # padding reads block 0, masked out
+    tables = np.zeros((num_seqs, num_table_blocks), dtype=np.int32)
     for row, block_ids in enumerate(block_tables):
         used = block_ids[:num_table_blocks]
         tables[row, : len(used)] = used
-    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     sampling = np.fromiter((s.is_sampling for s in scheduled), dtype=bool, count=num_seqs)
-    logits_rows = query_start_loc[1:][sampling] - 1
-
-    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
-
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, torch.int64),
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(tables, torch.int32),
+    return HostBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=tables,
+        logits_rows=query_start_loc[1:][sampling] - 1,
+        patch_rows=np.array(patch_rows, dtype=np.int64),
+        patch_src=np.array(patch_src, dtype=np.int64),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
     )
-    return ModelInput(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=to_device(positions, torch.int64),
-        meta=meta,
-        logits_rows=to_device(logits_rows, torch.int64),
+
+
+def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
+    """A decode-only batch grown to `num_seqs` one-token sequences (a captured graph's size).
+
+    Padding sequences write no K/V (slot -1) and attend to one key of whatever block their stale
+    block-table row names: finite values, and their rows are never read."""
+    num_pad = num_seqs - batch.num_seqs
+    assert batch.max_query_len == 1 and num_pad >= 0
+    if num_pad == 0:
+        return batch
+    zeros = np.zeros(num_pad, dtype=np.int64)
+    return HostBatch(
+        input_ids=np.concatenate([batch.input_ids, zeros]),
+        positions=np.concatenate([batch.positions, zeros]),
+        slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]),
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=np.concatenate([batch.seq_lens, np.ones(num_pad, dtype=np.int32)]),
+        block_tables=batch.block_tables,  # rows past the real ones keep their stale (valid) ids
+        logits_rows=batch.logits_rows,
+        patch_rows=batch.patch_rows,
+        patch_src=batch.patch_src,
+        max_query_len=1,
+        max_seq_len=batch.max_seq_len,
     )
+
+
+def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
+    """Fresh tensors (the CPU path, where a copy is a no-op)."""
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    has_patches = batch.patch_rows.shape[0] > 0
+    return ModelInput(
+        input_ids=tensor(batch.input_ids),
+        positions=tensor(batch.positions),
+        meta=AttentionMetadata(tensor(batch.slot_mapping), tensor(batch.query_start_loc), tensor(batch.seq_lens),
+                               tensor(batch.block_tables), batch.max_query_len, batch.max_seq_len),
+        logits_rows=tensor(batch.logits_rows),
+        patch_rows=tensor(batch.patch_rows) if has_patches else None,
+        patch_src=tensor(batch.patch_src) if has_patches else None,
+    )
+
+
+_FIELDS_1D = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_rows",
+              "patch_rows", "patch_src")
+
+
+class InputBuffers:
+    """Persistent device inputs, filled from pinned staging arrays with asynchronous copies."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.device = device
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        lengths = {"input_ids": max_num_tokens, "positions": max_num_tokens, "slot_mapping": max_num_tokens,
+                   "query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs, "logits_rows": max_num_seqs,
+                   "patch_rows": max_num_seqs, "patch_src": max_num_seqs}  # fmt: skip
+        int32 = ("query_start_loc", "seq_lens")
+        self.device_1d = {name: torch.zeros(n, dtype=torch.int32 if name in int32 else torch.int64, device=device)
+                          for name, n in lengths.items()}  # fmt: skip
+        self.device_1d["seq_lens"].fill_(1)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._staging = [
+            ({name: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for name, t in self.device_1d.items()},
+             torch.empty(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
+        ]  # fmt: skip
+        self._turn = 0
+
+    def load(self, batch: HostBatch) -> ModelInput:
+        """Copy `batch` into the persistent tensors; the returned tensors are views of them."""
+        assert batch.num_tokens <= self.max_num_tokens and batch.num_seqs <= self.max_num_seqs
+        staging_1d, staging_tables = self._staging[self._turn]
+        self._turn ^= 1
+        views: dict[str, torch.Tensor] = {}
+        for name in _FIELDS_1D:
+            array: np.ndarray = getattr(batch, name)
+            n = array.shape[0]
+            staged = staging_1d[name][:n]
+            staged.numpy()[:] = array
+            views[name] = self.device_1d[name][:n]
+            if n:
+                views[name].copy_(staged, non_blocking=True)
+        num_seqs, num_cols = batch.block_tables.shape
+        staged_tables = staging_tables[: num_seqs * num_cols].view(num_seqs, num_cols)
+        staged_tables.numpy()[:] = batch.block_tables
+        self.block_tables[:num_seqs, :num_cols].copy_(staged_tables, non_blocking=True)
+        has_patches = batch.patch_rows.shape[0] > 0
+        return ModelInput(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            # Full-width table rows: the shape a captured graph saw (kernels read only the used columns).
+            meta=AttentionMetadata(views["slot_mapping"], views["query_start_loc"], views["seq_lens"],
+                                   self.block_tables[:num_seqs], batch.max_query_len, batch.max_seq_len),
+            logits_rows=views["logits_rows"],
+            patch_rows=views["patch_rows"] if has_patches else None,
+            patch_src=views["patch_src"] if has_patches else None,
+        )

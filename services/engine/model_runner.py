@@ -1,25 +1,34 @@
 """Runs one scheduled step on the device: inputs -> forward -> logits of sampling rows -> sampler.
 
 Owns the per-layer paged KV caches (`[2, num_blocks, block_size, num_kv_heads, head_dim]`, shapes
-from `model.spec`) and the sampler. Results reach the host in one transfer per step.
+from `model.spec`), the sampler and, on CUDA, the persistent input buffers and the decode graphs.
+
+`launch` enqueues a whole step without waiting for the GPU and returns a `StepHandle`; the step's
+results (sampled ids, logprobs) reach the host in one asynchronous copy, and `StepHandle.result()`
+is the step's one host sync. The sampled ids stay on the device too: the next step, launched before
+this one's results are read, takes its placeholder tokens from them (`pending_rows`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.engine import attention
 from services.engine.attention import AttentionMetadata
 from services.engine.config import EngineConfig
-from services.engine.input_batch import prepare_inputs
+from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.input_batch import InputBuffers, build_host_batch, pad_decode_batch, to_model_input
 from services.engine.models.base import CausalLM
 from services.engine.outputs import TokenLogprob
+from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_metadata import build_sampling_metadata
 from services.engine.scheduler import ScheduledRequest
+from services.engine.step_profile import GpuMarks, StepProfile
 
 log = logging.getLogger(__name__)
 
@@ -30,39 +39,148 @@ class StepResult:
     logprobs: list[TokenLogprob | None]  # likewise; None where not asked for
 
 
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step. `sampled_token_ids` [num_sampling] int64 lives on the device."""
+
+    kind: str  # "graph" (a captured decode graph) | "eager"
+    num_tokens: int
+    sampled_token_ids: torch.Tensor | None
+    packed: torch.Tensor | None  # float64 host copy: sampled ids, then logprob ids and values
+    ready: torch.cuda.Event | None  # recorded after the copy to the host (None: already there)
+    num_logprobs: list[int | None]  # per sampling row, the request's logprobs setting
+    logprob_width: int  # columns of the logprob block (0 when none was asked)
+    marks: GpuMarks | None = None
+
+    def result(self) -> StepResult:
+        """Wait for the step (the one host sync) and unpack its results."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.packed is None:
+            return StepResult([], [])
+        return _unpack(self.packed.tolist(), self.num_logprobs, self.logprob_width)
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        seed: int,
+        *,
+        max_num_seqs: int = 256,
+        max_num_tokens: int = 2048,
+        max_model_len: int | None = None,
+        cuda_graph_max_batch: int = 0,  # 0: no CUDA graphs
+        profile: StepProfile | None = None,
+    ) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
         self.sampler = Sampler(device, seed)
+        self.profile = profile or StepProfile()
+        self.buffers: InputBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda":
+            max_model_len = max_model_len or self.spec.max_model_len
+            self.buffers = InputBuffers(max(max_num_tokens, max_num_seqs), max_num_seqs,
+                                        -(-max_model_len // block_size), device)  # fmt: skip
+            # Graphs need kernels that read no host-side lengths: the Triton backend's.
+            if cuda_graph_max_batch > 0 and attention.backend_name() == "triton":
+                sizes = capture_sizes(min(cuda_graph_max_batch, max_num_seqs))
+                self.graphs = DecodeGraphs(model, self.kv_caches, self.buffers, sizes, max_model_len)
+
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]]) -> StepResult:
+        """Run a step and wait for its results."""
+        return self.launch(scheduled, block_tables).result()
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]]) -> StepResult:
-        batch = prepare_inputs(scheduled, block_tables, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [num_tokens, hidden]
+    def launch(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_tables: Sequence[Sequence[int]],
+        pending_rows: Mapping[Request, int] | None = None,  # placeholder last token -> row in previous
+        previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
+    ) -> StepHandle:
+        """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
+        profile = self.profile
+        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows)
+        num_tokens = batch.num_tokens
+        graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
+        if graph_size is not None:
+            batch = pad_decode_batch(batch, graph_size)
+        inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
+        marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
+        if marks is not None:
+            marks.start.record()
+        if inputs.patch_rows is not None and inputs.patch_src is not None:
+            assert previous is not None and previous.sampled_token_ids is not None
+            inputs.input_ids.index_copy_(0, inputs.patch_rows, previous.sampled_token_ids[inputs.patch_src])
+        profile.mark("prepare")
+
+        if graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(graph_size)  # [graph_size, hidden]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         sampling_requests = [s.request for s in scheduled if s.is_sampling]
+        kind = "eager" if graph_size is None else "graph"
         if not sampling_requests:
-            return StepResult([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampling, vocab]
+            if marks is not None:
+                marks.forward_done.record()
+                marks.sample_done.record()
+            profile.mark("forward")
+            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [num_sampling, vocab] fp32
+        if marks is not None:
+            marks.forward_done.record()
+        profile.mark("forward")
+
         meta = build_sampling_metadata(sampling_requests, self.spec.vocab_size, self.device)
         output = self.sampler(logits, meta)
-        return _to_host(output, [r.params.logprobs for r in sampling_requests])
+        num_logprobs = [r.params.logprobs for r in sampling_requests]
+        packed = _pack(output)
+        width = 0 if output.logprobs is None else output.logprobs.shape[1]
+        if self.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            packed = host
+        if marks is not None:
+            marks.sample_done.record()
+        handle = StepHandle(kind, num_tokens, output.sampled_token_ids, packed, _record_event(self.device),
+                            num_logprobs, width, marks)  # fmt: skip
+        profile.mark("sample")
+        return handle
 
 
-def _to_host(output: SamplerOutput, num_logprobs: list[int | None]) -> StepResult:
+def _record_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _pack(output: SamplerOutput) -> torch.Tensor:
     tensors = [output.sampled_token_ids.double()]
     if output.logprobs is not None and output.logprob_token_ids is not None:
         tensors += [output.logprob_token_ids.double().flatten(), output.logprobs.double().flatten()]
-    host = torch.cat(tensors).cpu().tolist()  # the step's one device -> host sync
+    return torch.cat(tensors)
+
+
+def _unpack(host: list[float], num_logprobs: list[int | None], width: int) -> StepResult:
     num_rows = len(num_logprobs)
     sampled = [int(t) for t in host[:num_rows]]
     logprobs: list[TokenLogprob | None] = [None] * num_rows
-    if output.logprobs is not None:
-        width = output.logprobs.shape[1]
-        num_entries = output.logprobs.numel()
+    if width:
+        num_entries = (len(host) - num_rows) // 2
         ids, values = host[num_rows : num_rows + num_entries], host[num_rows + num_entries :]
         lp_rows = (row for row, k in enumerate(num_logprobs) if k is not None)
         for i, row in enumerate(lp_rows):

@@ -6,7 +6,8 @@ greedy argmax | temperature -> min_p -> top_k -> top_p -> a draw.
 Filters zero out probabilities instead of renormalizing, and a draw is an inverse-CDF lookup with
 one uniform number per row: `searchsorted(cumsum(probs), u * total)`. That needs no sort of the
 vocabulary (top_p looks at the 256 most likely tokens and sorts only rows they do not settle), no
-vocabulary-sized random tensor and no host sync. Rows with a seed draw `u` from their private
+vocabulary-sized random tensor and no host sync (on CUDA top_p sorts every row instead of syncing
+to find the few that need it; top_k's width comes from the host). Rows with a seed draw `u` from their private
 generator, so their tokens do not depend on which other sequences share the step.
 """
 
@@ -101,7 +102,7 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p[:, None]
         probs.masked_fill_(probs < threshold, 0.0)
     if meta.top_k is not None:
-        max_k = int(meta.top_k.max())
+        max_k = min(meta.max_top_k, probs.shape[1])
         top = probs.topk(max_k, dim=-1).values  # [num_rows, max_k]
         kth = top.gather(1, (meta.top_k - 1).clamp(max=max_k - 1)[:, None])  # ties may keep a few more
         probs.masked_fill_(probs < kth, 0.0)
@@ -122,7 +123,11 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor: 
     candidates = probs.topk(num_candidates, dim=-1).values  # [num_rows, num_candidates], descending
     threshold = _threshold_in_sorted(candidates, target)
     unsettled = (candidates.sum(dim=-1, keepdim=True) < target) & (top_p[:, None] < 1.0)
-    if num_candidates < probs.shape[1] and bool(unsettled.any()):  # a flat distribution: sort those rows
+    if num_candidates < probs.shape[1] and probs.device.type == "cuda":
+        # No host sync to find the flat rows: sort every row (a GPU sorts a batch in well under a ms).
+        full = _threshold_in_sorted(probs.sort(dim=-1, descending=True).values, target)
+        threshold = torch.where(unsettled, full, threshold)
+    elif num_candidates < probs.shape[1] and bool(unsettled.any()):  # a flat distribution: sort those rows
         rows = unsettled[:, 0].nonzero()[:, 0]
         sorted_probs = probs[rows].sort(dim=-1, descending=True).values
         threshold[rows] = _threshold_in_sorted(sorted_probs, target[rows])

@@ -3,6 +3,8 @@
 Everything the sampler needs is gathered here with small per-request loops over Python lists, so
 that the sampler itself is pure batched tensor code. Optional features are None when no row in
 the step uses them, so the common case (plain temperature sampling or greedy) costs nothing extra.
+On CUDA the lists travel through pinned memory with asynchronous copies: a plain `torch.tensor(...,
+device="cuda")` would wait for the GPU to finish the step in flight, undoing the CPU/GPU overlap.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor  # [num_rows] bool
     temperature: torch.Tensor  # [num_rows] float32, 1.0 on greedy rows (no division by zero)
     top_k: torch.Tensor | None  # [num_rows] int64, vocab_size = off
+    max_top_k: int  # the largest top_k in use (host side: no sync to size the top-k call)
     top_p: torch.Tensor | None  # [num_rows] float32, 1.0 = off
     min_p: torch.Tensor | None  # [num_rows] float32, 0.0 = off
     logit_bias: SparseRows | None
@@ -59,9 +62,10 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
     return SamplingMetadata(
         num_rows=len(requests),
         is_all_greedy=all(is_greedy),
-        is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+        is_greedy=_to_device(is_greedy, torch.bool, device),
         temperature=_floats([1.0 if g else p.temperature for g, p in zip(is_greedy, params)], device),
         top_k=_ints(top_k, device) if any(k < vocab_size for k in top_k) else None,
+        max_top_k=max(top_k, default=vocab_size),
         top_p=_floats([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None,
         min_p=_floats([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in params) else None,
         logit_bias=_logit_bias(requests, device),
@@ -73,12 +77,19 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
     )
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    # The caching host allocator keeps the pinned source alive until the copy has run.
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _to_device(values, torch.float32, device)
 
 
 def _ints(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return _to_device(values, torch.int64, device)
 
 
 def _sparse(entries: list[tuple[int, int, float]], device: torch.device) -> SparseRows | None:
@@ -124,4 +135,4 @@ def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.devic
 
 def _padded(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+    return _to_device([r + [pad_id] * (width - len(r)) for r in rows], torch.int64, device)
