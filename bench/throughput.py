@@ -99,13 +99,8 @@ def build_models(name: str, max_model_len: int) -> tuple[Any, Any, Path]:
     config.save_pretrained(model_dir)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(model_dir)
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with CUDA:
-            hf = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with CUDA:  # initialised on the GPU, in bf16: seconds even for 8B
+        hf = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
     ours = load_model(model_dir, "bf16", CUDA, max_model_len=max_model_len, show_progress=False,
                       tensors=hf.state_dict().items())  # fmt: skip
     return hf, ours, model_dir

@@ -221,8 +221,8 @@ class Engine:
                     request.finish_reason = "stop"
                 else:
                     self.scheduler.finish([request], "stop")
-            elif not request.is_finished:
-                self.kv_cache.publish_known(request)
+            elif not request.is_finished and (position + 1) % self.config.block_size == 0:
+                self.kv_cache.publish_known(request)  # the token completed a block: it can be shared now
             is_last = request.is_finished and position == len(tokens) - 1
             outputs.append(_output(request, [token_id], None if logprob is None else [logprob],
                                    position + 1 - request.num_prompt_tokens, is_last))  # fmt: skip
