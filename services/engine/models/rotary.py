@@ -104,8 +104,10 @@ class RotaryEmbedding(nn.Module):
         if self.cos_cache is None or self.cos_cache.device != query.device:
             self.build_cache(query.device)
         assert self.cos_cache is not None and self.sin_cache is not None
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
-        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        if self.cos_cache.dtype != query.dtype:  # cast once (the same values as casting each gather)
+            self.cos_cache, self.sin_cache = self.cos_cache.to(query.dtype), self.sin_cache.to(query.dtype)
+        cos = self.cos_cache[positions][:, None, :]  # [num_tokens, 1, rotary_dim]
+        sin = self.sin_cache[positions][:, None, :]
         return _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
 
