@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 from shared.model_source import DEFAULT_MODEL, resolve_model_dir
+
+# Without a GPU the Triton kernels run in the interpreter. Set it here, before any test module can
+# import triton (transformers does, in some code paths): triton reads it once, on first use.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:  # redis and httpx are imported lazily: the GPU machine runs tests without them
     from shared.redis_server import PrivateRedis

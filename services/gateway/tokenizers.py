@@ -7,14 +7,18 @@ stall every stream (and time out the Redis reads). Concurrent first requests sha
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from services.gateway.token_text import TokenTexts
 from shared.model_source import resolve_model_dir
 
+_import_lock = threading.Lock()  # transformers' lazy imports fail when two threads race through them
+
 
 def _load(source: str | None) -> Any:
-    from transformers import AutoTokenizer  # imported here, in a worker thread
+    with _import_lock:
+        from transformers import AutoTokenizer  # imported here, in a worker thread
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(source)))
 
