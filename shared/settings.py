@@ -74,6 +74,7 @@ class EngineSettings(BaseSettings):
     redis_url: str = _REDIS_URL
     engine_id: str = Field(default_factory=lambda: _new_id("eng"))
     device: str = "auto"  # auto = cuda when available
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations and the KV cache
     cpu_threads: int | None = None  # torch intra-op threads; fewer avoids stalls when cores are shared
     dtype: str = "auto"
     block_size: int = 16

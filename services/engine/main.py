@@ -29,8 +29,10 @@ def build_engine(settings: EngineSettings) -> Engine:
         block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
         max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
         enable_prefix_caching=settings.enable_prefix_caching,
-        **({"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}),
+        gpu_memory_utilization=settings.gpu_memory_utilization,
     )
+    if settings.max_num_batched_tokens:  # else the engine's default
+        config.max_num_batched_tokens = settings.max_num_batched_tokens
     log.info("loading %s on %s (attention: %s)", config.model_dir, device, attention.backend_name())
     return Engine(config)
 
