@@ -273,10 +273,11 @@ class Frontend:
             return
         self._forget(gen.request_id)
         self.router.unregister(gen.current_id)
-        observe_generation(self.metrics, gen.model, gen.usage())
+        usage = gen.usage()
+        observe_generation(self.metrics, gen.model, usage)
         if gen.span is not None:
             gen.span.set_attributes({
-                "pagedserve.completion_tokens": gen.usage()["completion_tokens"],
+                "pagedserve.completion_tokens": usage["completion_tokens"],
                 "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
                 "pagedserve.migrations": gen.num_migrations,
             })

@@ -38,7 +38,6 @@ class ModelRegistry:
         self.redis, self.refresh_s = redis, refresh_s
         self.models: dict[str, ModelEntry] = {}  # every model ever seen; engines = the live ones
         self.is_redis_up = False
-        self._sources: dict[str, str | None] = {}
 
     def live_models(self) -> list[ModelEntry]:
         return [m for m in self.models.values() if m.is_live]

@@ -46,7 +46,7 @@ def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
             parts.extend(c.delta.content or "" for c in chunk.choices)
         return "".join(parts)
 
-    async def run(replica_killer: asyncio.Task[None] | None = None) -> list[str]:
+    async def run() -> list[str]:
         async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as client:
             return list(await asyncio.gather(*(ask(client, p, stream=True) for p in PROMPTS)))
 
