@@ -1,6 +1,6 @@
 """The `pagedserve` command: `serve` runs everything on one machine; one subcommand per service.
 
-    pagedserve serve [--model NAME_OR_PATH ...] [--host H] [--port P]
+    pagedserve serve [--model NAME_OR_PATH ...] [--host H] [--port P] [--gpus 0,1,...] [--workers N]
     pagedserve gateway | tokenizer | engine [--<setting> VALUE ...]
 
 Every service flag is a field of that service's settings class (shared/settings.py), so a flag,
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL"))
     serve.add_argument("--api-key", action="append", default=[])
     serve.add_argument("--device", default=None)
+    serve.add_argument("--gpus", default=None, help="comma-separated GPU indexes: one engine per GPU per model "
+                       "(e.g. 0,1,2,3); default: one engine on --device")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="gateway processes sharing the port (default: a quarter of the CPU cores, 1 to 4)")
     serve.add_argument("--max-model-len", type=int, default=None)
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
@@ -109,11 +113,13 @@ def serve(args: argparse.Namespace) -> None:
     for model in models:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-        device_args = ["--device", args.device] if args.device else []
         commands.append([*me, "tokenizer", *model_args, *length_args])
-        commands.append([*me, "engine", *model_args, *length_args, *device_args])
+        for device in engine_devices(args):
+            device_args = ["--device", device] if device else []
+            commands.append([*me, "engine", *model_args, *length_args, *device_args])
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]
-    commands.append([*me, "gateway", "--host", args.host, "--port", str(args.port), *keys])
+    workers = args.workers or default_gateway_workers()
+    commands.append([*me, "gateway", "--host", args.host, "--port", str(args.port), "--workers", str(workers), *keys])
     children = [subprocess.Popen(cmd, env=env) for cmd in commands]
     print(f"pagedserve: serving on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
 
@@ -143,6 +149,18 @@ def serve(args: argparse.Namespace) -> None:
     failed = [c.args for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     if failed and not stopping:
         sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]!r}")
+
+
+def engine_devices(args: argparse.Namespace) -> list[str | None]:
+    """The device of each engine replica `serve` starts for a model: one per listed GPU."""
+    if not args.gpus:
+        return [args.device]
+    return [f"cuda:{int(index)}" for index in args.gpus.split(",") if index.strip()]
+
+
+def default_gateway_workers() -> int:
+    # One gateway process streams ~17k tokens/s; leave most cores to tokenizers, engines and clients.
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ class GatewaySettings(BaseSettings):
     max_logit_bias: int = 1024
     max_messages: int = 1024
     stream_maxlen: int = 100_000
+    # Redis connections of this process: the response reader, the registry and pipelined publishes
+    # need a few whatever the number of requests in flight.
+    redis_max_connections: int = 16
+    workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), each a whole gateway
+    reuse_port: bool = False  # SO_REUSEPORT on the listening socket (workers set it)
 
     @field_validator("api_keys", mode="before")
     @classmethod

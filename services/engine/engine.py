@@ -51,6 +51,10 @@ class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cuda" and self.device.index is not None:
+            # CUDA graph capture, Triton launches and the NCCL/cuBLAS handles use the *current*
+            # device: an engine on cuda:1 must make it current before it allocates anything.
+            torch.cuda.set_device(self.device)
         if model is None:
             from services.engine.models import load_model
 

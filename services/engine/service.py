@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -91,6 +92,9 @@ class EngineService:
         After `stop()` the replica pulls no new work and says so in its heartbeat (gateways stop
         counting it as live), finishes what it holds until `drain_timeout_s`, and exits; whatever is
         left unfinished is taken over by other replicas once its heartbeat record is gone."""
+        # The I/O thread must not wait out the default 5 ms GIL switch interval while this loop runs
+        # Python between kernels: that wait would be added to every request's first token.
+        sys.setswitchinterval(0.0005)
         self._io_thread.start()
         self._io_ready.wait()
         log.info("engine %s serving %s", self.settings.engine_id, self.model)
@@ -256,17 +260,18 @@ class EngineService:
                 await asyncio.sleep(0.01)
                 continue
             try:
-                entries = await reader.read(count=8, block_ms=200)
-                entries += await reader.claim_stale(count=8)
+                await self._take(reader, await reader.read(count=8, block_ms=200))
+                await self._take(reader, await reader.claim_stale_if_due(count=8))
             except _REDIS_ERRORS as exc:
                 await _backoff("reading requests", exc)
-                continue
-            for entry in entries:
-                if isinstance(entry.message, GenerateRequest):
-                    self.inbox.put(("generate", (entry.entry_id, entry.message)))
-                else:
-                    log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
-                    await reader.ack(entry.entry_id)
+
+    async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
+        for entry in entries:
+            if isinstance(entry.message, GenerateRequest):
+                self.inbox.put(("generate", (entry.entry_id, entry.message)))
+            else:
+                log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
+                await reader.ack(entry.entry_id)
 
     async def _read_aborts(self, redis: Any) -> None:
         stream, last_id = streams.control_stream(self.model), "$"
@@ -307,27 +312,41 @@ class EngineService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
+        """Everything the compute loop sent since the last round trip goes out as one pipeline:
+        each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended."""
         assert self._outbox is not None
         maxlen = self.settings.stream_maxlen
         while True:
-            kind, payload = await self._outbox.get()
-            if kind == "close":
-                return
-            try:
+            items = [await self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            pipe = redis.pipeline(transaction=False)
+            acks: list[bytes] = []
+            for kind, payload in items:
                 if kind == "deltas":
                     by_gateway, finished = payload
                     for gateway_id, deltas in by_gateway.items():
-                        await streams.publish(redis, streams.response_stream(gateway_id), deltas, maxlen)
-                    await reader.ack(*finished)
+                        _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
+                    acks.extend(finished)
                 elif kind == "error":
                     reply_to, error, entry_id = payload
-                    await streams.publish(redis, streams.response_stream(reply_to), error, maxlen)
-                    await reader.ack(entry_id)
+                    _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
+                    acks.append(entry_id)
                 elif kind == "ack":
-                    await reader.ack(payload)
+                    acks.append(payload)
+            if acks:
+                pipe.xack(reader.stream, reader.group, *acks)
+            try:
+                await pipe.execute()
             except _REDIS_ERRORS as exc:
                 # The entries stay pending; the gateway notices the silence and ends those streams.
-                log.warning("could not publish %s: %s", kind, exc)
+                log.warning("could not publish %d outputs: %s", len(items), exc)
+            if any(kind == "close" for kind, _ in items):
+                return
+
+
+def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:
+    pipe.xadd(stream, {streams.DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
 
 
 def _wire_logprobs(logprobs: Any) -> list[Any] | None:

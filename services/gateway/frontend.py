@@ -33,6 +33,7 @@ from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
 from shared import streams, telemetry
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+from shared.publisher import Publisher
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class ChoiceUpdate:
     token_ids: list[int]
     logprobs: list[Any] | None  # per token [logprob, [[token_id, logprob], ...]]
     finish_reason: str | None
+
+    def extended(self, later: ChoiceUpdate) -> ChoiceUpdate:
+        """This update followed by a later one of the same choice, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else [
+            *(self.logprobs or []), *(later.logprobs or [])
+        ]
+        return ChoiceUpdate(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
+                            later.finish_reason or self.finish_reason)
 
 
 @dataclass(slots=True)
@@ -109,11 +118,30 @@ class Generation:
                         silent_since = time.monotonic()  # engines are alive but busy: keep waiting
                     continue
                 silent_since = time.monotonic()
-                update = self._apply(reply)
-                if update is not None:
+                merged: dict[int, ChoiceUpdate] = {}
+                error: APIError | None = None
+                try:
+                    self._apply_ready(reply, merged)
+                except APIError as exc:
+                    error = exc  # what came before it still goes out
+                for update in merged.values():
                     yield update
+                if error is not None:
+                    raise error
         finally:
             self.frontend.release(self)
+
+    def _apply_ready(self, reply: Any, merged: dict[int, ChoiceUpdate]) -> None:
+        """Apply `reply` and every reply already queued behind it, one merged update per choice: a
+        client that fell behind gets one chunk (one write) for all it missed, not one per step."""
+        while True:
+            update = self._apply(reply)
+            if update is not None:
+                previous = merged.get(update.index)
+                merged[update.index] = update if previous is None else previous.extended(update)
+            if self.is_finished or self.queue.empty():
+                return
+            reply = self.queue.get_nowait()
 
     def _apply(self, reply: Any) -> ChoiceUpdate | None:
         if isinstance(reply, Disconnected):
@@ -167,7 +195,8 @@ class Generation:
 class Frontend:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = streams.connect(settings.redis_url)
+        self.redis = streams.connect(settings.redis_url, settings.redis_max_connections)
+        self.publisher = Publisher(self.redis)  # every XADD of every request, pipelined
         self.router = ResponseRouter(self.redis, settings.gateway_id)
         self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
         self.num_in_flight = 0
@@ -177,7 +206,7 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self.router.run()), asyncio.create_task(self.registry.run())]
+        self._tasks = [asyncio.create_task(task.run()) for task in (self.router, self.registry, self.publisher)]
         try:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
@@ -242,7 +271,7 @@ class Frontend:
         queue = self.router.register(req.request_id)
         try:
             tokenizer, token_texts = await self.tokenizers.get(req.model, entry.model_source)
-            await streams.publish(self.redis, streams.request_stream(req.model), req, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.request_stream(req.model), req, self.settings.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
         except _REDIS_ERRORS as exc:
             self._forget(req.request_id)
@@ -303,7 +332,7 @@ class Frontend:
         )
         try:
             await self.abort(gen.model, old_id)
-            await streams.publish(self.redis, streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
         except _REDIS_ERRORS as exc:
             raise APIError(503, f"could not move the request to another engine: {exc}", retry_after=2) from None
 
@@ -319,6 +348,6 @@ class Frontend:
     async def abort(self, model: str, request_id: str, choice_indexes: list[int] | None = None) -> None:
         msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
-            await streams.publish(self.redis, streams.control_stream(model), msg, 10_000)
+            await self.publisher.publish(streams.control_stream(model), msg, 10_000)
         except _REDIS_ERRORS as exc:
             log.warning("could not send abort for %s: %s", request_id, exc)
