@@ -79,6 +79,7 @@ class EngineService:
         self.stopping = threading.Event()
         self.drain_deadline = float("inf")
         self.step_count = 0
+        self.num_requests_finished = 0
         self.last_stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
@@ -194,6 +195,7 @@ class EngineService:
                                                "pagedserve.cached_tokens": out.num_cached_tokens})
                     state.span.end()
                     finished_entries.append(state.entry_id)
+                    self.num_requests_finished += 1
                     del self.active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
@@ -302,7 +304,7 @@ class EngineService:
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
-                supports_choice_abort=True,
+                supports_choice_abort=True, num_requests_finished=self.num_requests_finished,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)
