@@ -154,7 +154,7 @@ class Generation:
     async def _migrate(self) -> None:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
-        if len(self.choices) != 1 or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+        if self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
             raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
                            code="engine_lost")
         self.num_migrations += 1
@@ -299,8 +299,12 @@ class Frontend:
             request_id=gen.current_id, reply_to=self.settings.gateway_id, model=gen.model,
             prompt_token_ids=gen.accepted.prompt_token_ids,
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens}, arrival_time=time.time(),
-            output_token_ids=list(gen.choices[0].token_ids),
         )
+        if len(gen.choices) == 1:
+            request.output_token_ids = list(gen.choices[0].token_ids)
+        else:  # only the choices still running, under their own indexes
+            request.choice_indexes = [i for i in range(len(gen.choices)) if i not in gen.finish_reasons]
+            request.choice_output_token_ids = [list(gen.choices[i].token_ids) for i in request.choice_indexes]
         try:
             await self.abort(gen.model, old_id)
             await streams.publish(self.redis, streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
