@@ -45,6 +45,7 @@ class GatewaySettings(BaseSettings):
     max_logit_bias: int = 1024
     max_messages: int = 1024
     stream_maxlen: int = 100_000
+    drain_timeout_s: float = 30.0  # on SIGTERM: let requests in flight finish for at most this long
 
     @field_validator("api_keys", mode="before")
     @classmethod

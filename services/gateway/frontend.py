@@ -175,9 +175,11 @@ class Frontend:
         self.tokenizers = TokenizerCache()
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._readers: list[asyncio.Task[None]] = []  # the router and the registry, of _tasks
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self.router.run()), asyncio.create_task(self.registry.run())]
+        self._readers = [asyncio.create_task(self.router.run()), asyncio.create_task(self.registry.run())]
+        self._tasks = list(self._readers)
         try:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
@@ -192,6 +194,9 @@ class Frontend:
             log.warning("could not load the tokenizer of %s: %s", model, exc)
 
     async def stop(self) -> None:
+        spawned = [t for t in self._tasks if t not in self._readers]  # aborts on their way to the engines
+        if spawned:
+            await asyncio.wait(spawned, timeout=2.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
