@@ -67,6 +67,10 @@ class GenerateRequest:
     traceparent: str | None = None
     # A continuation (migration to another replica) carries the tokens already streamed.
     output_token_ids: list[int] = field(default_factory=list)
+    # An n > 1 continuation instead carries, per choice still running, its original index and the tokens
+    # it already streamed (choices that finished are not resumed; the replies keep these indexes).
+    choice_indexes: list[int] = field(default_factory=list)
+    choice_output_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

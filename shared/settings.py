@@ -50,6 +50,7 @@ class GatewaySettings(BaseSettings):
     redis_max_connections: int = 16
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), each a whole gateway
     reuse_port: bool = False  # SO_REUSEPORT on the listening socket (workers set it)
+    drain_timeout_s: float = 30.0  # on SIGTERM: let requests in flight finish for at most this long
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -94,22 +94,25 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
+        choice_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         """Queue a request (n choices). `output_token_ids` continue a request another replica began:
         they count towards max_tokens, min_tokens and penalties and are never emitted again.
+        `choice_output_token_ids` continue some choices of an n > 1 request the same way (original
+        choice index -> its tokens so far): only those choices run, under their original indexes.
         Raises ValueError (naming the parameter) for input the engine cannot serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params.validate(self.vocab_size)
-        prompt, outputs = list(prompt_token_ids), list(output_token_ids)
+        prompt = list(prompt_token_ids)
+        resumed = _choices_to_run(params.n, list(output_token_ids), choice_output_token_ids)
         if not prompt:
             raise ValueError("prompt: must not be empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt + outputs):
+        if any(not 0 <= t < self.vocab_size for t in prompt + [t for ts in resumed.values() for t in ts]):
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        if outputs and params.n != 1:
-            raise ValueError("n: a continuation must have n == 1")
-        if len(prompt) + len(outputs) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt) + len(outputs)} tokens leave no room in the context "
+        num_context = len(prompt) + max(len(ts) for ts in resumed.values())
+        if num_context >= self.max_model_len:
+            raise ValueError(f"prompt: {num_context} tokens leave no room in the context "
                              f"of {self.max_model_len}")
         max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
@@ -119,7 +122,7 @@ class Engine:
         choices = [
             Request.create(request_id, index, prompt, outputs, params.for_choice(index), max_tokens,
                            self.eos_token_ids, arrival, self.device)
-            for index in range(params.n)
+            for index, outputs in resumed.items()
         ]
         self._requests[request_id] = choices
         for request in choices:
@@ -307,6 +310,21 @@ def _output(
         num_output_tokens=request.num_output_tokens if num_output_tokens is None else num_output_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
+
+
+def _choices_to_run(
+    n: int, output_token_ids: list[int], choice_output_token_ids: Mapping[int, Sequence[int]] | None
+) -> dict[int, list[int]]:
+    """Choice index -> the output tokens it starts from, in index order."""
+    if choice_output_token_ids is None:
+        if output_token_ids and n != 1:
+            raise ValueError("n: an n > 1 continuation gives each choice's tokens (choice_output_token_ids)")
+        return {index: output_token_ids for index in range(n)}
+    if output_token_ids:
+        raise ValueError("output_token_ids: give either output_token_ids or choice_output_token_ids")
+    if not choice_output_token_ids or any(not 0 <= i < n for i in choice_output_token_ids):
+        raise ValueError(f"n: a continuation resumes one or more of the choices 0..{n - 1}")
+    return {index: list(choice_output_token_ids[index]) for index in sorted(choice_output_token_ids)}
 
 
 def _fit_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

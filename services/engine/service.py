@@ -155,7 +155,8 @@ class EngineService:
             return
         try:
             params = sampling_params_from_wire(req.sampling)
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids)
+            resumed = _resumed_choices(req)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
@@ -165,9 +166,11 @@ class EngineService:
             "engine.generate", context=telemetry.context_from(req.traceparent),
             attributes={"pagedserve.request_id": req.request_id, "pagedserve.engine_id": self.settings.engine_id,
                         "pagedserve.prompt_tokens": len(req.prompt_token_ids),
-                        "pagedserve.continued_tokens": len(req.output_token_ids)},
+                        "pagedserve.continued_tokens": len(req.output_token_ids)
+                        + sum(len(ts) for ts in req.choice_output_token_ids)},
         )
-        self.active[req.request_id] = _Active(entry_id, req.reply_to, params.n, span)
+        num_choices = params.n if resumed is None else len(resumed)
+        self.active[req.request_id] = _Active(entry_id, req.reply_to, num_choices, span)
 
     def _publish_step(self, outputs: list[Any]) -> None:
         self.step_count += 1
@@ -349,6 +352,17 @@ class EngineService:
 
 def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:
     pipe.xadd(stream, {streams.DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+
+
+def _resumed_choices(req: GenerateRequest) -> dict[int, list[int]] | None:
+    """An n > 1 continuation's choices (index -> tokens so far), or None for a whole request."""
+    if not req.choice_indexes and not req.choice_output_token_ids:
+        return None
+    if len(req.choice_indexes) != len(req.choice_output_token_ids) or len(set(req.choice_indexes)) != len(
+        req.choice_indexes
+    ):
+        raise ValueError("choice_indexes: one distinct index per choice_output_token_ids list")
+    return dict(zip(req.choice_indexes, req.choice_output_token_ids))
 
 
 def _wire_logprobs(logprobs: Any) -> list[Any] | None:

@@ -182,7 +182,7 @@ class Generation:
     async def _migrate(self) -> None:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
-        if len(self.choices) != 1 or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+        if self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
             raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
                            code="engine_lost")
         self.num_migrations += 1
@@ -204,9 +204,12 @@ class Frontend:
         self.tokenizers = TokenizerCache()
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._readers: list[asyncio.Task[None]] = []  # the router and the registry, of _tasks
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(task.run()) for task in (self.router, self.registry, self.publisher)]
+        # Long-running: the reply reader, the registry and the publisher (which spawned aborts still need).
+        self._readers = [asyncio.create_task(task.run()) for task in (self.router, self.registry, self.publisher)]
+        self._tasks = list(self._readers)
         try:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
@@ -221,6 +224,9 @@ class Frontend:
             log.warning("could not load the tokenizer of %s: %s", model, exc)
 
     async def stop(self) -> None:
+        spawned = [t for t in self._tasks if t not in self._readers]  # aborts on their way to the engines
+        if spawned:
+            await asyncio.wait(spawned, timeout=2.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -328,8 +334,12 @@ class Frontend:
             request_id=gen.current_id, reply_to=self.settings.gateway_id, model=gen.model,
             prompt_token_ids=gen.accepted.prompt_token_ids,
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens}, arrival_time=time.time(),
-            output_token_ids=list(gen.choices[0].token_ids),
         )
+        if len(gen.choices) == 1:
+            request.output_token_ids = list(gen.choices[0].token_ids)
+        else:  # only the choices still running, under their own indexes
+            request.choice_indexes = [i for i in range(len(gen.choices)) if i not in gen.finish_reasons]
+            request.choice_output_token_ids = [list(gen.choices[i].token_ids) for i in request.choice_indexes]
         try:
             await self.abort(gen.model, old_id)
             await self.publisher.publish(streams.generate_stream(gen.model), request, self.settings.stream_maxlen)

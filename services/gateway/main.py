@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from services.gateway.app import build_app
+from services.gateway.drain import DrainingServer
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,12 @@ def main(settings: GatewaySettings) -> None:
 def serve(settings: GatewaySettings) -> None:
     """One gateway process; uvicorn picks uvloop and httptools (both installed) for its loop and parser."""
     sock = listening_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
+    app = build_app(settings)
     config = uvicorn.Config(
-        build_app(settings), log_level="info", timeout_graceful_shutdown=30, access_log=False,
-        backlog=max(2048, settings.max_in_flight),
+        app, log_level="info", access_log=False, backlog=max(2048, settings.max_in_flight),
+        timeout_graceful_shutdown=5,  # after our own drain (drain.py) only idle connections are left
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, app.state.frontend, settings.drain_timeout_s).run(sockets=[sock])
 
 
 def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:

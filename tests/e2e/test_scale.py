@@ -134,4 +134,5 @@ def test_1024_concurrent_streams_over_two_workers_and_two_engines(scaled: Scaled
     finally:
         r.close()
     # Pull-based admission spreads the work: both replicas took a share of it.
-    assert all(b.num_requests_finished > 0 for b in beats.values()), {k: b.num_requests_finished for k, b in beats.items()}
+    finished = {engine_id: beat.num_requests_finished for engine_id, beat in beats.items()}
+    assert all(count > 0 for count in finished.values()), finished
