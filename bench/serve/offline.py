@@ -94,6 +94,8 @@ def run_single(engine: Any, requests: list[BenchRequest], device: str) -> dict[s
 def run_offline(args: argparse.Namespace, main: list[BenchRequest], single: list[BenchRequest]) -> dict[str, Any]:
     """Both offline runs; the engine and its memory are gone when this returns."""
     device = args.offline_device
+    if args.offline_cpu_threads:
+        torch.set_num_threads(args.offline_cpu_threads)
     start = time.perf_counter()
     engine = build_engine(args)
     startup = time.perf_counter() - start

@@ -44,7 +44,7 @@ def check_run(summary: dict[str, Any], num: int, output_len: int | None) -> None
 def test_quick_run_with_sweep_offline_and_two_client_processes(services: RunningServices, tmp_path: Path) -> None:
     report = run_bench(["--url", services.base_url, "--model", services.model, "--concurrency-sweep", "1,4",
                         "--client-processes", "2", "--offline", "--offline-device", "cpu",
-                        "--offline-dtype", "float32", "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"],
+                        "--offline-dtype", "float32", "--offline-cpu-threads", "1", "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"],
                        tmp_path, "quick")  # fmt: skip
     runs = report["runs"]
     check_run(runs["main"], 8, 8)
