@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -42,21 +43,21 @@ def check_run(summary: dict[str, Any], num: int, output_len: int | None) -> None
 
 
 def test_quick_run_with_sweep_offline_and_two_client_processes(services: RunningServices, tmp_path: Path) -> None:
+    offline = ["--offline", "--offline-device", "cpu", "--offline-dtype", "float32", "--offline-cpu-threads", "1"]
+    slos = ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"]  # nothing can miss them
     report = run_bench(["--url", services.base_url, "--model", services.model, "--concurrency-sweep", "1,4",
-                        "--client-processes", "2", "--offline", "--offline-device", "cpu",
-                        "--offline-dtype", "float32", "--offline-cpu-threads", "1", "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"],
-                       tmp_path, "quick")  # fmt: skip
+                        "--client-processes", "2", *offline, *slos], tmp_path, "quick")  # fmt: skip
     runs = report["runs"]
     check_run(runs["main"], 8, 8)
     assert runs["main"]["input_tokens"] == 8 * 32  # token-id prompts: exactly --input-len
-    assert runs["main"]["goodput"]["good_requests"] == 8  # SLOs nothing can miss
+    assert runs["main"]["goodput"]["good_requests"] == 8
     check_run(runs["single stream"], 2, 8)
     assert [row["max_concurrency"] for row in report["sweep"]] == [1, 4]
     for row in report["sweep"]:
         check_run(row, 8, 8)
-    offline = report["offline"]
-    assert offline["throughput"]["output_tokens"] == 8 * 8 and offline["throughput"]["output_throughput"] > 0
-    assert offline["single"]["ttft_ms"]["p50"] > 0 and offline["single"]["itl_ms"]["p50"] > 0
+    engine = report["offline"]
+    assert engine["throughput"]["output_tokens"] == 8 * 8 and engine["throughput"]["output_throughput"] > 0
+    assert engine["single"]["ttft_ms"]["p50"] > 0 and engine["single"]["itl_ms"]["p50"] > 0
     tax = report["pipeline_tax"]
     assert tax["served_over_offline"] == round(runs["main"]["output_throughput"] / tax["offline_output_throughput"], 3)
     assert tax["single_ttft_ms_p50"]["served"] == runs["single stream"]["ttft_ms"]["p50"]
@@ -82,7 +83,7 @@ def test_quick_chat_mix_over_the_chat_endpoint(services: RunningServices, tmp_pa
 
 def test_poisson_arrivals_have_the_requested_rate() -> None:
     offsets = arrival_offsets(4000, rate=50.0, seed=3)
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
     assert math.isclose(statistics.mean(gaps), 1 / 50, rel_tol=0.06)
     assert math.isclose(statistics.stdev(gaps), 1 / 50, rel_tol=0.1)  # exponential: sd == mean
@@ -94,7 +95,7 @@ def test_length_distributions_stay_in_range() -> None:
     rng = random.Random(0)
     assert {sample_length(rng, 100, "fixed", 0.5) for _ in range(50)} == {100}
     for dist in ("uniform", "normal"):
-        values = [sample_length(rng, 100, dist, 0.25) for _ in range(2000)]  # type: ignore[arg-type]
+        values = [sample_length(rng, 100, dist, 0.25) for _ in range(2000)]
         assert min(values) >= 75 and max(values) <= 125 and abs(statistics.mean(values) - 100) < 2
         assert len(set(values)) > 20
 
