@@ -57,7 +57,7 @@ def sweep_plot(rows: list[dict[str, Any]], title: str, path: Path, offline_tps: 
     latency.set_ylabel("TTFT p50 (ms)", color="tab:red")
     lines = ax.get_legend_handles_labels()
     more = latency.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="best")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

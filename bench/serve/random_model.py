@@ -34,10 +34,12 @@ def pad_vocab(tokenizer_json: Path, vocab_size: int) -> int:
     return added
 
 
-def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len: int) -> Path:
+def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len: int, device: str) -> Path:
     import torch
 
     from bench import throughput
+
+    throughput.CUDA = torch.device(device)  # "cpu": a smoke test of the serving script on a CPU box
 
     missing = [name for name in TOKENIZER_FILES[:2] if not (tokenizer_dir / name).exists()]
     if missing:
@@ -47,7 +49,8 @@ def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out, max_shard_size="5GB")
     del hf
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     shutil.rmtree(scratch, ignore_errors=True)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -65,11 +68,12 @@ def main() -> None:
     parser.add_argument("--tokenizer-dir", type=Path,
                         default=Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct")  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     if (args.out / "config.json").exists():
         print(f"{args.out} exists; kept")
         return
-    write_random_model(args.shape, args.out, args.tokenizer_dir.expanduser(), args.max_model_len)
+    write_random_model(args.shape, args.out, args.tokenizer_dir.expanduser(), args.max_model_len, args.device)
 
 
 if __name__ == "__main__":

@@ -27,24 +27,33 @@ def _run_rows(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     env, wl = report["environment"], report["workload"]
-    lines = [f"# Serving benchmark: {report['model']} at {report['url']}", "",
+    where = f"at {report['url']}" if report["url"] else "(the engine alone)"
+    lines = [f"# Serving benchmark: {report['model']} {where}", "",
              f"{env['date']}, client on {env['client_host']}; server device: {env.get('device') or 'not given'}", "",
              f"`{env['command']}`", "",
              f"Workload: {wl['dataset']} dataset, {wl['num_prompts']} requests, input {wl['input_len']} / output "
              f"{wl['output_len']} tokens ({wl['length_dist']}, range ratio {wl['range_ratio']}), endpoint "
              f"{wl['endpoint']}, prompts as {wl['prompt_format']}, request rate {wl['request_rate']}, max "
              f"concurrency {wl['max_concurrency']}, ignore_eos {wl['ignore_eos']}, {wl['client_processes']} client "
-             f"process(es).", ""]  # fmt: skip
-    lines += _run_rows(report["runs"])
+             f"process(es)."]  # fmt: skip
+    if report["runs"]:
+        lines += ["", *_run_rows(report["runs"])]
+    offline = report.get("offline")
+    if offline:
+        lines += ["", f"## The engine alone ({offline['device']}, same prompts)", "",
+                  f"All {offline['throughput']['requests']} requests at once: "
+                  f"{offline['throughput']['output_throughput']:,.0f} out tok/s, "
+                  f"{offline['throughput']['total_token_throughput']:,.0f} total tok/s."]  # fmt: skip
+        if "single" in offline:
+            single = offline["single"]
+            lines.append(f"One at a time ({single['requests']} requests): time to first token ms p50/p90/p99 (mean) "
+                         f"{_dist(single['ttft_ms'])}, step time ms {_dist(single['itl_ms'])}.")  # fmt: skip
     if report.get("sweep"):
         lines += ["", "## Concurrency sweep", ""]
         lines += _run_rows({f"concurrency {row['max_concurrency']}": row for row in report["sweep"]})
     tax = report.get("pipeline_tax")
     if tax:
-        offline = report["offline"]
         lines += ["", "## Pipeline tax (served vs the engine alone, same prompts)", "",
-                  f"Offline engine on {offline['device']}: {offline['throughput']['output_throughput']:,.0f} out tok/s "
-                  f"({offline['throughput']['requests']} requests at once).", "",
                   "| metric | served | offline | served / offline or difference |", "| --- | --- | --- | --- |",
                   f"| output tok/s | {tax['served_output_throughput']:,.0f} | {tax['offline_output_throughput']:,.0f} "
                   f"| {tax['served_over_offline']:.1%} |"]  # fmt: skip
@@ -61,6 +70,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def make_plots(report: dict[str, Any], samples: dict[str, dict[str, list[float]]], stem: Path) -> list[str]:
     """samples: run name -> {"ttft_ms": [...], "itl_ms": [...]}."""
+    if not samples:
+        return []
     title = f"{report['model']} ({report['environment'].get('device') or report['url']})"
     paths = [plots.cdf_plot({name: s["ttft_ms"] for name, s in samples.items()}, "TTFT", f"TTFT CDF: {title}",
                             stem.with_name(stem.name + "_ttft_cdf.png")),
