@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     offline.add_argument("--offline-max-num-seqs", type=int, default=256)
     offline.add_argument("--offline-max-num-batched-tokens", type=int, default=8192)
     offline.add_argument("--offline-max-model-len", type=int, default=2048)
-    offline.add_argument("--offline-gpu-memory-utilization", type=float, default=0.9)
+    offline.add_argument("--offline-gpu-memory-utilization", type=float, default=0.9,
+                         help="as the engine's; a server on the same GPU counts as memory in use")  # fmt: skip
     offline.add_argument("--offline-cpu-threads", type=int, default=None, help="CPU: torch threads (shared cores: 1)")
     args = p.parse_args(argv)
     if args.quick:

@@ -84,7 +84,7 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
     result = RequestResult(time.time(), request.prompt_len, request.output_len)
     chat = config.endpoint == "chat"
     start = last = time.perf_counter()
-    num_chunks = 0
+    num_chunks, done = 0, False
     usage: dict[str, Any] | None = None
     try:
         async with session.post(config.url, json=request_body(config, request), headers=config.headers) as response:
@@ -97,6 +97,7 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -120,6 +121,8 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
         result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
     else:
         result.output_tokens = num_chunks
+    if not result.error and not done:
+        result.error = "the stream ended without [DONE]"
     if not result.error and num_chunks == 0:
         result.error = "the stream carried no content"
     return result
