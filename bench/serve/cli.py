@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import re
 import socket
@@ -90,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--offline-only needs --tokenizer (no server to tokenize with)")
     if args.offline and args.offline_from:
         p.error("--offline and --offline-from exclude each other")
-    if args.offline_device is None:
-        import torch
+    if args.offline_device is None and args.offline:
+        import torch  # only the offline engine needs it
 
         args.offline_device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
@@ -111,6 +112,8 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> dict[str, A
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "client_host": f"{socket.gethostname()} ({platform.machine()}, python {platform.python_version()})",
             "device": args.device_label,
+            # a server started beside the benchmark (bench/serve_gpu.sh) takes its engine settings from these
+            "pagedserve_env": {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_ENGINE_")},
             "command": "python -m bench.serve " + " ".join(sys.argv[1:] if argv is None else argv)}  # fmt: skip
 
 
