@@ -57,6 +57,8 @@ TAG=$(echo "$GPU" | awk '{print tolower($NF)}')  # "NVIDIA H100 80GB HBM3" -> hb
 case "$GPU" in *H100*) TAG=h100 ;; *H200*) TAG=h200 ;; esac
 MODEL_DIR="$MODEL_ROOT/$SHAPE-random"
 NAME="$SHAPE-random"  # the served model name: the directory's name
+# The offline result, kept beside the model too: a later call (PHASES=served) gets a fresh $OUT.
+OFFLINE_JSON=${OFFLINE_JSON:-$MODEL_ROOT/serve_${SHAPE}_${TAG}_offline.json}
 echo "== $SHAPE on $GPU -> $OUT" | tee "$OUT/serve_${SHAPE}_${TAG}.log"
 
 has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
@@ -73,6 +75,7 @@ if has_phase offline; then
   python3 -m bench.serve "${WORKLOAD[@]}" $OFFLINE_ARGS --offline-only --offline-model-dir "$MODEL_DIR" \
     --offline-device "$DEVICE" --offline-max-model-len "$MAX_MODEL_LEN" --result-name "serve_${SHAPE}_${TAG}_offline" \
     2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
+  cp "$OUT/serve_${SHAPE}_${TAG}_offline.json" "$OFFLINE_JSON"
 fi
 has_phase served || exit 0
 
@@ -101,5 +104,5 @@ sys.exit("the server was not ready after 600 s")
 EOF
 
 python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
-  --concurrency-sweep "$SWEEP" --offline-from "$OUT/serve_${SHAPE}_${TAG}_offline.json" \
+  --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" \
   --result-name "serve_${SHAPE}_${TAG}" 2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
