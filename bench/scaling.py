@@ -62,7 +62,7 @@ class HeartbeatMonitor(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(0.25):
             keys = list(self.client.scan_iter(match=self.pattern))
-            values: list[Any] = self.client.mget(keys) if keys else []  # type: ignore[assignment,unused-ignore]
+            values: Any = self.client.mget(keys) if keys else []  # redis-py types it as a sync-or-async union
             beats = [decode_as(raw, EngineHeartbeat) for raw in values if raw]
             self.samples.append({b.engine_id: b for b in beats})
 
