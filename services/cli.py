@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[])
     serve.add_argument("--device", default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs (processes) per engine replica")
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
     return parser
@@ -110,6 +111,8 @@ def serve(args: argparse.Namespace) -> None:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         device_args = ["--device", args.device] if args.device else []
+        if args.tensor_parallel_size:
+            device_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
         commands.append([*me, "tokenizer", *model_args, *length_args])
         commands.append([*me, "engine", *model_args, *length_args, *device_args])
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -100,6 +101,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    # Rank 0 alone decides when the replica ends (drain, then a stop message); a terminal's Ctrl-C or a
+    # supervisor's SIGTERM to the whole process group must not cut a worker out from under a drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     config = EngineConfig(**json.loads(args.config))
