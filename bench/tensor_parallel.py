@@ -86,6 +86,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
                         tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         gpu_memory_utilization=args.gpu_memory_utilization,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch,
                         num_kv_blocks=None if args.device == "cuda" else 256)  # fmt: skip
 
 
@@ -262,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cuda-graph-max-batch", type=int, default=512, help="0: no CUDA graphs (eager decode)")
+    parser.add_argument("--phase-timeout-s", type=float, default=540, help="a phase running longer is killed")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -286,9 +289,13 @@ def main() -> None:
         assert phase in PHASES, f"unknown phase {phase!r}; choose from {PHASES}"
         print(f"== {phase}", flush=True)
         start = time.perf_counter()
-        child = subprocess.run([sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--phase", phase,
-                                "--work-dir", str(work_dir)], env=os.environ.copy())  # fmt: skip
-        status = "done" if child.returncode == 0 else f"FAILED (exit {child.returncode})"
+        command = [sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--phase", phase,
+                   "--work-dir", str(work_dir)]  # fmt: skip
+        try:
+            returncode = subprocess.run(command, env=os.environ.copy(), timeout=args.phase_timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            returncode = -1  # run kills the child; its worker rank follows (it watches its parent)
+        status = "done" if returncode == 0 else f"FAILED (exit {returncode})"
         print(f"   {phase} {status} in {time.perf_counter() - start:.0f} s", flush=True)
     results = {p: json.loads((work_dir / f"{p}.json").read_text()) for p in PHASES if (work_dir / f"{p}.json").exists()}
     summary = summarize(results)
