@@ -280,7 +280,8 @@ def main() -> None:
             torch.set_num_threads(1)
         result = run_phase(args.phase, args)
         (args.work_dir / f"{args.phase}.json").write_text(json.dumps(result))
-        return
+        sys.stdout.flush()
+        os._exit(0)  # no NCCL teardown at exit (see parallel/state.shutdown_parallel)
     # Phases read each other's JSON here (8b-fp32 scores the bf16 runs' tokens): pass --work-dir to
     # run phases in separate invocations and still get one report.
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedserve-tp-bench-"))

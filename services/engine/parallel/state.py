@@ -84,5 +84,8 @@ def init_parallel(rank: int, world_size: int, init_method: str, device: torch.de
 
 
 def shutdown_parallel() -> None:
-    if dist.is_initialized():
+    """Leave the groups. NCCL groups are left to process exit: destroying a communicator whose
+    collectives were captured in CUDA graphs can hang (pytorch/pytorch#115388), and a tensor-parallel
+    replica ends with its processes anyway."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()

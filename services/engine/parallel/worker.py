@@ -114,7 +114,10 @@ def main() -> None:
         runner.capture_graphs()
     log.info("rank %d ready", args.rank)
     serve_steps(runner, ctx)
+    log.info("rank %d stopped", args.rank)
     shutdown_parallel()
+    logging.shutdown()
+    os._exit(0)  # skip interpreter teardown: CUDA/NCCL destructors have nothing left to do here
 
 
 if __name__ == "__main__":
