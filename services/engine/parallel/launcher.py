@@ -47,11 +47,13 @@ def _free_port() -> int:
 class TensorParallelDriver:
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
+        import torch
+
+        if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         config_json = json.dumps({k: str(v) if k == "model_dir" else v
                                   for k, v in dataclasses.asdict(config).items()})  # fmt: skip
-        import torch
-
         threads = str(torch.get_num_threads())
         self.workers = [
             subprocess.Popen([sys.executable, "-m", "services.engine.parallel.worker", "--rank", str(rank),
