@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # the CPU smoke run
 }  # fmt: skip
-PHASES = ("8b-tp1", "8b-tp2", "8b-fp32", "70b-tp2")
+PHASES = ("8b-tp1", "8b-tp2", "8b-fp32", "70b-tp2")  # the default run; also 8b-tp4, 70b-tp4, ... (N GPUs)
 ITL_TARGET = 0.6  # TP=2 single-stream ITL <= 0.6x TP=1's (the issue's target)
 
 
@@ -226,6 +227,12 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                                            for r, f in zip(run["greedy"], ref["greedy"])]  # fmt: skip
             summary[f"{name}_logprob_abs_error_vs_fp32"] = {"max": round(max(errors), 4),
                                                             "mean": round(sum(errors) / len(errors), 5)}  # fmt: skip
+    for name, run in results.items():  # other sizes (4 GPUs, ...) against one GPU
+        if tp1 and name.startswith("8b-tp") and name not in ("8b-tp1", "8b-tp2") and "throughput" in run:
+            size = name.removeprefix("8b-")
+            summary[f"{size}_over_tp1_throughput"] = round(run["throughput"]["output_tokens_per_s"]
+                                                           / tp1["throughput"]["output_tokens_per_s"], 3)  # fmt: skip
+            summary[f"{size}_over_tp1_itl_p50"] = round(run["itl"]["itl_ms_p50"] / tp1["itl"]["itl_ms_p50"], 3)
     if tp1 and tp2:
         summary["tp2_over_tp1_throughput"] = round(tp2["throughput"]["output_tokens_per_s"]
                                                    / tp1["throughput"]["output_tokens_per_s"], 3)  # fmt: skip
@@ -287,7 +294,8 @@ def main() -> None:
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedserve-tp-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     for phase in [p for p in args.phases.split(",") if p]:
-        assert phase in PHASES, f"unknown phase {phase!r}; choose from {PHASES}"
+        if not re.fullmatch(r"(8b|70b)-tp\d+|8b-fp32", phase):
+            sys.exit(f"unknown phase {phase!r}: <8b|70b>-tp<N> or 8b-fp32")
         print(f"== {phase}", flush=True)
         start = time.perf_counter()
         command = [sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--phase", phase,
@@ -298,7 +306,7 @@ def main() -> None:
             returncode = -1  # run kills the child; its worker rank follows (it watches its parent)
         status = "done" if returncode == 0 else f"FAILED (exit {returncode})"
         print(f"   {phase} {status} in {time.perf_counter() - start:.0f} s", flush=True)
-    results = {p: json.loads((work_dir / f"{p}.json").read_text()) for p in PHASES if (work_dir / f"{p}.json").exists()}
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(work_dir.glob("*b-*.json"))}
     summary = summarize(results)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": "python -m bench.tensor_parallel " + " ".join(sys.argv[1:]),
