@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=None,
                        help="gateway processes sharing the port (default: a quarter of the CPU cores, 1 to 4)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs (processes) per engine replica")
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
     return parser
@@ -109,18 +110,19 @@ def serve(args: argparse.Namespace) -> None:
               flush=True)
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_url}
     me = [sys.executable, "-m", "services.cli"]
-    commands = []
+    commands: list[tuple[list[str], dict[str, str]]] = []  # (command line, extra environment)
     for model in models:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-        commands.append([*me, "tokenizer", *model_args, *length_args])
-        for device in engine_devices(args):
-            device_args = ["--device", device] if device else []
-            commands.append([*me, "engine", *model_args, *length_args, *device_args])
+        tp_args = ["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []
+        commands.append(([*me, "tokenizer", *model_args, *length_args], {}))
+        for device_args, replica_env in engine_replicas(args):
+            commands.append(([*me, "engine", *model_args, *length_args, *device_args, *tp_args], replica_env))
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]
     workers = args.workers or default_gateway_workers()
-    commands.append([*me, "gateway", "--host", args.host, "--port", str(args.port), "--workers", str(workers), *keys])
-    children = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    commands.append(([*me, "gateway", "--host", args.host, "--port", str(args.port), "--workers", str(workers),
+                      *keys], {}))
+    children = [subprocess.Popen(cmd, env={**env, **extra}) for cmd, extra in commands]
     print(f"pagedserve: serving on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
 
     stopping = False
@@ -151,11 +153,17 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]!r}")
 
 
-def engine_devices(args: argparse.Namespace) -> list[str | None]:
-    """The device of each engine replica `serve` starts for a model: one per listed GPU."""
+def engine_replicas(args: argparse.Namespace) -> list[tuple[list[str], dict[str, str]]]:
+    """The engine replicas `serve` starts for each model, as (device flags, environment): with --gpus, one
+    replica per group of --tensor-parallel-size GPUs, each seeing only its own GPUs."""
     if not args.gpus:
-        return [args.device]
-    return [f"cuda:{int(index)}" for index in args.gpus.split(",") if index.strip()]
+        return [(["--device", args.device] if args.device else [], {})]
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    size = args.tensor_parallel_size or 1
+    if len(gpus) % size:
+        raise SystemExit(f"pagedserve: --gpus lists {len(gpus)} GPUs, not a multiple of --tensor-parallel-size {size}")
+    groups = [gpus[i : i + size] for i in range(0, len(gpus), size)]
+    return [(["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ",".join(group)}) for group in groups]
 
 
 def default_gateway_workers() -> int:

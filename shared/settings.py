@@ -94,3 +94,4 @@ class EngineSettings(BaseSettings):
     drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for at most this long
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
+    tensor_parallel_size: int = 1  # one replica as N processes, one GPU each (rank r on cuda:r)

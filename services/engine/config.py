@@ -36,6 +36,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     warm_up: bool = True  # CUDA: compile kernels and capture graphs at start-up, not on the first request
     profile_steps: bool = False  # time each step's phases (Engine.profile)
+    # One replica as this many processes, one per GPU (services/engine/parallel); rank 0 is this one.
+    tensor_parallel_size: int = 1
+    parallel_timeout_s: float = 120.0  # a collective waiting longer than this fails (a rank died)
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors | "random": random weights from `seed`
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -47,6 +51,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks: must be >= 1")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch: must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size: must be >= 1")
+        if self.load_format not in ("auto", "random"):
+            raise ValueError(f"load_format: unknown {self.load_format!r} (expected 'auto' or 'random')")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 

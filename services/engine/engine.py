@@ -39,6 +39,7 @@ from services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
+from services.engine.parallel.launcher import TensorParallelDriver, build_rank_model
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
@@ -55,14 +56,18 @@ class Engine:
             # CUDA graph capture, Triton launches and the NCCL/cuBLAS handles use the *current*
             # device: an engine on cuda:1 must make it current before it allocates anything.
             torch.cuda.set_device(self.device)
+        self.parallel: TensorParallelDriver | None = None  # rank 0 of a tensor-parallel replica
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("model: a tensor-parallel engine loads its own shards")
+            self.parallel = TensorParallelDriver(config)  # starts ranks 1.. (they mirror the steps below)
         if model is None:
-            from services.engine.models import load_model
-
-            model = load_model(config.model_dir, config.dtype, self.device, max_model_len=config.max_model_len,
-                               show_progress=False)
+            model = build_rank_model(config, self.parallel.ctx if self.parallel else None)
         _select_attention_backend(self.device)
         spec = model.spec
         num_blocks = num_kv_blocks_for(model, config, spec.max_model_len)
+        if self.parallel is not None:
+            num_blocks = self.parallel.ctx.agree_min(num_blocks)
         self.max_model_len = _fit_max_model_len(config, spec.max_model_len, num_blocks)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.vocab_size = spec.vocab_size
@@ -77,6 +82,7 @@ class Engine:
             model, num_blocks, config.block_size, self.device, config.seed, max_num_seqs=config.max_num_seqs,
             max_num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             cuda_graph_max_batch=config.cuda_graph_max_batch, profile=self.profile,
+            step_sender=self.parallel.sender if self.parallel else None,
         )
         self.is_async = config.is_async_scheduling
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
@@ -237,6 +243,11 @@ class Engine:
                 self._forget_if_done(request.request_id)
         self.profile.mark("output")
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (no-op on one rank); the engine is unusable after."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
