@@ -32,6 +32,7 @@ from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 from shared.settings import GatewaySettings
 
@@ -173,6 +174,7 @@ class Frontend:
         self.num_in_flight = 0
         self.is_draining = False
         self.tokenizers = TokenizerCache()
+        self.outage = OutageLog(log)  # aborts that cannot be sent: one warning per outage, not one per request
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._readers: list[asyncio.Task[None]] = []  # the router and the registry, of _tasks
@@ -329,5 +331,6 @@ class Frontend:
         msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
             await streams.publish(self.redis, streams.control_stream(model), msg, 10_000)
+            self.outage.recovered()
         except _REDIS_ERRORS as exc:
-            log.warning("could not send abort for %s: %s", request_id, exc)
+            self.outage.failed(f"sending an abort for {request_id}", exc)

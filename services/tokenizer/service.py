@@ -16,10 +16,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.tokenizer.processor import PromptProcessor
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import ChatRequest, CompletionRequest, RequestError
 from shared.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+_MAX_BACKOFF_S = 2.0  # bounds how long after Redis returns the tokenizer takes requests again
 
 
 class TokenizerService:
@@ -37,6 +39,7 @@ class TokenizerService:
 
     async def run(self) -> None:
         backoff = 0.1
+        outage = OutageLog(log)
         log.info("tokenizer %s serving model %s", self.settings.consumer_name, self.model)
         while not self._stopping.is_set():
             try:
@@ -44,13 +47,14 @@ class TokenizerService:
                 while not self._stopping.is_set():
                     entries = await self.reader.read(count=32, block_ms=500)
                     entries += await self.reader.claim_stale()
+                    outage.recovered()
                     for entry in entries:
                         await self._handle(entry)
                     backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                outage.failed("reading requests", exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
         await self.redis.aclose()
 
     async def _handle(self, entry: streams.Entry) -> None:
