@@ -50,6 +50,7 @@ from shared.settings import EngineSettings
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
+_UNAVAILABLE = "service_unavailable_error"
 
 
 @dataclass(slots=True)
@@ -136,8 +137,7 @@ class EngineService:
             elif kind == "abort":
                 self._abort(payload.request_ids, payload.choice_indexes)
             elif kind == "lost":
-                self._fail([rid for rid in payload if rid in self.active], 503,
-                           "tokens of this request were lost: the engine could not reach Redis", "service_unavailable")
+                self._fail_lost(payload)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -221,6 +221,15 @@ class EngineService:
             error = RequestError(request_id, status, message, type=error_type)
             self._send(("error", (state.reply_to, error, state.entry_id)))
             self._remember(request_id)
+
+    def _fail_lost(self, lost: list[tuple[str, str]]) -> None:
+        """(request id, gateway) pairs whose tokens could not be published: end them with an error."""
+        message = "tokens of this request were lost: the engine could not reach Redis"
+        active = [rid for rid, _ in lost if rid in self.active]
+        self._fail(active, 503, message, _UNAVAILABLE)
+        for rid, reply_to in lost:  # finished in the very step whose tokens were lost: tell the gateway too
+            if rid not in active:
+                self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
 
     def _remember(self, request_id: str) -> None:
         self.recent[request_id] = None
@@ -350,20 +359,21 @@ class EngineService:
                 elif kind == "error":
                     reply_to, error, entry_id = payload
                     await streams.publish(redis, streams.response_stream(reply_to), error, maxlen)
-                    await reader.ack(entry_id)
+                    if entry_id is not None:
+                        await reader.ack(entry_id)
                     self.outage.recovered()
                 elif kind == "ack":
                     await reader.ack(payload)
             except _REDIS_ERRORS as exc:
                 self.outage.failed(f"publishing {kind}", exc)
                 if kind == "deltas":
-                    self._lose([rid for deltas in unsent.values() for rid in deltas.request_ids])
+                    self._lose([(rid, gw) for gw, deltas in unsent.items() for rid in deltas.request_ids])
 
-    def _lose(self, request_ids: list[str]) -> None:
-        """Tokens of these requests never reached their gateways: send none of their later tokens (the
-        client would see a gap) and have the compute thread end them with an error."""
-        new = [rid for rid in dict.fromkeys(request_ids) if rid not in self._lost]
-        for rid in new:
+    def _lose(self, lost: list[tuple[str, str]]) -> None:
+        """(request id, gateway) pairs whose tokens never reached the gateway: send none of their later
+        tokens (the client would see a gap) and have the compute thread end them with an error."""
+        new = [(rid, gw) for rid, gw in dict.fromkeys(lost) if rid not in self._lost]
+        for rid, _ in new:
             self._lost[rid] = None
         while len(self._lost) > _RECENT_IDS:
             self._lost.popitem(last=False)
@@ -397,6 +407,8 @@ def _without_requests(deltas: TokenDeltas, request_ids: OrderedDict[str, None]) 
     keep = [i for i, rid in enumerate(deltas.request_ids) if rid not in request_ids]
     if len(keep) == len(deltas.request_ids):
         return deltas
-    columns: dict[str, Any] = {f.name: [getattr(deltas, f.name)[i] for i in keep]
-               for f in dataclasses.fields(deltas) if isinstance(getattr(deltas, f.name), list)}
+    columns: dict[str, Any] = {
+        f.name: [getattr(deltas, f.name)[i] for i in keep]
+        for f in dataclasses.fields(deltas) if isinstance(getattr(deltas, f.name), list)
+    }
     return dataclasses.replace(deltas, **columns)

@@ -1,11 +1,17 @@
-"""The engine service never publishes tokens of a request whose earlier tokens were lost."""
+"""The engine service never publishes tokens of a request whose earlier tokens were lost; it ends it."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
-from services.engine.service import _without_requests
-from shared.protocol import TokenDeltas
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.models.base import CausalLM
+from services.engine.service import EngineService, _without_requests
+from shared.protocol import GenerateRequest, TokenDeltas
+from shared.settings import EngineSettings
 
 
 def deltas() -> TokenDeltas:
@@ -25,3 +31,21 @@ def test_nothing_lost_keeps_the_message() -> None:
     original = deltas()
     assert _without_requests(original, OrderedDict.fromkeys(["zzz"])) is original
     assert _without_requests(original, OrderedDict.fromkeys(["a", "b"])).request_ids == []
+
+
+def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
+    service = EngineService(EngineSettings(), "m", engine, model_source=None)
+    sent: list[tuple[str, Any]] = []
+    service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
+    params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
+    service._add(b"1-0", GenerateRequest("running", "gw1", "m", [5, 6, 7], params))
+    service._publish_step(engine.step())
+    sent.clear()
+    service._fail_lost([("running", "gw1"), ("finished", "gw2")])  # "finished": ended in the lost step
+    assert "running" not in service.active and "running" in service.recent
+    errors = [(kind, reply_to, error.request_id, error.status, entry_id) for kind, (reply_to, error, entry_id) in sent]
+    assert errors == [("error", "gw1", "running", 503, b"1-0"), ("error", "gw2", "finished", 503, None)]
+    while engine.has_unfinished():  # the engine dropped the sequence and freed its blocks
+        engine.step()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
