@@ -5,9 +5,10 @@
     (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
 
 If the engine serving a request stops heartbeating, the request moves to a live replica as a
-continuation (prompt + tokens already streamed, under a new internal id; the old id is aborted so a
-replica that later claims the stale entry drops it): the client stream goes on with no lost or
-repeated tokens. With no live replica the stream ends with an error instead of hanging.
+continuation (prompt + tokens already streamed, per choice for n > 1, where finished choices stay
+finished; under a new internal id; the old id is aborted so a replica that later claims the stale
+entry drops it): the client stream goes on with no lost or repeated tokens. With no live replica
+the stream ends with an error instead of hanging.
 """
 
 from __future__ import annotations
