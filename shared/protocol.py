@@ -137,6 +137,7 @@ class EngineHeartbeat:
     time: float = 0.0
     model_source: str | None = None  # what the engine loaded (a name or path); the gateway's tokenizer
     supports_choice_abort: bool = False  # honours Abort.choice_indexes
+    supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
 
 
 Message = (

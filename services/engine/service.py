@@ -328,7 +328,7 @@ class EngineService:
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
-                supports_choice_abort=True,
+                supports_choice_abort=True, supports_choice_continuation=True,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)

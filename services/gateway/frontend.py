@@ -156,7 +156,9 @@ class Generation:
     async def _migrate(self) -> None:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
-        if self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+        can_continue = len(self.choices) == 1 or (  # an older engine would restart every choice from scratch
+            entry is not None and all(e.supports_choice_continuation for e in entry.engines))
+        if not can_continue or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
             raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
                            code="engine_lost")
         self.num_migrations += 1
