@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """Everything on one machine, stopped together on Ctrl-C or SIGTERM."""
-    from shared.model_source import resolve_model_dir
+    from services.readiness import local_url, missing_models
+    from shared.model_source import model_name_for, resolve_model_dir
     from shared.redis_server import PrivateRedis
 
     models: list[str | None] = list(args.model or [None])
@@ -123,8 +124,10 @@ def serve(args: argparse.Namespace) -> None:
     commands.append(([*me, "gateway", "--host", args.host, "--port", str(args.port), "--workers", str(workers),
                       *keys], {}))
     children = [subprocess.Popen(cmd, env={**env, **extra}) for cmd, extra in commands]
-    print(f"pagedserve: serving on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
-
+    print(f"pagedserve: starting on http://{args.host}:{args.port}; a line follows once every model has a live "
+          f"engine (Ctrl-C stops everything)", flush=True)
+    names = [model_name_for(m) for m in models]
+    is_ready, next_check = False, 0.0
     stopping = False
 
     def stop(*_: Any) -> None:
@@ -135,6 +138,12 @@ def serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, stop)
     try:
         while not stopping and all(c.poll() is None for c in children):
+            if not is_ready and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                is_ready = missing_models(local_url(args.host, args.port), names) == []
+                if is_ready:
+                    print(f"pagedserve: ready on http://{args.host}:{args.port} (models: {', '.join(names)})",
+                          flush=True)
             time.sleep(0.2)
     finally:
         for child in reversed(children):  # the gateway first: it stops taking requests

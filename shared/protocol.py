@@ -138,6 +138,7 @@ class EngineHeartbeat:
     model_source: str | None = None  # what the engine loaded (a name or path); the gateway's tokenizer
     supports_choice_abort: bool = False  # honours Abort.choice_indexes
     num_requests_finished: int = 0  # since the engine started: shows how work spreads over replicas
+    supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
 
 
 Message = (

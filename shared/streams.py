@@ -138,10 +138,15 @@ class GroupReader:
 
     async def refresh_claims(self, entry_ids: Sequence[bytes | str]) -> None:
         """Reset the idle time of entries we are still working on, so nobody claims them."""
-        if entry_ids:
+        if not entry_ids:
+            return
+        try:
             await self.redis.xclaim(
                 self.stream, self.group, self.consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True
             )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise  # NOGROUP: Redis lost the group, and the entries with it; read() recreates it
 
     async def ack(self, *entry_ids: bytes) -> None:
         if entry_ids:

@@ -5,9 +5,10 @@
     (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
 
 If the engine serving a request stops heartbeating, the request moves to a live replica as a
-continuation (prompt + tokens already streamed, under a new internal id; the old id is aborted so a
-replica that later claims the stale entry drops it): the client stream goes on with no lost or
-repeated tokens. With no live replica the stream ends with an error instead of hanging.
+continuation (prompt + tokens already streamed, per choice for n > 1, where finished choices stay
+finished; under a new internal id; the old id is aborted so a replica that later claims the stale
+entry drops it): the client stream goes on with no lost or repeated tokens. With no live replica
+the stream ends with an error instead of hanging.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 from shared.publisher import Publisher
 from shared.settings import GatewaySettings
@@ -182,7 +184,9 @@ class Generation:
     async def _migrate(self) -> None:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
-        if self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+        can_continue = len(self.choices) == 1 or (  # an older engine would restart every choice from scratch
+            entry is not None and all(e.supports_choice_continuation for e in entry.engines))
+        if not can_continue or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
             raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
                            code="engine_lost")
         self.num_migrations += 1
@@ -202,6 +206,7 @@ class Frontend:
         self.num_in_flight = 0
         self.is_draining = False
         self.tokenizers = TokenizerCache()
+        self.outage = OutageLog(log)  # aborts that cannot be sent: one warning per outage, not one per request
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._readers: list[asyncio.Task[None]] = []  # the router and the registry, of _tasks
@@ -359,5 +364,6 @@ class Frontend:
         msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
             await self.publisher.publish(streams.control_stream(model), msg, 10_000)
+            self.outage.recovered()
         except _REDIS_ERRORS as exc:
-            log.warning("could not send abort for %s: %s", request_id, exc)
+            self.outage.failed(f"sending an abort for {request_id}", exc)

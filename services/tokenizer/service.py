@@ -16,11 +16,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.tokenizer.processor import PromptProcessor
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import ChatRequest, CompletionRequest, RequestError
 from shared.publisher import Publisher
 from shared.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+_MAX_BACKOFF_S = 2.0  # bounds how long after Redis returns the tokenizer takes requests again
 
 
 class TokenizerService:
@@ -39,6 +41,7 @@ class TokenizerService:
 
     async def run(self) -> None:
         backoff = 0.1
+        outage = OutageLog(log)
         log.info("tokenizer %s serving model %s", self.settings.consumer_name, self.model)
         publishing = asyncio.create_task(self.publisher.run())
         while not self._stopping.is_set():
@@ -49,11 +52,12 @@ class TokenizerService:
                     await asyncio.gather(*(self._handle(entry) for entry in entries))
                     stale = await self.reader.claim_stale_if_due()
                     await asyncio.gather(*(self._handle(entry) for entry in stale))
+                    outage.recovered()
                     backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                outage.failed("reading requests", exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
         publishing.cancel()
         await asyncio.gather(publishing, return_exceptions=True)
         await self.redis.aclose()

@@ -82,7 +82,7 @@ def num_running(services: RunningServices) -> int:
 def test_a_stream_in_flight_finishes_after_sigterm_and_the_gateway_exits_0(services: RunningServices) -> None:
     gateway, base_url = start_gateway(services, "gateway-sigterm-drain", drain_timeout_s=60)
     try:
-        body = {"model": services.model, "prompt": "Once upon a time", "max_tokens": 24, "stream": True,
+        body = {"model": services.model, "prompt": "Once upon a time", "max_tokens": 64, "stream": True,
                 "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
@@ -92,7 +92,7 @@ def test_a_stream_in_flight_finishes_after_sigterm_and_the_gateway_exits_0(servi
             seen += list(stream)
         assert seen[-1] == "[DONE]" and not any("error" in e for e in seen[:-1])
         finishes = [c["finish_reason"] for e in seen[:-1] for c in e["choices"] if c["finish_reason"]]
-        assert finishes == ["length"] and seen[-2]["usage"]["completion_tokens"] == 24
+        assert finishes == ["length"] and seen[-2]["usage"]["completion_tokens"] == 64
         assert gateway.wait(timeout=30) == 0
     finally:
         stop_all({"gateway-sigterm-drain": gateway})

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from services.gateway.errors import APIError
 from services.gateway.frontend import Generation
 from shared import streams
 from shared.protocol import GenerateRequest
@@ -35,8 +36,14 @@ def migrate(gen: Generation) -> None:
     asyncio.run(gen._migrate())  # what updates() does once the engine's heartbeat is gone
 
 
+def can_continue_choices(gen: Generation, is_supported: bool) -> None:
+    for beat in gen.frontend.registry.models["m"].engines:
+        beat.supports_choice_continuation = is_supported
+
+
 def test_each_running_choice_moves_with_its_tokens_and_index(tokenizer: Any, published: list) -> None:
     gen, recorder = make_generation(tokenizer, 3, [], False)
+    can_continue_choices(gen, True)
     words = tokenizer.encode(" one two three four five six")
     gen._apply(delta(0, words[:2]))
     gen._apply(delta(1, words[:3], "length"))  # finished on the dead engine: not resumed
@@ -69,3 +76,12 @@ def test_a_single_choice_moves_as_output_token_ids(tokenizer: Any, published: li
     migrate(gen)
     [(_, request)] = published
     assert request.output_token_ids == words and request.choice_indexes == []
+
+
+def test_engines_that_cannot_continue_choices_end_an_n_choice_request(tokenizer: Any, published: list) -> None:
+    gen, _ = make_generation(tokenizer, 2, [], False)
+    can_continue_choices(gen, False)  # an older engine would restart both choices from their first token
+    gen._apply(delta(0, tokenizer.encode(" one")))
+    with pytest.raises(APIError) as info:
+        migrate(gen)
+    assert info.value.status == 503 and info.value.code == "engine_lost" and published == []
