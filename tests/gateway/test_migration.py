@@ -13,6 +13,7 @@ from services.gateway.errors import APIError
 from services.gateway.frontend import Generation
 from shared import streams
 from shared.protocol import GenerateRequest
+from shared.publisher import Publisher
 from tests.gateway.test_generation import delta, make_generation
 
 
@@ -25,10 +26,11 @@ def tokenizer(smollm2_dir: Path) -> Any:
 def published(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     sent: list[tuple[str, Any]] = []
 
-    async def publish(redis: Any, stream: str, msg: Any, maxlen: int) -> None:
+    async def publish(self: Publisher, stream: str, msg: Any, maxlen: int = 0) -> bytes:
         sent.append((stream, msg))
+        return b"0-1"
 
-    monkeypatch.setattr(streams, "publish", publish)
+    monkeypatch.setattr(Publisher, "publish", publish)
     return sent
 
 
