@@ -64,6 +64,7 @@ class TokenizerSettings(BaseSettings):
     max_model_len: int | None = None
     claim_idle_ms: int = 30_000
     stream_maxlen: int = 100_000
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
 
 
 class EngineSettings(BaseSettings):
@@ -88,3 +89,4 @@ class EngineSettings(BaseSettings):
     drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for at most this long
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off

@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from shared import redis_connect
 from shared.protocol import DecodeError, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -25,20 +26,22 @@ DATA_FIELD = b"d"
 TOKENIZER_GROUP = "tokenizers"
 
 
+# Key names carry a hash tag (`{model}`, `{gateway_id}`): all keys of one model land in one slot,
+# so a Redis Cluster can spread many models over its nodes.
 def request_stream(model: str) -> str:
-    return f"ps:req:{model}"
+    return f"ps:{{{model}}}:req"
 
 
 def generate_stream(model: str) -> str:
-    return f"ps:gen:{model}"
+    return f"ps:{{{model}}}:gen"
 
 
 def control_stream(model: str) -> str:
-    return f"ps:ctl:{model}"
+    return f"ps:{{{model}}}:ctl"
 
 
 def response_stream(gateway_id: str) -> str:
-    return f"ps:resp:{gateway_id}"
+    return f"ps:{{{gateway_id}}}:resp"
 
 
 def engine_group(model: str) -> str:
@@ -46,16 +49,16 @@ def engine_group(model: str) -> str:
 
 
 def engine_key(model: str, engine_id: str) -> str:
-    return f"ps:engine:{model}:{engine_id}"
+    return f"ps:{{{model}}}:engine:{engine_id}"
 
 
-ENGINE_KEY_PATTERN = "ps:engine:*"
+ENGINE_KEY_PATTERN = "ps:*:engine:*"
+RESPONSE_STREAM_PATTERN = "ps:*:resp"
 
 
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url, decode_responses=False, health_check_interval=10, socket_connect_timeout=2, socket_timeout=10
-    )
+    """Every service's Redis client: `redis://...` or `redis+sentinel://...` (see shared/redis_connect.py)."""
+    return redis_connect.connect(url)
 
 
 async def publish(redis: aioredis.Redis, stream: str, msg: Message, maxlen: int = 100_000) -> bytes:

@@ -10,6 +10,7 @@ import torch
 from services.engine import attention
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
 from shared.model_source import model_name_for, resolve_model_dir
 from shared.settings import EngineSettings
@@ -40,7 +41,12 @@ def build_engine(settings: EngineSettings) -> Engine:
 def main(settings: EngineSettings) -> None:
     engine = build_engine(settings)
     model = settings.served_model_name or model_name_for(settings.model)
-    service = EngineService(settings, model, engine, model_source=settings.model)
+    metrics = None
+    if settings.metrics_port:
+        metrics = EngineMetrics(model, settings.engine_id)
+        metrics.serve(settings.metrics_port)
+        log.info("metrics on :%d/metrics", settings.metrics_port)
+    service = EngineService(settings, model, engine, model_source=settings.model, metrics=metrics)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.serve()

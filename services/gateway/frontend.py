@@ -1,8 +1,8 @@
 """The gateway's side of a request's life: submit, wait for Accepted, turn deltas into choice text.
 
-    submit()  ──XADD ps:req:{model}──►  tokenizer  ──Accepted | RequestError──►  router queue
+    submit()  ──XADD ps:{model}:req──►  tokenizer  ──Accepted | RequestError──►  router queue
     Generation.updates()  ◄── Delta per engine step ◄── router queue
-    (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
+    (finally) Abort ──XADD ps:{model}:ctl──► engines, unless every choice finished
 
 If the engine serving a request stops heartbeating, the request moves to a live replica as a
 continuation (prompt + tokens already streamed, under a new internal id; the old id is aborted so a
@@ -126,6 +126,8 @@ class Generation:
         self.engine_id = reply.engine_id
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
+            if self.span is not None:
+                self.span.add_event("gen_ai.first_token")
             if self.frontend.metrics is not None:
                 self.frontend.metrics.ttft.labels(self.model).observe(time.monotonic() - self.started)
         if reply.finish_reason is not None:
@@ -216,7 +218,10 @@ class Frontend:
         """Send the request on its way and wait for the tokenizer's verdict, inside the request's span."""
         span = telemetry.tracer(__name__).start_span(
             "gateway.generate", context=telemetry.context_from(req.traceparent),
-            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model},
+            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model,
+                        **telemetry.genai_request_attributes("chat" if isinstance(req, ChatRequest) else
+                                                             "text_completion", req.model, req.sampling,
+                                                             req.max_tokens)},
         )
         req.traceparent = telemetry.traceparent_of(span)  # tokenizer and engine spans become its children
         try:
@@ -279,7 +284,9 @@ class Frontend:
             gen.span.set_attributes({
                 "pagedserve.completion_tokens": usage["completion_tokens"],
                 "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
-                "pagedserve.migrations": gen.num_migrations,
+                "pagedserve.migrations": gen.num_migrations, "gen_ai.response.id": gen.request_id,
+                "gen_ai.response.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
+                **telemetry.genai_usage_attributes(usage["prompt_tokens"], usage["completion_tokens"]),
             })
             gen.span.end()
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error

@@ -3,15 +3,22 @@
 Each app has its own CollectorRegistry (several apps may live in one test process). Request counts
 and latency come from a plain ASGI middleware (BaseHTTPMiddleware would break streaming); for a
 stream, latency runs until its last byte. Engine load is read from the registry at scrape time.
+
+Several worker processes (`gateway --workers N`) share one port: with `PROMETHEUS_MULTIPROC_DIR`
+set to an empty directory writable by every worker (and wiped before they start), prometheus-client's
+multiprocess mode sums the workers' counters and histograms, and /metrics on any worker shows the
+whole gateway. In-flight requests are then a gauge each worker refreshes around its requests
+(summed over live workers); engine load comes from Redis and is the same in every worker.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
@@ -24,8 +31,15 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+def is_multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
+        self.multiprocess = is_multiprocess()
+        self._in_flight_source: Callable[[], float] | None = None
+        self._collectors: list[Collector] = []
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pagedserve_requests", "HTTP requests by route and status", ["route", "status"],
@@ -37,13 +51,36 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", ["model"],
                                      registry=r)
         self.generated_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", ["model"], registry=r)
-        self.in_flight = Gauge("pagedserve_requests_in_flight", "Generation requests in flight", registry=r)
+        self.in_flight = Gauge("pagedserve_requests_in_flight", "Generation requests in flight", registry=r,
+                               multiprocess_mode="livesum")
+
+    def track_in_flight(self, source: Callable[[], float]) -> None:
+        if self.multiprocess:  # a callback gauge cannot be shared between processes: refreshed per request
+            self._in_flight_source = source
+        else:
+            self.in_flight.set_function(source)
+
+    def refresh(self) -> None:
+        if self._in_flight_source is not None:
+            self.in_flight.set(self._in_flight_source())
 
     def watch_engines(self, registry: ModelRegistry) -> None:
-        self.registry.register(_EngineLoad(registry))
+        collector = _EngineLoad(registry)
+        self._collectors.append(collector)
+        self.registry.register(collector)
+
+    def exposition(self) -> bytes:
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)  # every worker's files
+        for collector in self._collectors:
+            merged.register(collector)
+        return generate_latest(merged)
 
     async def endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+        self.refresh()
+        return Response(self.exposition(), media_type="text/plain; version=0.0.4")
 
 
 class _EngineLoad(Collector):
@@ -83,9 +120,11 @@ class MetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        self.metrics.refresh()
         try:
             await self.app(scope, receive, recording_send)
         finally:
+            self.metrics.refresh()
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 

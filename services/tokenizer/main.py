@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.processor import PromptProcessor, read_limits
 from services.tokenizer.service import TokenizerService
 from shared.model_source import model_name_for, resolve_model_dir
@@ -21,7 +22,11 @@ def main(settings: TokenizerSettings) -> None:
     model = settings.served_model_name or model_name_for(settings.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     processor = PromptProcessor(tokenizer, read_limits(model_dir, settings.max_model_len))
-    service = TokenizerService(settings, model, processor)
+    metrics = None
+    if settings.metrics_port:
+        metrics = TokenizerMetrics(model)
+        metrics.serve(settings.metrics_port)
+    service = TokenizerService(settings, model, processor, metrics)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
