@@ -13,6 +13,7 @@ from services.engine.engine import Engine
 from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
 from shared.model_source import model_name_for, resolve_model_dir
+from shared.ops_http import serve_ops
 from shared.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,16 @@ def build_engine(settings: EngineSettings) -> Engine:
 
 
 def main(settings: EngineSettings) -> None:
-    engine = build_engine(settings)
     model = settings.served_model_name or model_name_for(settings.model)
-    metrics = None
-    if settings.metrics_port:
+    metrics: EngineMetrics | None = None
+    services: list[EngineService] = []
+    if settings.metrics_port:  # up before the model loads: liveness holds, readiness waits for the service
         metrics = EngineMetrics(model, settings.engine_id)
-        metrics.serve(settings.metrics_port)
-        log.info("metrics on :%d/metrics", settings.metrics_port)
+        serve_ops(settings.metrics_port, metrics.registry, lambda: bool(services) and services[0].is_ready())
+        log.info("/metrics, /health and /ready on port %d", settings.metrics_port)
+    engine = build_engine(settings)
     service = EngineService(settings, model, engine, model_source=settings.model, metrics=metrics)
+    services.append(service)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.serve()

@@ -8,7 +8,7 @@ cumulative; they are turned into Prometheus counters by adding the difference si
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.engine.outputs import EngineStats
 
@@ -57,10 +57,6 @@ class EngineMetrics:
         self.computed_tokens = counter("pagedserve_engine_computed_tokens",
                                      "Tokens run through the model (prefill and decode)").labels(*self._labels)
         self._last: EngineStats | None = None
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Expose the metrics on http://host:port/metrics (a daemon thread)."""
-        start_http_server(port, addr=host, registry=self.registry)
 
     def observe_step(self, seconds: float, stats: EngineStats) -> None:
         self.step_time.observe(seconds)

@@ -84,6 +84,7 @@ class EngineService:
         self.drain_deadline = float("inf")
         self.step_count = 0
         self.last_stats = engine.stats()
+        self.redis_ok = False  # the last heartbeat reached Redis
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
         self._io_ready = threading.Event()
@@ -124,6 +125,10 @@ class EngineService:
         self.stopping.set()
         self.inbox.put(("wake", None))
         log.info("engine %s draining %d requests", self.settings.engine_id, len(self.active))
+
+    def is_ready(self) -> bool:
+        """Serving: connected to Redis and not draining (the ops port's /ready)."""
+        return self._io_ready.is_set() and self.redis_ok and not self.stopping.is_set()
 
     def _is_done(self) -> bool:
         return self.stopping.is_set() and (not self.active or time.monotonic() >= self.drain_deadline)
@@ -328,7 +333,9 @@ class EngineService:
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)
                 await reader.refresh_claims([a.entry_id for a in list(self.active.values())])
+                self.redis_ok = True
             except _REDIS_ERRORS as exc:
+                self.redis_ok = False
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -20,9 +20,6 @@ class TokenizerMetrics:
         self.queue_lag = Histogram("pagedserve_tokenizer_queue_lag_seconds",
                                    "Time a request waited in the request stream before a tokenizer read it",
                                    ["model"], buckets=_LAG_BUCKETS, registry=r).labels(model)
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
 
     def count(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()

@@ -35,6 +35,10 @@ class TokenizerService:
             claim_idle_ms=settings.claim_idle_ms,
         )
         self._stopping = asyncio.Event()
+        self.redis_ok = False  # the last read reached Redis
+
+    def is_ready(self) -> bool:
+        return self.redis_ok and not self._stopping.is_set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -48,10 +52,12 @@ class TokenizerService:
                 while not self._stopping.is_set():
                     entries = await self.reader.read(count=32, block_ms=500)
                     entries += await self.reader.claim_stale()
+                    self.redis_ok = True
                     for entry in entries:
                         await self._handle(entry)
                     backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                self.redis_ok = False
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -89,3 +89,12 @@ def test_engine_and_tokenizer_export_their_own_metrics(services: RunningServices
     assert grew(tok, tok_before, "pagedserve_tokenizer_requests_total", outcome="rejected") == 1
     assert grew(tok, tok_before, "pagedserve_tokenizer_request_duration_seconds_count") == 3
     assert grew(tok, tok_before, "pagedserve_tokenizer_queue_lag_seconds_count") == 3
+
+
+def test_engine_and_tokenizer_answer_health_and_readiness_probes(services: RunningServices) -> None:
+    assert services.metrics_ports is not None
+    for port in services.metrics_ports.values():
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        assert ready.status_code == 200 and ready.json() == {"ready": True}
+        assert httpx.get(f"http://127.0.0.1:{port}/nothing", timeout=5).status_code == 404
