@@ -45,7 +45,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def _group_lag(redis: Any, model: str, stream: str, group: str, now: float) -> StreamLag | None:
+async def group_lag(redis: Any, model: str, stream: str, group: str, now: float) -> StreamLag | None:
     try:
         groups = await redis.xinfo_groups(stream)
     except Exception:  # no such stream yet
@@ -81,7 +81,7 @@ async def collect(redis: Any) -> Status:
     for model in sorted(models):
         for stream, group in ((streams.request_stream(model), streams.TOKENIZER_GROUP),
                               (streams.generate_stream(model), streams.engine_group(model))):
-            lag = await _group_lag(redis, model, stream, group, now)
+            lag = await group_lag(redis, model, stream, group, now)
             if lag is not None:
                 lags.append(lag)
     engines.sort(key=lambda e: (e.model, e.engine_id))

@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.gateway.detokenizer import ChoiceText
 from services.gateway.errors import APIError, model_not_found, model_unavailable
-from services.gateway.metrics import GatewayMetrics, observe_generation
+from services.gateway.metrics import GatewayMetrics, observe_generation, observe_tokens
 from services.gateway.registry import ModelRegistry
 from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
@@ -69,6 +69,7 @@ class Generation:
     num_migrations: int = 0
     started: float = field(default_factory=time.monotonic)
     has_first_token: bool = False
+    last_token_at: float = 0.0  # for the inter-token latency
     span: Span | None = None  # the request's trace span, ended when the generation ends
 
     def __post_init__(self) -> None:
@@ -124,6 +125,11 @@ class Generation:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
+        now = time.monotonic()
+        if self.has_first_token and reply.token_ids and len(self.choices) == 1:
+            observe_tokens(self.frontend.metrics, self.model, len(reply.token_ids), now - self.last_token_at)
+        if reply.token_ids:
+            self.last_token_at = now
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
             if self.span is not None:
@@ -279,7 +285,7 @@ class Frontend:
         self._forget(gen.request_id)
         self.router.unregister(gen.current_id)
         usage = gen.usage()
-        observe_generation(self.metrics, gen.model, usage)
+        observe_generation(self.metrics, gen.model, usage, time.monotonic() - gen.started)
         if gen.span is not None:
             gen.span.set_attributes({
                 "pagedserve.completion_tokens": usage["completion_tokens"],

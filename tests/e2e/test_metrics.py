@@ -39,6 +39,13 @@ def test_metrics_count_requests_tokens_and_engine_load(services: RunningServices
     assert after[bad_key] - before.get(bad_key, 0) == 1
     assert after[tokens_key] - before.get(tokens_key, 0) == 5
     assert after[ttft_key] - before.get(ttft_key, 0) == 1
+    e2e_key = ("pagedserve_e2e_request_latency_seconds_count", (("model", services.model),))
+    itl_key = ("pagedserve_inter_token_latency_seconds_count", (("model", services.model),))
+    assert after[e2e_key] - before.get(e2e_key, 0) == 1
+    assert 1 <= after[itl_key] - before.get(itl_key, 0) <= 4  # 5 tokens: 4 gaps (fewer if a step sent two)
+    for stream in ("req", "gen"):  # queue depth, read from Redis at scrape time: idle now
+        assert after[("pagedserve_stream_backlog", (("model", services.model), ("stream", stream)))] == 0
+        assert ("pagedserve_stream_pending", (("model", services.model), ("stream", stream))) in after
     load = {labels: v for (name, labels), v in after.items() if name == "pagedserve_engine_kv_blocks"}
     assert len(load) == 1 and next(iter(load.values())) > 0  # one engine, with its KV cache size
     assert ("pagedserve_requests_in_flight", ()) in after
