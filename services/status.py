@@ -17,7 +17,7 @@ from typing import Any
 from shared import streams
 from shared.protocol import DecodeError, EngineHeartbeat, decode_as
 
-_BACKLOG_CAP = 10_000  # Redis < 7 reports no group lag: count entries up to this many
+_BACKLOG_CAP = 1_000  # Redis < 7 reports no group lag: count entries up to this many
 
 
 @dataclass(slots=True)
@@ -54,12 +54,15 @@ async def group_lag(redis: Any, model: str, stream: str, group: str, now: float)
     if info is None:
         return None
     after = "(" + _text(info["last-delivered-id"])
-    waiting = await redis.xrange(stream, min=after, max="+", count=_BACKLOG_CAP)
-    lag = info.get("lag")
-    backlog = int(lag) if lag is not None else len(waiting)
+    first = await redis.xrange(stream, min=after, max="+", count=1)
+    lag = info.get("lag")  # Redis >= 7; None when unknown
+    if lag is not None:
+        backlog = int(lag)
+    else:  # count the unread entries themselves, up to a cap (a scrape must stay cheap)
+        backlog = len(await redis.xrange(stream, min=after, max="+", count=_BACKLOG_CAP)) if first else 0
     summary = await redis.xpending(stream, group)
     pending = int(summary["pending"])
-    return StreamLag(model, stream, group, backlog, _age(waiting[0][0], now) if waiting else None, pending,
+    return StreamLag(model, stream, group, backlog, _age(first[0][0], now) if first else None, pending,
                      _age(summary["min"], now) if pending else None)
 
 
