@@ -57,7 +57,7 @@ def spans() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    original = trace.get_tracer_provider()
+    original = trace._TRACER_PROVIDER
     trace._TRACER_PROVIDER = provider  # the global provider can be set once per process; tests swap it
     try:
         yield exporter
