@@ -2,6 +2,7 @@
 
     pagedserve serve [--model NAME_OR_PATH ...] [--host H] [--port P] [--gpus 0,1,...] [--workers N]
     pagedserve gateway | tokenizer | engine [--<setting> VALUE ...]
+    pagedserve status [--redis-url URL]
 
 Every service flag is a field of that service's settings class (shared/settings.py), so a flag,
 its environment variable and its default never disagree.
@@ -69,11 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs (processes) per engine replica")
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
+    status = sub.add_parser("status", help="live models, engines, load and stream lag, from Redis")
+    status.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "status":
+        import asyncio
+
+        from services.status import status_text
+
+        print(asyncio.run(status_text(args.redis_url)))
+        return
     setup_logging(args.command)
     if args.command != "serve":
         setup_tracing(args.command)

@@ -70,6 +70,7 @@ class TokenizerSettings(BaseSettings):
     max_model_len: int | None = None
     claim_idle_ms: int = 30_000
     stream_maxlen: int = 100_000
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
 
 
 class EngineSettings(BaseSettings):
@@ -95,3 +96,4 @@ class EngineSettings(BaseSettings):
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
     tensor_parallel_size: int = 1  # one replica as N processes, one GPU each (rank r on cuda:r)
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off

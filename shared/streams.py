@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from shared import redis_connect
 from shared.protocol import DecodeError, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -26,20 +27,22 @@ DATA_FIELD = b"d"
 TOKENIZER_GROUP = "tokenizers"
 
 
+# Key names carry a hash tag (`{model}`, `{gateway_id}`): all keys of one model land in one slot,
+# so a Redis Cluster can spread many models over its nodes.
 def request_stream(model: str) -> str:
-    return f"ps:req:{model}"
+    return f"ps:{{{model}}}:req"
 
 
 def generate_stream(model: str) -> str:
-    return f"ps:gen:{model}"
+    return f"ps:{{{model}}}:gen"
 
 
 def control_stream(model: str) -> str:
-    return f"ps:ctl:{model}"
+    return f"ps:{{{model}}}:ctl"
 
 
 def response_stream(gateway_id: str) -> str:
-    return f"ps:resp:{gateway_id}"
+    return f"ps:{{{gateway_id}}}:resp"
 
 
 def engine_group(model: str) -> str:
@@ -47,20 +50,17 @@ def engine_group(model: str) -> str:
 
 
 def engine_key(model: str, engine_id: str) -> str:
-    return f"ps:engine:{model}:{engine_id}"
+    return f"ps:{{{model}}}:engine:{engine_id}"
 
 
-ENGINE_KEY_PATTERN = "ps:engine:*"
+ENGINE_KEY_PATTERN = "ps:*:engine:*"
+RESPONSE_STREAM_PATTERN = "ps:*:resp"
 
 
 def connect(url: str, max_connections: int = 16) -> aioredis.Redis:
-    """A client whose pool holds at most `max_connections`; a command beyond them waits for a free
-    connection (up to the socket timeout) instead of failing with "Too many connections"."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=10, decode_responses=False, health_check_interval=10,
-        socket_connect_timeout=2, socket_timeout=10,
-    )
-    return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
+    """Every service's Redis client: `redis://...` or `redis+sentinel://...` (see shared/redis_connect.py),
+    with at most `max_connections` pooled connections."""
+    return redis_connect.connect(url, max_connections)
 
 
 async def publish(redis: aioredis.Redis, stream: str, msg: Message, maxlen: int = 100_000) -> bytes:

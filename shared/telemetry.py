@@ -5,12 +5,19 @@ collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set and `opentelemetry-exporter-
 printed to stdout with `PAGEDSERVE_TRACE_CONSOLE=1`, and otherwise created but not exported. A
 request's trace context crosses the streams as the W3C `traceparent` string in every message, so
 one trace covers gateway, tokenizer and engine.
+
+Sampling follows the standard variables (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`): the
+SDK reads them because no sampler is set here; a parent's sampling decision travels in the
+traceparent's flags, so a trace is kept or dropped as a whole. Request attributes follow the
+OpenTelemetry GenAI semantic conventions (`gen_ai.*`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import context, propagate, trace
@@ -29,7 +36,9 @@ def setup_logging(service: str) -> None:
 
 
 def setup_tracing(service: str) -> None:
-    provider = TracerProvider(resource=Resource.create({"service.name": f"pagedserve-{service}"}))
+    # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, override the default name (Resource.create merges).
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", f"pagedserve-{service}")})
+    provider = TracerProvider(resource=resource)  # sampler: from OTEL_TRACES_SAMPLER(_ARG), default parent/always
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -61,3 +70,56 @@ def traceparent_of(span: trace.Span) -> str | None:
     carrier: dict[str, Any] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return carrier.get("traceparent")
+
+
+# ── GenAI semantic conventions ────────────────────────────────────────────────────────────────
+_SAMPLING_ATTRIBUTES = {  # wire sampling key -> gen_ai.request.* attribute
+    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p", "top_k": "gen_ai.request.top_k",
+    "seed": "gen_ai.request.seed", "frequency_penalty": "gen_ai.request.frequency_penalty",
+    "presence_penalty": "gen_ai.request.presence_penalty", "n": "gen_ai.request.choice.count",
+}
+
+
+def genai_request_attributes(
+    operation: str, model: str, sampling: Mapping[str, Any], max_tokens: int | None = None
+) -> dict[str, Any]:
+    """gen_ai.* attributes of a request: operation ("chat" | "text_completion"), model, sampling options."""
+    attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "pagedserve",
+                             "gen_ai.request.model": model}
+    if max_tokens is None:
+        max_tokens = sampling.get("max_tokens")
+    if max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = int(max_tokens)
+    for key, name in _SAMPLING_ATTRIBUTES.items():
+        value = sampling.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            attrs[name] = value
+    return attrs
+
+
+def genai_usage_attributes(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"gen_ai.usage.input_tokens": input_tokens, "gen_ai.usage.output_tokens": output_tokens}
+
+
+# ── time spent waiting in a Redis stream ──────────────────────────────────────────────────────
+def entry_time_ns(entry_id: bytes | str) -> int:
+    """When Redis added a stream entry: the millisecond part of its id (`<ms>-<seq>`), in ns."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0]) * 1_000_000
+
+
+def record_stream_wait(
+    stream: str, entry_id: bytes | str, traceparent: str | None, read_at_ns: int | None = None
+) -> float:
+    """A `stream.wait` span from the entry's XADD to when it was read (clocks of Redis and this
+    host: a skew shows up here); returns the wait in seconds (0 if the clocks disagree)."""
+    start = entry_time_ns(entry_id)
+    end = max(read_at_ns or time.time_ns(), start)
+    span = tracer(__name__).start_span(
+        "stream.wait", context=context_from(traceparent), start_time=start,
+        attributes={"messaging.system": "redis", "messaging.destination.name": stream,
+                    "messaging.operation.type": "receive",
+                    "messaging.message.id": entry_id.decode() if isinstance(entry_id, bytes) else entry_id},
+    )
+    span.end(end_time=end)
+    return (end - start) / 1e9

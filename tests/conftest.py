@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 if TYPE_CHECKING:  # redis and httpx are imported lazily: the GPU machine runs tests without them
     from shared.redis_server import PrivateRedis
+    from tests.otlp_receiver import OTLPReceiver
 
 E2E_MAX_MODEL_LEN = 2048  # small enough that an over-long prompt is cheap to build
 
@@ -48,6 +49,8 @@ class RunningServices:
     model: str
     processes: dict[str, subprocess.Popen[bytes]]
     log_dir: Path
+    metrics_ports: dict[str, int] | None = None  # Prometheus ports of the tokenizer and the engine
+    otlp: OTLPReceiver | None = None  # where the services export their spans
 
 
 def wait_ready(base_url: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float = 180) -> None:
@@ -85,16 +88,30 @@ def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
 
 
 @pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[OTLPReceiver]:
+    from tests.otlp_receiver import OTLPReceiver
+
+    receiver = OTLPReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
 def services(
-    redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    otlp_receiver: OTLPReceiver,
 ) -> Iterator[RunningServices]:
-    """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis."""
+    """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis,
+    exporting spans to the in-test OTLP receiver and metrics on ports of their own."""
     from shared.redis_server import free_port
 
     log_dir = tmp_path_factory.mktemp("service-logs")
     port = free_port()
+    metrics_ports = {"tokenizer": free_port(), "engine": free_port()}
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO",
-           "PAGEDSERVE_TRACE_CONSOLE": "1"}  # spans go to the service logs, where test_tracing reads them
+           "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
+           "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(metrics_ports["tokenizer"]),
+           "PAGEDSERVE_ENGINE_METRICS_PORT": str(metrics_ports["engine"])}
     length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
     processes = {
         "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
@@ -107,7 +124,8 @@ def services(
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, processes)
-        yield RunningServices(base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir)
+        yield RunningServices(base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir, metrics_ports,
+                              otlp_receiver)
     finally:
         stop_all(processes)
         for name in processes:  # shown on failure by pytest's -ra summary via captured output

@@ -249,6 +249,11 @@ class Engine:
         if self.parallel is not None:
             self.parallel.shutdown()
 
+    def is_admitted(self, request_id: str) -> bool:
+        """Whether a request left the waiting queue (any choice scheduled once), or is gone."""
+        choices = self._requests.get(request_id)
+        return choices is None or any(r.num_cached_tokens >= 0 for r in choices)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 

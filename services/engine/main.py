@@ -10,8 +10,10 @@ import torch
 from services.engine import attention
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
 from shared.model_source import model_name_for, resolve_model_dir
+from shared.ops_http import serve_ops
 from shared.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,16 @@ def build_engine(settings: EngineSettings) -> Engine:
 
 
 def main(settings: EngineSettings) -> None:
-    engine = build_engine(settings)
     model = settings.served_model_name or model_name_for(settings.model)
-    service = EngineService(settings, model, engine, model_source=settings.model)
+    metrics: EngineMetrics | None = None
+    services: list[EngineService] = []
+    if settings.metrics_port:  # up before the model loads: liveness holds, readiness waits for the service
+        metrics = EngineMetrics(model, settings.engine_id)
+        serve_ops(settings.metrics_port, metrics.registry, lambda: bool(services) and services[0].is_ready())
+        log.info("/metrics, /health and /ready on port %d", settings.metrics_port)
+    engine = build_engine(settings)
+    service = EngineService(settings, model, engine, model_source=settings.model, metrics=metrics)
+    services.append(service)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.serve()

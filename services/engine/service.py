@@ -2,10 +2,10 @@
 
     I/O thread (asyncio)                         compute thread (this module's `serve`)
     ─────────────────────                        ──────────────────────────────────────
-    XREADGROUP ps:gen:{model} ──(while room)──►  inbox ──► engine.add_request / abort
-    XREAD ps:ctl:{model} (broadcast aborts) ──►  inbox          │
+    XREADGROUP ps:{model}:gen ──(while room)──►  inbox ──► engine.add_request / abort
+    XREAD ps:{model}:ctl (broadcast aborts) ──►  inbox          │
     heartbeat key + claim refresh                               ▼ engine.step()
-    XADD ps:resp:{gw} + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
+    XADD ps:{gw}:resp + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
 
 The compute loop never waits on Redis; Redis I/O never blocks a step. Entries are acknowledged
 only when their request reached a terminal state, so a replica that dies leaves its work pending
@@ -27,12 +27,13 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.engine import Engine
+from services.engine.metrics import EngineMetrics
+from services.engine.request_trace import RequestTrace
 from services.engine.sampling_params import SamplingParams
 from shared import streams, telemetry
 from shared.outage import OutageLog
@@ -59,8 +60,9 @@ class _Active:
     entry_id: bytes
     reply_to: str
     num_choices: int
-    span: Span
+    trace: RequestTrace
     num_finished: int = 0
+    num_output_tokens: int = 0
 
 
 def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
@@ -74,8 +76,11 @@ def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
 
 
 class EngineService:
-    def __init__(self, settings: EngineSettings, model: str, engine: Engine, model_source: str | None) -> None:
+    def __init__(self, settings: EngineSettings, model: str, engine: Engine, model_source: str | None,
+                 metrics: EngineMetrics | None = None) -> None:
         self.settings, self.model, self.engine = settings, model, engine
+        self.metrics = metrics
+        self._queued: dict[str, RequestTrace] = {}  # traces of requests not scheduled yet
         self.model_source = model_source
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.active: dict[str, _Active] = {}
@@ -87,6 +92,7 @@ class EngineService:
         self.step_count = 0
         self.num_requests_finished = 0
         self.last_stats = engine.stats()
+        self.redis_ok = False  # the last heartbeat reached Redis
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
         self._io_ready = threading.Event()
@@ -111,7 +117,13 @@ class EngineService:
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 try:
-                    self._publish_step(self.engine.step())
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    step_seconds = time.perf_counter() - started
+                    self._track_admissions()
+                    self._publish_step(outputs)
+                    if self.metrics is not None:
+                        self.metrics.observe_step(step_seconds, self.engine.stats())
                 except Exception:  # a bug must not take every request of this replica down with it
                     log.exception("engine step failed; ending the running requests with an error")
                     self._fail_active("internal engine error")
@@ -126,6 +138,10 @@ class EngineService:
         self.stopping.set()
         self.inbox.put(("wake", None))
         log.info("engine %s draining %d requests", self.settings.engine_id, len(self.active))
+
+    def is_ready(self) -> bool:
+        """Serving: connected to Redis and not draining (the ops port's /ready)."""
+        return self._io_ready.is_set() and self.redis_ok and not self.stopping.is_set()
 
     def _is_done(self) -> bool:
         return self.stopping.is_set() and (not self.active or time.monotonic() >= self.drain_deadline)
@@ -172,15 +188,19 @@ class EngineService:
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
             self._send(("error", (req.reply_to, error, entry_id)))
             return
-        span = telemetry.tracer(__name__).start_span(
-            "engine.generate", context=telemetry.context_from(req.traceparent),
-            attributes={"pagedserve.request_id": req.request_id, "pagedserve.engine_id": self.settings.engine_id,
-                        "pagedserve.prompt_tokens": len(req.prompt_token_ids),
-                        "pagedserve.continued_tokens": len(req.output_token_ids)
-                        + sum(len(ts) for ts in req.choice_output_token_ids)},
-        )
+        trace = RequestTrace(req, self.settings.engine_id)
         num_choices = params.n if resumed is None else len(resumed)
-        self.active[req.request_id] = _Active(entry_id, req.reply_to, num_choices, span)
+        self.active[req.request_id] = _Active(entry_id, req.reply_to, num_choices, trace)
+        self._queued[req.request_id] = trace
+
+    def _track_admissions(self) -> None:
+        """End the queue phase of requests the last step scheduled for the first time."""
+        for request_id in [rid for rid in self._queued if self.engine.is_admitted(rid)]:
+            trace = self._queued.pop(request_id)
+            if not trace.is_admitted:
+                wait = trace.admitted()
+                if self.metrics is not None:
+                    self.metrics.queue_wait.observe(wait)
 
     def _publish_step(self, outputs: list[Any]) -> None:
         self.step_count += 1
@@ -201,12 +221,15 @@ class EngineService:
             d.num_prompt_tokens.append(out.num_prompt_tokens)
             d.num_output_tokens.append(out.num_output_tokens)
             d.num_cached_tokens.append(out.num_cached_tokens)
+            if out.new_token_ids and not state.trace.has_first_token:
+                self._queued.pop(out.request_id, None)
+                state.trace.first_token()
             if out.finish_reason is not None:
                 state.num_finished += 1
+                state.num_output_tokens += out.num_output_tokens
                 if state.num_finished >= state.num_choices:
-                    state.span.set_attributes({"pagedserve.finish_reason": out.finish_reason,
-                                               "pagedserve.cached_tokens": out.num_cached_tokens})
-                    state.span.end()
+                    self._queued.pop(out.request_id, None)
+                    state.trace.finish(out.finish_reason, state.num_output_tokens, out.num_cached_tokens)
                     finished_entries.append(state.entry_id)
                     self.num_requests_finished += 1
                     del self.active[out.request_id]
@@ -222,8 +245,8 @@ class EngineService:
         self.engine.abort(request_ids)  # frees their blocks at once
         for request_id in request_ids:
             state = self.active.pop(request_id)
-            state.span.set_status(Status(StatusCode.ERROR, message))
-            state.span.end()
+            self._queued.pop(request_id, None)
+            state.trace.fail(message)
             error = RequestError(request_id, status, message, type=error_type)
             self._send(("error", (state.reply_to, error, state.entry_id)))
             self._remember(request_id)
@@ -244,6 +267,8 @@ class EngineService:
 
     def _update_room(self) -> None:
         self.last_stats = self.engine.stats()  # a snapshot the I/O thread may read
+        if self.metrics is not None:
+            self.metrics.observe_load(self.last_stats)
         if self.engine.has_room():
             self.has_room.set()
         else:
@@ -299,8 +324,12 @@ class EngineService:
                 await self._backoff("reading requests", exc)
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
+        read_at = time.time_ns()
         for entry in entries:
             if isinstance(entry.message, GenerateRequest):
+                wait = telemetry.record_stream_wait(reader.stream, entry.entry_id, entry.message.traceparent, read_at)
+                if self.metrics is not None:
+                    self.metrics.stream_wait.observe(wait)
                 self.inbox.put(("generate", (entry.entry_id, entry.message)))
             else:
                 log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
@@ -342,7 +371,9 @@ class EngineService:
                 await redis.set(key, encode(beat), px=ttl_ms)
                 await reader.refresh_claims([a.entry_id for a in list(self.active.values())])
                 self.outage.recovered()
+                self.redis_ok = True
             except RedisError as exc:  # any: a heartbeat that stops for good makes the replica look dead
+                self.redis_ok = False
                 self.outage.failed("sending the heartbeat", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 

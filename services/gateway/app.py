@@ -36,7 +36,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
     frontend = Frontend(settings)
     metrics = frontend.metrics = GatewayMetrics()
     metrics.watch_engines(frontend.registry)
-    metrics.in_flight.set_function(lambda: frontend.num_in_flight)
+    metrics.track_in_flight(lambda: frontend.num_in_flight)
 
     async def parse(request: Request, cls: type[Any]) -> Any:
         req = validate(cls, await read_json(request, settings.max_body_bytes))

@@ -1,8 +1,8 @@
 """The gateway's side of a request's life: submit, wait for Accepted, turn deltas into choice text.
 
-    submit()  ──XADD ps:req:{model}──►  tokenizer  ──Accepted | RequestError──►  router queue
+    submit()  ──XADD ps:{model}:req──►  tokenizer  ──Accepted | RequestError──►  router queue
     Generation.updates()  ◄── Delta per engine step ◄── router queue
-    (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
+    (finally) Abort ──XADD ps:{model}:ctl──► engines, unless every choice finished
 
 If the engine serving a request stops heartbeating, the request moves to a live replica as a
 continuation (prompt + tokens already streamed, per choice for n > 1, where finished choices stay
@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.gateway.detokenizer import ChoiceText
 from services.gateway.errors import APIError, model_not_found, model_unavailable
-from services.gateway.metrics import GatewayMetrics, observe_generation
+from services.gateway.metrics import GatewayMetrics, observe_generation, observe_tokens
 from services.gateway.registry import ModelRegistry
 from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
@@ -80,6 +80,7 @@ class Generation:
     num_migrations: int = 0
     started: float = field(default_factory=time.monotonic)
     has_first_token: bool = False
+    last_token_at: float = 0.0  # for the inter-token latency
     span: Span | None = None  # the request's trace span, ended when the generation ends
 
     def __post_init__(self) -> None:
@@ -154,8 +155,15 @@ class Generation:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
+        now = time.monotonic()
+        if self.has_first_token and reply.token_ids and len(self.choices) == 1:
+            observe_tokens(self.frontend.metrics, self.model, len(reply.token_ids), now - self.last_token_at)
+        if reply.token_ids:
+            self.last_token_at = now
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
+            if self.span is not None:
+                self.span.add_event("gen_ai.first_token")
             if self.frontend.metrics is not None:
                 self.frontend.metrics.ttft.labels(self.model).observe(time.monotonic() - self.started)
         if reply.finish_reason is not None:
@@ -256,7 +264,10 @@ class Frontend:
         """Send the request on its way and wait for the tokenizer's verdict, inside the request's span."""
         span = telemetry.tracer(__name__).start_span(
             "gateway.generate", context=telemetry.context_from(req.traceparent),
-            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model},
+            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model,
+                        **telemetry.genai_request_attributes("chat" if isinstance(req, ChatRequest) else
+                                                             "text_completion", req.model, req.sampling,
+                                                             req.max_tokens)},
         )
         req.traceparent = telemetry.traceparent_of(span)  # tokenizer and engine spans become its children
         try:
@@ -314,12 +325,14 @@ class Frontend:
         self._forget(gen.request_id)
         self.router.unregister(gen.current_id)
         usage = gen.usage()
-        observe_generation(self.metrics, gen.model, usage)
+        observe_generation(self.metrics, gen.model, usage, time.monotonic() - gen.started)
         if gen.span is not None:
             gen.span.set_attributes({
                 "pagedserve.completion_tokens": usage["completion_tokens"],
                 "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
-                "pagedserve.migrations": gen.num_migrations,
+                "pagedserve.migrations": gen.num_migrations, "gen_ai.response.id": gen.request_id,
+                "gen_ai.response.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
+                **telemetry.genai_usage_attributes(usage["prompt_tokens"], usage["completion_tokens"]),
             })
             gen.span.end()
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error

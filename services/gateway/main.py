@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from typing import Any
 
 import uvicorn
+from prometheus_client import multiprocess
 
 from services.gateway.app import build_app
 from services.gateway.drain import DrainingServer
@@ -59,6 +62,7 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 def run_workers(settings: GatewaySettings) -> None:
     """Start `settings.workers` gateways sharing the port; stop them all when one dies or on a signal."""
     context = multiprocessing.get_context("spawn")  # no forked event loops or Redis connections
+    metrics_dir = _fresh_metrics_dir()
     workers = [
         context.Process(target=_worker, args=(worker_settings(settings, i),), name=f"gateway-{i}")
         for i in range(settings.workers)
@@ -79,15 +83,28 @@ def run_workers(settings: GatewaySettings) -> None:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     failed = False
+    gone: set[int] = set()
     while any(w.is_alive() for w in workers):
         for worker in workers:
             worker.join(timeout=0.2)
+            if worker.exitcode is not None and worker.pid is not None and worker.pid not in gone:
+                gone.add(worker.pid)
+                multiprocess.mark_process_dead(worker.pid, metrics_dir)  # its live gauges stop counting
             if worker.exitcode not in (None, 0) and not stopping:
                 failed = True  # a crashed worker: take the others down too, and say so
                 log.error("gateway worker %s exited with %s; stopping the others", worker.name, worker.exitcode)
                 forward(signal.SIGTERM, None)
     if failed:
         sys.exit(1)
+
+
+def _fresh_metrics_dir() -> str:
+    """prometheus-client's multiprocess directory, emptied: /metrics on any worker then sums them all."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="pagedserve-metrics-")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # the spawned workers inherit it
+    return path
 
 
 def worker_settings(settings: GatewaySettings, index: int) -> GatewaySettings:

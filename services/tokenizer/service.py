@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.processor import PromptProcessor
 from shared import streams, telemetry
 from shared.outage import OutageLog
-from shared.protocol import ChatRequest, CompletionRequest, RequestError
+from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 from shared.publisher import Publisher
 from shared.settings import TokenizerSettings
 
@@ -26,8 +28,10 @@ _MAX_BACKOFF_S = 2.0  # bounds how long after Redis returns the tokenizer takes 
 
 
 class TokenizerService:
-    def __init__(self, settings: TokenizerSettings, model: str, processor: PromptProcessor) -> None:
+    def __init__(self, settings: TokenizerSettings, model: str, processor: PromptProcessor,
+                 metrics: TokenizerMetrics | None = None) -> None:
         self.settings, self.model, self.processor = settings, model, processor
+        self.metrics = metrics
         self.redis = streams.connect(settings.redis_url)
         self.reader = streams.GroupReader(
             self.redis, streams.request_stream(model), streams.TOKENIZER_GROUP, settings.consumer_name,
@@ -35,6 +39,10 @@ class TokenizerService:
         )
         self.publisher = Publisher(self.redis)
         self._stopping = asyncio.Event()
+        self.redis_ok = False  # the last read reached Redis
+
+    def is_ready(self) -> bool:
+        return self.redis_ok and not self._stopping.is_set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -53,8 +61,10 @@ class TokenizerService:
                     stale = await self.reader.claim_stale_if_due()
                     await asyncio.gather(*(self._handle(entry) for entry in stale))
                     outage.recovered()
+                    self.redis_ok = True
                     backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                self.redis_ok = False
                 outage.failed("reading requests", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
@@ -68,28 +78,44 @@ class TokenizerService:
             log.error("unexpected %s on the request stream; skipped", type(req).__name__)
             await self.reader.ack(entry.entry_id)
             return
+        lag = telemetry.record_stream_wait(self.reader.stream, entry.entry_id, req.traceparent)
+        operation = "chat" if isinstance(req, ChatRequest) else "text_completion"
+        attributes = telemetry.genai_request_attributes(operation, req.model, req.sampling, req.max_tokens)
         with telemetry.tracer(__name__).start_as_current_span(
             "tokenizer.process", context=telemetry.context_from(req.traceparent),
-            attributes={"pagedserve.request_id": req.request_id},
+            attributes={**attributes, "pagedserve.request_id": req.request_id},
         ):
-            await self._process(req)
+            started = time.perf_counter()
+            outcome = await self._process(req)
+        if self.metrics is not None:
+            self.metrics.queue_lag.observe(lag)
+            self.metrics.duration.observe(time.perf_counter() - started)
+            self.metrics.count(outcome)
         await self.reader.ack(entry.entry_id)
 
-    async def _process(self, req: ChatRequest | CompletionRequest) -> None:
+    async def _process(self, req: ChatRequest | CompletionRequest) -> str:
+        """Answer one request; returns the outcome ("accepted", "rejected" or "error") for the metrics."""
+        with telemetry.tracer(__name__).start_as_current_span("tokenizer.tokenize") as span:
+            result = await self._tokenize(req)
+            if not isinstance(result, RequestError):
+                span.set_attribute("gen_ai.usage.input_tokens", result[0].num_prompt_tokens)
+        reply_stream = streams.response_stream(req.reply_to)
+        maxlen = self.settings.stream_maxlen
+        if isinstance(result, RequestError):
+            await self.publisher.publish(reply_stream, result, maxlen)
+            return "error" if result.status >= 500 else "rejected"
+        accepted, generate = result
+        generate.traceparent = telemetry.current_traceparent()  # the engine's span: a child of this one
+        # Accepted goes first, in the same pipelined batch as the work itself: one round trip.
+        sent = [self.publisher.send(reply_stream, accepted, maxlen),
+                self.publisher.send(streams.generate_stream(self.model), generate, maxlen)]
+        await asyncio.gather(*sent)
+        return "accepted"
+
+    async def _tokenize(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
         try:
-            result = await asyncio.to_thread(self.processor.process, req)
+            return await asyncio.to_thread(self.processor.process, req)
         except Exception:  # a bug, or a malformed message from a foreign producer: answer, keep serving
             log.exception("could not process request %s", req.request_id)
-            result = RequestError(req.request_id, 500, "internal error while preparing the prompt",
-                                  type="internal_server_error")
-        reply_stream = streams.response_stream(req.reply_to)
-        if isinstance(result, RequestError):
-            await self.publisher.publish(reply_stream, result, self.settings.stream_maxlen)
-        else:
-            accepted, generate = result
-            generate.traceparent = telemetry.current_traceparent()  # the engine's span: a child of this one
-            # Accepted goes first, in the same pipelined batch as the work itself: one round trip.
-            maxlen = self.settings.stream_maxlen
-            sent = [self.publisher.send(reply_stream, accepted, maxlen),
-                    self.publisher.send(streams.generate_stream(self.model), generate, maxlen)]
-            await asyncio.gather(*sent)
+            return RequestError(req.request_id, 500, "internal error while preparing the prompt",
+                                type="internal_server_error")

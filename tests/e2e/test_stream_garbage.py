@@ -19,7 +19,7 @@ def test_garbage_entries_are_skipped_and_acked(services: RunningServices) -> Non
         streams.generate_stream(model): r.xadd(streams.generate_stream(model), {b"d": b"\x93\x01\x02\x03"}),
     }
     r.xadd(streams.control_stream(model), {b"d": b"not msgpack at all \xff"})
-    gateway_streams = [k.decode() for k in r.scan_iter(match="ps:resp:*")]
+    gateway_streams = [k.decode() for k in r.scan_iter(match="ps:*:resp")]
     for stream in gateway_streams:
         r.xadd(stream, {b"d": b"\xff\xfe"})
 
