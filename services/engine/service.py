@@ -183,6 +183,7 @@ class EngineService:
             d.num_prompt_tokens.append(out.num_prompt_tokens)
             d.num_output_tokens.append(out.num_output_tokens)
             d.num_cached_tokens.append(out.num_cached_tokens)
+            d.prompt_logprobs.append(_wire_prompt_logprobs(out.prompt_logprobs))
             if out.finish_reason is not None:
                 state.num_finished += 1
                 if state.num_finished >= state.num_choices:
@@ -355,3 +356,9 @@ async def _backoff(what: str, exc: BaseException) -> None:
         log.warning("redis unavailable while %s: %s; retrying", what, exc)
         _last_warning = now
     await asyncio.sleep(0.5)
+
+
+def _wire_prompt_logprobs(logprobs: Any) -> list[Any] | None:
+    if logprobs is None:
+        return None
+    return [None if lp is None else [lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
