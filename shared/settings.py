@@ -45,6 +45,8 @@ class GatewaySettings(BaseSettings):
     max_logit_bias: int = 1024
     max_messages: int = 1024
     stream_maxlen: int = 100_000
+    max_prompts: int = 64  # prompts x n of one batched completion (each prompt is its own request)
+    grpc_port: int = 0  # the gRPC front door's port; 0 = off
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -70,6 +70,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     has_first_token: bool = False
     span: Span | None = None  # the request's trace span, ended when the generation ends
+    prompt_logprobs: list[Any] | None = None  # per prompt token (None first), when the request asked
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -124,6 +125,8 @@ class Generation:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
+        if reply.prompt_logprobs is not None:
+            self.prompt_logprobs = reply.prompt_logprobs
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
             if self.frontend.metrics is not None:
