@@ -97,10 +97,17 @@ def build_app(settings: GatewaySettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await frontend.start()
+        grpc_door = None
+        if settings.grpc_port:
+            from services.gateway.grpc_api import server as grpc_server  # grpc loads only when it serves
+
+            grpc_door = await grpc_server.start(frontend, settings)
         try:
             yield
         finally:
             frontend.is_draining = True
+            if grpc_door is not None:
+                await grpc_door.stop()
             await frontend.stop()
 
     routes = [
