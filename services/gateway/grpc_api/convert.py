@@ -22,6 +22,7 @@ _OPTIONAL_SAMPLING = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "max_tokens", "min_tokens", "ignore_eos",
 )
+ABORTED = 499  # an Abort call ended the request (nginx's "client closed request")
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
@@ -29,6 +30,7 @@ _STATUS_CODES = {
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ABORTED: grpc.StatusCode.CANCELLED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 

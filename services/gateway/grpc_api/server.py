@@ -4,13 +4,13 @@ same Frontend as HTTP (`--grpc-port`; 0 = off).
     Generate ─► auth (metadata `authorization: Bearer`) ─► to_api_request (HTTP's pydantic models
     and caps) ─► Frontend.submit ─► Generation.updates() ─► a GenerateResponse per choice update
 
-A cancelled call (the client went away, its deadline passed, or an Abort call) cancels the
-handler task: Generation.updates() ends in its `finally`, and the Frontend sends Abort to the engine.
+A cancelled call (the client went away or its deadline passed) cancels the handler task; an Abort
+call puts an error into the generation's reply queue, which ends the stream with CANCELLED. Either
+way Generation.updates() ends in its `finally`, and the Frontend sends Abort to the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,10 +21,11 @@ from grpc_health.v1.health import aio as health_aio
 
 from services.gateway.auth import is_authorized
 from services.gateway.errors import APIError
-from services.gateway.frontend import Frontend
+from services.gateway.frontend import Frontend, Generation
 from services.gateway.grpc_api import convert
 from services.gateway.grpc_api import pagedserve_pb2 as pb
 from services.gateway.grpc_api import pagedserve_pb2_grpc as pb_grpc
+from shared.protocol import RequestError
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, settings: GatewaySettings) -> None:
         self.frontend, self.settings = frontend, settings
         self.keys = [k.encode() for k in settings.api_keys]
-        self.running: dict[str, asyncio.Task[Any]] = {}  # the id the client knows -> its handler task
+        self.running: dict[str, Generation] = {}  # by the id the client knows
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         await self._authorize(context)
@@ -48,11 +49,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             gen = await self.frontend.submit(convert.to_wire(req, internal_id, self.settings), req.stop_strings,
                                              req.num_choices)  # fmt: skip
         except APIError as exc:
-            await context.abort(*convert.status_of(exc))
+            await context.abort(*convert.status_of(exc))  # raises
         request_id = request.request_id or internal_id
-        task = asyncio.current_task()
-        if task is not None:
-            self.running[request_id] = task
+        self.running[request_id] = gen
         try:
             async for update in gen.updates():
                 response = convert.to_response(request_id, update, gen.token_texts)
@@ -66,11 +65,12 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
         await self._authorize(context)
-        task = self.running.get(request.request_id)
-        if task is None:
+        gen = self.running.get(request.request_id)
+        if gen is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request {request.request_id!r}")
-        else:
-            task.cancel()  # the Generate call ends with CANCELLED; the engine gets an Abort
+        else:  # updates() raises it: the Generate call ends with CANCELLED, the engine gets an Abort
+            gen.queue.put_nowait(RequestError(gen.request_id, convert.ABORTED, "aborted by an Abort call",
+                                              code="aborted"))  # fmt: skip
         return pb.AbortResponse()
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
