@@ -107,15 +107,27 @@ class BatchGeneration:
 async def submit_batch(
     frontend: Frontend, requests: Sequence[CompletionRequest], stop: list[str], n: int, batch_id: str
 ) -> BatchGeneration:
-    """Submit every prompt at once; all accepted, or none kept."""
-    results = await asyncio.gather(*(frontend.submit(r, stop, n) for r in requests), return_exceptions=True)
-    parts = [r for r in results if isinstance(r, Generation)]
-    errors = [r for r in results if isinstance(r, BaseException)]
+    """Submit every prompt at once; all accepted, or none kept (also when the caller is cancelled)."""
+    tasks = [asyncio.create_task(frontend.submit(r, stop, n)) for r in requests]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        _release_accepted(frontend, tasks)
+        raise
+    errors = [e for e in (t.exception() for t in tasks) if e is not None]
     if errors:
-        for part in parts:
-            frontend.release(part)
+        _release_accepted(frontend, tasks)
         raise errors[0]
-    return BatchGeneration(batch_id, parts, n)
+    return BatchGeneration(batch_id, [t.result() for t in tasks], n)
+
+
+def _release_accepted(frontend: Frontend, tasks: list[asyncio.Task[Generation]]) -> None:
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            frontend.release(task.result())  # aborts it in the engine, frees its in-flight slot
 
 
 def parts_of(gen: GenerationView) -> list[Generation]:

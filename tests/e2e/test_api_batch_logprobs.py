@@ -165,3 +165,17 @@ def test_vllm_prompt_logprobs_match_hf(answers: dict[str, Any], tokenizer: Any, 
             assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
             top = {str(t) for t in row.topk(k).indices.tolist()} if k else set()
             assert top <= set(entry) and set(entry) <= top | {str(token_id)}  # the top k, and the token itself
+
+
+def test_a_refused_prompt_refuses_the_batch_and_frees_the_rest(services: RunningServices) -> None:
+    """The accepted prompts of a batch with one over-long prompt are aborted; nothing stays in flight."""
+    from tests.e2e.test_reliability import _engine_load, _wait_idle
+
+    idle = _wait_idle(services, _engine_load(services).num_total_blocks, 30)
+    body = {"model": services.model, "prompt": ["Once upon a time", "hi " * 3000], "max_tokens": 1000,
+            "ignore_eos": True}  # fmt: skip
+    response = httpx.post(f"{services.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    _wait_idle(services, idle.num_free_blocks, timeout_s=10)  # 1000 tokens would take far longer
+    metrics = httpx.get(f"{services.base_url}/metrics", timeout=10).text
+    assert "pagedserve_requests_in_flight 0.0" in metrics
