@@ -109,6 +109,9 @@ class TokenDeltas:
     num_prompt_tokens: list[int]
     num_output_tokens: list[int]  # this choice's total so far
     num_cached_tokens: list[int]
+    # Per request: None, or (with its first token, when asked) per prompt token None (the first) or
+    # [logprob, [[token_id, logprob], ...top]]. May be empty from an engine that predates it.
+    prompt_logprobs: list[list[Any] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -51,6 +51,8 @@ class GatewaySettings(BaseSettings):
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), each a whole gateway
     reuse_port: bool = False  # SO_REUSEPORT on the listening socket (workers set it)
     drain_timeout_s: float = 30.0  # on SIGTERM: let requests in flight finish for at most this long
+    max_prompts: int = 64  # prompts x n of one batched completion (each prompt is its own request)
+    grpc_port: int = 0  # the gRPC front door's port; 0 = off
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -40,6 +41,7 @@ from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
 from services.engine.parallel.launcher import TensorParallelDriver, build_rank_model
+from services.engine.prompt_logprobs import accumulate
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
@@ -116,6 +118,8 @@ class Engine:
             raise ValueError("prompt: must not be empty")
         if any(not 0 <= t < self.vocab_size for t in prompt + [t for ts in resumed.values() for t in ts]):
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        if (output_token_ids or choice_output_token_ids) and params.prompt_logprobs is not None:
+            params = replace(params, prompt_logprobs=None)  # sent by the replica that began it
         num_context = len(prompt) + max(len(ts) for ts in resumed.values())
         if num_context >= self.max_model_len:
             raise ValueError(f"prompt: {num_context} tokens leave no room in the context "
@@ -220,6 +224,8 @@ class Engine:
             raise
         self.profile.mark("wait")
         self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
+        for part in result.prompt_logprobs:
+            accumulate(part.request.prompt_logprobs, part)
         outputs = []
         for row, token_id, logprob in zip(step.rows, result.sampled_token_ids, result.logprobs, strict=True):
             request, position = row.request, row.position
@@ -237,8 +243,11 @@ class Engine:
             elif not request.is_finished and (position + 1) % self.config.block_size == 0:
                 self.kv_cache.publish_known(request)  # the token completed a block: it can be shared now
             is_last = request.is_finished and position == len(tokens) - 1
-            outputs.append(_output(request, [token_id], None if logprob is None else [logprob],
-                                   position + 1 - request.num_prompt_tokens, is_last))  # fmt: skip
+            output = _output(request, [token_id], None if logprob is None else [logprob],
+                             position + 1 - request.num_prompt_tokens, is_last)
+            if position == request.num_prompt_tokens and request.params.prompt_logprobs is not None:
+                output.prompt_logprobs = list(request.prompt_logprobs)  # with the first output token
+            outputs.append(output)
             if is_last:
                 self._forget_if_done(request.request_id)
         self.profile.mark("output")

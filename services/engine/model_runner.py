@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.engine import attention
+from services.engine import attention, prompt_logprobs
 from services.engine.attention import AttentionMetadata
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class StepResult:
     sampled_token_ids: list[int]  # one per sampling sequence, in schedule order
     logprobs: list[TokenLogprob | None]  # likewise; None where not asked for
+    prompt_logprobs: list[prompt_logprobs.PromptLogprobs] = field(default_factory=list)  # requests that asked
 
 
 @dataclass(slots=True)
@@ -52,14 +53,17 @@ class StepHandle:
     num_logprobs: list[int | None]  # per sampling row, the request's logprobs setting
     logprob_width: int  # columns of the logprob block (0 when none was asked)
     marks: GpuMarks | None = None
+    prompt_chunks: list[prompt_logprobs.PromptLogprobChunk] = field(default_factory=list)  # device tensors
 
     def result(self) -> StepResult:
         """Wait for the step (the one host sync) and unpack its results."""
         if self.ready is not None:
             self.ready.synchronize()
-        if self.packed is None:
-            return StepResult([], [])
-        return _unpack(self.packed.tolist(), self.num_logprobs, self.logprob_width)
+        result = StepResult([], []) if self.packed is None else _unpack(
+            self.packed.tolist(), self.num_logprobs, self.logprob_width)
+        if self.prompt_chunks:  # only requests that asked for prompt logprobs pay this copy
+            result.prompt_logprobs = prompt_logprobs.to_host(self.prompt_chunks)
+        return result
 
 
 class ModelRunner:
@@ -137,6 +141,8 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_size)  # [graph_size, hidden]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_chunks = (prompt_logprobs.compute_chunks(self.model, hidden, scheduled)
+                         if prompt_logprobs.wants_prompt_logprobs(scheduled) else [])  # fmt: skip
         sampling_requests = [s.request for s in scheduled if s.is_sampling]
         kind = "eager" if graph_size is None else "graph"
         if not sampling_requests:
@@ -144,7 +150,8 @@ class ModelRunner:
                 marks.forward_done.record()
                 marks.sample_done.record()
             profile.mark("forward")
-            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks)
+            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks,
+                              prompt_chunks)  # fmt: skip
         logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [num_sampling, vocab] fp32
         if marks is not None:
             marks.forward_done.record()
@@ -162,7 +169,7 @@ class ModelRunner:
         if marks is not None:
             marks.sample_done.record()
         handle = StepHandle(kind, num_tokens, output.sampled_token_ids, packed, _record_event(self.device),
-                            num_logprobs, width, marks)  # fmt: skip
+                            num_logprobs, width, marks, prompt_chunks)  # fmt: skip
         profile.mark("sample")
         return handle
 

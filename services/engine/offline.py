@@ -68,6 +68,8 @@ def generate(
             if out.new_logprobs and choice.logprobs is not None:
                 choice.logprobs.extend(out.new_logprobs)
             result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None:
+                result.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
                 choice.finish_reason = out.finish_reason
                 if progress is not None and all(c.finish_reason for c in result.choices):

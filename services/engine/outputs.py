@@ -27,6 +27,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # includes a continuation's initial tokens
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # With the first output token of a request that asked: one entry per prompt token (None first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -73,6 +75,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     choices: list[Choice]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: per prompt token, None first
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.outputs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     generator: torch.Generator | None = None  # only with a seed
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # [None, pos 1, ...] when asked
 
     @classmethod
     def create(

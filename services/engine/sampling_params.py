@@ -29,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many tokens exist
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
 
     @property
     def is_greedy(self) -> bool:
@@ -53,6 +54,10 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
         )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _check(
@@ -65,9 +70,10 @@ class SamplingParams:
             _check(-100.0 <= value <= 100.0, "logit_bias", "values must be in [-100, 100]")
 
     def for_choice(self, index: int) -> SamplingParams:
-        """The parameters of choice `index` of an n>1 request: n=1, and a distinct derived seed."""
+        """The parameters of choice `index` of an n>1 request: n=1, and a distinct derived seed.
+        Only choice 0 computes prompt logprobs (the choices share the prompt)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 def _check(is_ok: bool, name: str, message: str) -> None:

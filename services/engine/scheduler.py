@@ -148,6 +148,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            if request.params.prompt_logprobs is not None:  # cached positions would have no logits
+                hit_block_ids, num_hit_tokens = [], 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate(request, num_hit_tokens + num_new, hit_block_ids) is None:
                 break  # FCFS: nobody overtakes the head of the queue

@@ -221,6 +221,7 @@ class EngineService:
             d.num_prompt_tokens.append(out.num_prompt_tokens)
             d.num_output_tokens.append(out.num_output_tokens)
             d.num_cached_tokens.append(out.num_cached_tokens)
+            d.prompt_logprobs.append(_wire_prompt_logprobs(out.prompt_logprobs))
             if out.new_token_ids and not state.trace.has_first_token:
                 self._queued.pop(out.request_id, None)
                 state.trace.first_token()
@@ -464,3 +465,9 @@ def _without_requests(deltas: TokenDeltas, request_ids: OrderedDict[str, None]) 
         for f in dataclasses.fields(deltas) if isinstance(getattr(deltas, f.name), list)
     }
     return dataclasses.replace(deltas, **columns)
+
+
+def _wire_prompt_logprobs(logprobs: Any) -> list[Any] | None:
+    if logprobs is None:
+        return None
+    return [None if lp is None else [lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]

@@ -20,13 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway import schemas, streaming, token_routes
+from services.gateway import completions as completions_route
+from services.gateway import responses, schemas, streaming, token_routes
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.errors import APIError, model_not_found
-from services.gateway.frontend import Frontend, Generation
+from services.gateway.frontend import Frontend
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from services.gateway.validation import read_json, validate
-from shared.protocol import ChatRequest, CompletionRequest
+from shared.protocol import ChatRequest
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -62,21 +63,17 @@ def build_app(settings: GatewaySettings) -> Starlette:
         if req.is_stream:
             fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage)
             return streaming.event_stream(streaming.chat_events(gen, fmt))
-        return await streaming.collect(request, gen, is_chat=True)
+        k = req.prompt_logprobs  # vLLM's extra: prompt_logprobs at the top of the body (never streamed)
+        return await streaming.collect(request, gen, is_chat=True, finish=None if k is None else (
+            lambda body: body.update(prompt_logprobs=responses.vllm_prompt_logprobs(gen.token_texts, gen, k))))
 
     async def completions(request: Request) -> Response:
         req: schemas.CompletionRequest = await parse(request, schemas.CompletionRequest)
-        wire = CompletionRequest(
-            request_id=frontend.new_request_id("cmpl"), reply_to=settings.gateway_id, model=req.model,
-            prompt=req.prompt, sampling=schemas.sampling_dict(req), max_tokens=req.token_budget,
-            stream=req.is_stream, arrival_time=time.time(), traceparent=request.headers.get("traceparent"),
-        )
-        gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
-        echo = _echo_text(gen, req.prompt) if req.echo else ""
-        if req.is_stream:
-            fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage, echo)
-            return streaming.event_stream(streaming.completion_events(gen, fmt))
-        return await streaming.collect(request, gen, is_chat=False, prefix=echo)
+        return await completions_route.serve(request, req, frontend, settings)
+
+    async def embeddings(request: Request) -> Response:
+        raise APIError(404, "This server does not serve embeddings (/v1/embeddings); it serves text generation "
+                       "models only", code="not_found")
 
     async def list_models(request: Request) -> Response:
         data = [_model_card(m.name, m.first_seen, m.max_model_len) for m in frontend.registry.live_models()]
@@ -100,15 +97,23 @@ def build_app(settings: GatewaySettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await frontend.start()
+        grpc_door = None
+        if settings.grpc_port:
+            from services.gateway.grpc_api import server as grpc_server  # grpc loads only when it serves
+
+            grpc_door = await grpc_server.start(frontend, settings)
         try:
             yield
         finally:
             frontend.is_draining = True
+            if grpc_door is not None:
+                await grpc_door.stop()
             await frontend.stop()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/tokenize", token_routes.tokenize, methods=["POST"]),
@@ -126,13 +131,6 @@ def build_app(settings: GatewaySettings) -> Starlette:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
     return app
-
-
-def _echo_text(gen: Generation, prompt: str | list[int]) -> str:
-    """The prompt as the client sent it (token ids are decoded, special tokens included)."""
-    if isinstance(prompt, str):
-        return prompt
-    return str(gen.choices[0].tokenizer.decode(prompt))
 
 
 def _model_card(name: str, created: float, max_model_len: int) -> dict[str, Any]:

@@ -30,7 +30,12 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def is_authorized(self, header: bytes) -> bool:
-        token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
-        # Compare against every key (no early exit), so timing says nothing about which one matched.
-        matches = [hmac.compare_digest(token, key) for key in self.keys]
-        return bool(token) and any(matches)
+        return is_authorized(header, self.keys)
+
+
+def is_authorized(header: bytes, keys: list[bytes]) -> bool:
+    """Whether an `authorization` header (HTTP, or gRPC metadata) carries one of the keys."""
+    token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+    # Compare against every key (no early exit), so timing says nothing about which one matched.
+    matches = [hmac.compare_digest(token, key) for key in keys]
+    return bool(token) and any(matches)

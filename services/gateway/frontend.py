@@ -82,6 +82,7 @@ class Generation:
     has_first_token: bool = False
     last_token_at: float = 0.0  # for the inter-token latency
     span: Span | None = None  # the request's trace span, ended when the generation ends
+    prompt_logprobs: list[Any] | None = None  # per prompt token (None first), when the request asked
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -160,6 +161,8 @@ class Generation:
             observe_tokens(self.frontend.metrics, self.model, len(reply.token_ids), now - self.last_token_at)
         if reply.token_ids:
             self.last_token_at = now
+        if reply.prompt_logprobs is not None:
+            self.prompt_logprobs = reply.prompt_logprobs
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
             if self.span is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from services.gateway.batch import GenerationView
 from services.gateway.frontend import ChoiceUpdate, Generation
 from services.gateway.token_text import TokenTexts
 
@@ -60,7 +61,7 @@ def merge_logprobs(total: dict[str, Any] | None, part: dict[str, Any] | None) ->
     return total
 
 
-def envelope(gen: Generation, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def envelope(gen: GenerationView, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
         "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
@@ -76,7 +77,7 @@ def chat_chunk(gen: Generation, update: ChoiceUpdate, is_first: bool) -> dict[st
     return envelope(gen, "chat.completion.chunk", [choice])
 
 
-def completion_chunk(gen: Generation, update: ChoiceUpdate, text_offset: int) -> dict[str, Any]:
+def completion_chunk(gen: GenerationView, update: ChoiceUpdate, text_offset: int) -> dict[str, Any]:
     choice = {
         "index": update.index, "text": update.text,
         "logprobs": completion_logprobs(gen.token_texts, update, text_offset), "finish_reason": update.finish_reason,
@@ -84,11 +85,11 @@ def completion_chunk(gen: Generation, update: ChoiceUpdate, text_offset: int) ->
     return envelope(gen, "text_completion", [choice])
 
 
-def usage_chunk(gen: Generation, obj: str) -> dict[str, Any]:
+def usage_chunk(gen: GenerationView, obj: str) -> dict[str, Any]:
     return {**envelope(gen, obj, []), "usage": gen.usage()}
 
 
-def chat_response(gen: Generation, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
+def chat_response(gen: GenerationView, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
     choices = [
         {
             "index": i, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -99,9 +100,43 @@ def chat_response(gen: Generation, texts: list[str], logprobs: list[Any]) -> dic
     return {**envelope(gen, "chat.completion", choices), "usage": gen.usage()}
 
 
-def completion_response(gen: Generation, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
+def completion_response(gen: GenerationView, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
     choices = [
         {"index": i, "text": text, "logprobs": logprobs[i], "finish_reason": gen.finish_reasons.get(i)}
         for i, text in enumerate(texts)
     ]
     return {**envelope(gen, "text_completion", choices), "usage": gen.usage()}
+
+
+def echo_logprobs(texts: TokenTexts, gen: Generation, k: int) -> dict[str, Any]:
+    """Completion logprobs of the prompt tokens (echo + logprobs): the first one has none (null)."""
+    entries = gen.prompt_logprobs or []
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for position, token_id in enumerate(gen.accepted.prompt_token_ids):
+        text = texts.text(token_id)
+        entry = entries[position] if position < len(entries) else None
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        token_logprobs.append(None if entry is None else entry[0])
+        top_logprobs.append(None if entry is None else {texts.text(t): lp for t, lp in entry[1][:k]})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, gen: Generation, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or the token itself and the top k,
+    keyed by token id: {"123": {"logprob", "rank" (null if not in the top k), "decoded_token"}}."""
+    result: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(gen.accepted.prompt_token_ids, gen.prompt_logprobs or []):
+        if entry is None:
+            result.append(None)
+            continue
+        top = entry[1][:k]
+        ranks = {t: rank for rank, (t, _) in enumerate(top, start=1)}
+        item = {str(token_id): {"logprob": entry[0], "rank": ranks.get(token_id),
+                                "decoded_token": texts.text(token_id)}}  # fmt: skip
+        for rank, (t, lp) in enumerate(top, start=1):
+            item.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": texts.text(t)})
+        result.append(item)
+    return result

@@ -33,6 +33,7 @@ class Delta:
     num_output_tokens: int
     num_cached_tokens: int
     engine_id: str
+    prompt_logprobs: list[Any] | None = None  # with a request's first token, when it asked
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class ResponseRouter:
                     queue.put_nowait(Delta(
                         msg.indexes[i], msg.token_ids[i], msg.logprobs[i], msg.finish_reasons[i],
                         msg.num_prompt_tokens[i], msg.num_output_tokens[i], msg.num_cached_tokens[i],
-                        msg.engine_id,
+                        msg.engine_id, msg.prompt_logprobs[i] if i < len(msg.prompt_logprobs) else None,
                     ))
         elif isinstance(msg, Accepted | RequestError):
             queue = self.queues.get(msg.request_id)

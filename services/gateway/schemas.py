@@ -55,6 +55,7 @@ class _SamplingFields(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: top-k per prompt token
 
     @field_validator("logit_bias")
     @classmethod
@@ -116,22 +117,32 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_INT32)
     max_tokens: Count | None = 16  # OpenAI's completions default
+    suffix: str | None = None  # accepted by the schema only to be refused clearly (check_limits)
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: str | list[Any]) -> str | list[int]:
-        """One prompt: a string or token ids (a batch of exactly one is unwrapped)."""
+    def _prompt_or_batch(cls, value: str | list[Any]) -> str | list[Any]:
+        """A string, token ids, or a batch of either (a batch of exactly one is unwrapped)."""
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
             value = value[0]
         if isinstance(value, str):
             return value
         if not value:
             raise ValueError("the prompt is empty")
+        if all(isinstance(v, str) for v in value):
+            return value
+        if all(isinstance(v, list) for v in value):
+            return [_token_ids(v) for v in value]
         if any(isinstance(v, str | list) for v in value):
-            raise ValueError("batched prompts are not supported; send one prompt per request")
-        if not all(type(v) is int and 0 <= v <= MAX_INT32 for v in value):
-            raise ValueError("a token-id prompt must be a list of non-negative integers")
-        return value
+            raise ValueError("a batch must be all strings or all token-id lists")
+        return _token_ids(value)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch, or the one prompt."""
+        if isinstance(self.prompt, str) or all(type(v) is int for v in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -140,6 +151,14 @@ class CompletionRequest(_SamplingFields):
     @property
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+
+def _token_ids(value: list[Any]) -> list[int]:
+    if not value:
+        raise ValueError("a prompt in the batch is empty")
+    if not all(type(v) is int and 0 <= v <= MAX_INT32 for v in value):
+        raise ValueError("a token-id prompt must be a list of non-negative integers")
+    return value
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings) -> None:
@@ -154,13 +173,17 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: Gatew
         raise APIError(400, f"logit_bias may have at most {settings.max_logit_bias} entries", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream=true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available when stream=true", param="prompt_logprobs")
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req, settings)
     else:
         if req.best_of is not None and req.best_of != req.num_choices:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if req.suffix is not None:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+        if len(req.prompts) * req.num_choices > settings.max_prompts:
+            raise APIError(400, f"a batch may have at most {settings.max_prompts} prompts x n", param="prompt")
 
 
 def _check_chat(req: ChatCompletionRequest, settings: GatewaySettings) -> None:
@@ -197,6 +220,16 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     }
     if req.seed is not None:
         fields["seed"] = req.seed
+    prompt_logprobs = max(req.prompt_logprobs if req.prompt_logprobs is not None else -1, _echo_logprobs(req))
+    if prompt_logprobs >= 0:  # only then: an engine that predates the field still takes other requests
+        fields["prompt_logprobs"] = prompt_logprobs
     if req.logit_bias:
         fields["logit_bias"] = dict(req.logit_bias)
     return fields
+
+
+def _echo_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """Completions with echo and logprobs report the prompt tokens' logprobs too (-1: no)."""
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return req.logprobs
+    return -1

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import responses
+from services.gateway.batch import GenerationView, parts_of
 from services.gateway.errors import APIError
 from services.gateway.frontend import Generation
 
@@ -28,7 +29,9 @@ _DISCONNECT_POLL_S = 1.0
 class StreamFormat:
     include_usage: bool = False  # a last chunk with usage and no choices
     continuous_usage: bool = False  # usage so far in every chunk too
-    echo: str = ""  # completions: the prompt, sent first in every choice
+    echoes: list[str] = field(default_factory=list)  # completions: per prompt, sent first in each of its choices
+    echo_logprobs: int | None = None  # completions: echo with logprobs (the prompt tokens' ones)
+    n: int = 1  # choices per prompt
 
 
 def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
@@ -46,7 +49,7 @@ def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
-def _with_usage(gen: Generation, chunk: dict[str, Any], fmt: StreamFormat) -> dict[str, Any]:
+def _with_usage(gen: GenerationView, chunk: dict[str, Any], fmt: StreamFormat) -> dict[str, Any]:
     if not fmt.include_usage:
         return chunk
     return {**chunk, "usage": gen.usage() if fmt.continuous_usage else None}
@@ -63,13 +66,20 @@ async def chat_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator[bytes
         yield responses.sse(responses.usage_chunk(gen, "chat.completion.chunk"))
 
 
-async def completion_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator[bytes]:
-    offsets = [len(fmt.echo)] * len(gen.choices)  # text_offset of each choice's next token
-    if fmt.echo:
-        for i in range(len(gen.choices)):
-            choice = {"index": i, "text": fmt.echo, "logprobs": None, "finish_reason": None}
-            yield responses.sse(_with_usage(gen, responses.envelope(gen, "text_completion", [choice]), fmt))
+async def completion_events(gen: GenerationView, fmt: StreamFormat) -> AsyncIterator[bytes]:
+    n = fmt.n
+    offsets = [len(fmt.echoes[i // n]) if fmt.echoes else 0 for i in range(len(gen.choices))]  # next text_offset
+    unechoed = set(range(len(gen.choices))) if fmt.echoes else set()
     async for update in gen.updates():
+        if update.index in unechoed:  # sent with the first update: the prompt logprobs come with it
+            unechoed.discard(update.index)
+            logprobs = None
+            if fmt.echo_logprobs is not None:
+                part = parts_of(gen)[update.index // n]
+                logprobs = responses.echo_logprobs(gen.token_texts, part, fmt.echo_logprobs)
+            choice = {"index": update.index, "text": fmt.echoes[update.index // n], "logprobs": logprobs,
+                      "finish_reason": None}
+            yield responses.sse(_with_usage(gen, responses.envelope(gen, "text_completion", [choice]), fmt))
         if update.text or update.finish_reason or update.logprobs:
             chunk = responses.completion_chunk(gen, update, offsets[update.index])
             offsets[update.index] += len(update.text)
@@ -78,9 +88,12 @@ async def completion_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator
         yield responses.sse(responses.usage_chunk(gen, "text_completion"))
 
 
-async def collect(request: Request, gen: Generation, is_chat: bool, prefix: str = "") -> Response:
+async def collect(
+    request: Request, gen: GenerationView, is_chat: bool, prefix: str | list[str] = "",
+    finish: Callable[[dict[str, Any]], None] | None = None,  # adds to the body (prompt logprobs)
+) -> Response:
     """Gather a whole answer, aborting the request if the client goes away meanwhile."""
-    texts = [prefix] * len(gen.choices)
+    texts = list(prefix) if isinstance(prefix, list) else [prefix] * len(gen.choices)
     logprobs: list[Any] = [None] * len(gen.choices)
 
     async def gather() -> None:
@@ -101,4 +114,7 @@ async def collect(request: Request, gen: Generation, is_chat: bool, prefix: str 
             return Response(status_code=499)
     task.result()  # re-raises an APIError from the generation
     builder = responses.chat_response if is_chat else responses.completion_response
-    return JSONResponse(builder(gen, texts, logprobs))
+    body = builder(gen, texts, logprobs)
+    if finish is not None:
+        finish(body)
+    return JSONResponse(body)

@@ -74,7 +74,10 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, stop=""), 400, bad, "stop"),
         (c, chat(model, response_format={"type": "json_object"}), 400, bad, "response_format"),
         (c, chat(model, stream_options={"include_usage": True}), 400, bad, "stream_options"),
-        (p, completion(model, echo=True, logprobs=1), 400, bad, "echo"),
+        (p, completion(model, suffix="x"), 400, bad, "suffix"),
+        ("/v1/embeddings", {"model": model, "input": "hi"}, 404, bad, None),
+        (p, completion(model, prompt=["a", [1]]), 400, bad, "prompt"),
+        (c, chat(model, prompt_logprobs=1, stream=True), 400, bad, "prompt_logprobs"),
         (p, completion(model, best_of=3), 400, bad, "best_of"),
         # empty or malformed messages, unknown roles
         (c, chat(model, messages=[]), 400, bad, "messages"),
@@ -89,7 +92,6 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, chat_template_kwargs={"chat_template": "{{ 7 }}"}), 400, bad, "chat_template_kwargs"),
         (p, completion(model, prompt=[]), 400, bad, "prompt"),
         (p, completion(model, prompt=[1, 99999999]), 400, bad, "prompt"),
-        (p, completion(model, prompt=["a", "b"]), 400, bad, "prompt"),
         # oversized n, stop lists and logit_bias maps (the gateway's caps: 16, 16, 1024)
         (c, chat(model, n=17), 400, bad, "n"),
         (c, chat(model, stop=[f"s{i}" for i in range(17)]), 400, bad, "stop"),

@@ -90,15 +90,19 @@ def test_caps_and_cross_field_rules(fields: dict[str, Any], param: str) -> None:
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"prompt": []}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": [[1], [-1]]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": ["a"] * 20, "n": 4}, "prompt"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 21}, "logprobs"),
     ({"best_of": 2}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "x"}, "suffix"),
 ])
 def test_completion_errors(fields: dict[str, Any], param: str) -> None:
@@ -110,6 +114,18 @@ def test_single_prompt_forms_are_unwrapped() -> None:
     assert validate(schemas.CompletionRequest, {"model": "m", "prompt": ["text"]}).prompt == "text"
     assert validate(schemas.CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
     assert validate(schemas.CompletionRequest, {"model": "m", "prompt": [3, 4]}).prompt == [3, 4]
+
+
+def test_batches_and_echo_logprobs_reach_the_engine() -> None:
+    batch = validate(schemas.CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 2})
+    assert batch.prompts == [[1, 2], [3]]
+    assert validate(schemas.CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert schemas.sampling_dict(batch)["prompt_logprobs"] == 2  # echo + logprobs: the prompt's logprobs
+    both = validate(schemas.CompletionRequest, {"model": "m", "prompt": "a", "echo": True, "logprobs": 1,
+                                                "prompt_logprobs": 4})  # fmt: skip
+    assert schemas.sampling_dict(both)["prompt_logprobs"] == 4
+    plain = validate(schemas.CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 1})
+    assert "prompt_logprobs" not in schemas.sampling_dict(plain)  # older engines never see the key
 
 
 def test_non_object_bodies_are_400() -> None:
