@@ -89,7 +89,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        is_ready = frontend.registry.is_redis_up and not frontend.is_draining and bool(frontend.registry.live_models())
+        is_ready = frontend.is_ready()
         body = {"ready": is_ready, "redis": frontend.registry.is_redis_up,
                 "models": [m.name for m in frontend.registry.live_models()]}
         return JSONResponse(body, status_code=200 if is_ready else 503)

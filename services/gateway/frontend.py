@@ -225,19 +225,34 @@ class Frontend:
     async def start(self) -> None:
         # Long-running: the reply reader, the registry and the publisher (which spawned aborts still need).
         self._readers = [asyncio.create_task(task.run()) for task in (self.router, self.registry, self.publisher)]
-        self._tasks = list(self._readers)
         try:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
             log.warning("redis not reachable at start: %s", exc)
-        for entry in self.registry.live_models():  # warm up, so the first request does not wait
-            self._spawn(self._warm_tokenizer(entry.name, entry.model_source))
+        self._readers.append(asyncio.create_task(self._warm_tokenizers()))
+        self._tasks = list(self._readers)
+
+    async def _warm_tokenizers(self) -> None:
+        """Load each model's tokenizer as soon as the model has a live engine, not on its first request:
+        a worker that loads it then (seconds) would stall every request that reached it meanwhile."""
+        while True:
+            for entry in self.registry.live_models():
+                if not self.tokenizers.is_loading(entry.name) and not self.tokenizers.has(entry.name):
+                    self._spawn(self._warm_tokenizer(entry.name, entry.model_source))
+            await asyncio.sleep(self.settings.registry_refresh_s)
 
     async def _warm_tokenizer(self, model: str, source: str | None) -> None:
         try:
             await self.tokenizers.get(model, source)
         except Exception as exc:  # the first request for the model retries and reports it
             log.warning("could not load the tokenizer of %s: %s", model, exc)
+
+    def is_ready(self) -> bool:
+        """Redis is up, the gateway is not draining, and it can serve a live model without first loading
+        that model's tokenizer."""
+        live = self.registry.live_models()
+        return (self.registry.is_redis_up and not self.is_draining and bool(live)
+                and all(self.tokenizers.has(m.name) for m in live))
 
     async def stop(self) -> None:
         spawned = [t for t in self._tasks if t not in self._readers]  # aborts on their way to the engines

@@ -31,6 +31,10 @@ class TokenizerCache:
         task = self._loads.get(model)
         return task is not None and task.done() and task.exception() is None
 
+    def is_loading(self, model: str) -> bool:
+        task = self._loads.get(model)
+        return task is not None and not task.done()
+
     async def get(self, model: str, source: str | None) -> tuple[Any, TokenTexts]:
         """`model`'s tokenizer (from `source`, what its engines loaded) and its token texts."""
         task = self._loads.get(model)
