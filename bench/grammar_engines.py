@@ -53,7 +53,7 @@ def bench_xgrammar(tokenizer: Any, vocab_size: int, schema: dict[str, Any], toke
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     times = []
-    for token in tokens + [tokenizer.eos_token_id]:
+    for token in [*tokens, tokenizer.eos_token_id]:
         start = time.perf_counter()
         matcher.fill_next_token_bitmask(bitmask, 0)
         ok = matcher.accept_token(token)
@@ -85,7 +85,7 @@ def bench_llguidance(tokenizer: Any, vocab_size: int, schema: dict[str, Any], to
     assert not err, err
     bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
     times = []
-    for token in tokens + [tokenizer.eos_token_id]:
+    for token in [*tokens, tokenizer.eos_token_id]:
         start = time.perf_counter()
         llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
         ok = matcher.consume_token(token)

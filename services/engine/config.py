@@ -36,6 +36,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     warm_up: bool = True  # CUDA: compile kernels and capture graphs at start-up, not on the first request
     profile_steps: bool = False  # time each step's phases (Engine.profile)
+    tokenizer: str | Path | None = None  # for grammars (structured output); None: model_dir's
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -43,6 +43,7 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
 from services.engine.step_profile import StepProfile
+from services.engine.structured.admission import GrammarAdmission
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()
         self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
         self._arrival = itertools.count()
+        self.grammars = GrammarAdmission(config.tokenizer or config.model_dir, self.vocab_size,
+                                         sorted(self.eos_token_ids))
         if self.device.type == "cuda" and config.warm_up:
             self._warm_up()
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, config.block_size,
@@ -122,6 +125,8 @@ class Engine:
             if request.num_output_tokens >= max_tokens:  # a continuation that was already complete
                 self.scheduler.finish([request], "length")
                 self._pending.append(_output(request, [], None))
+            elif params.structured_output is not None:
+                self.grammars.attach(request)  # the scheduler gets it once its grammar compiled
             else:
                 self.scheduler.add(request)
         self._forget_if_done(request_id)
@@ -158,12 +163,16 @@ class Engine:
         profile = self.profile
         profile.start()
         outputs, self._pending = self._pending, []
+        if self.grammars.compiling:
+            outputs += self._admit_compiled()
         previous, self._inflight = self._inflight, None
         if previous is not None and previous.needs_tokens:
             outputs += self._finish(previous)
             previous = None
         scheduled = self.scheduler.schedule()
         profile.mark("schedule")
+        if scheduled.is_empty and previous is None and self.grammars.compiling:
+            self.grammars.wait(0.005)  # only compiles are left: no busy loop
         kind = "eager" if previous is None else previous.handle.kind
         if not scheduled.is_empty:
             current = self._launch(scheduled, previous)
@@ -195,7 +204,8 @@ class Engine:
         for row in rows:
             self.placeholders.add(row.request, row.position)
         self.profile.mark("update")
-        needs_tokens = any(row.request.params.has_penalties for row in rows)
+        # Penalties read the output tokens, a grammar's next mask needs the last one: no overlap.
+        needs_tokens = any(row.request.params.has_penalties or row.request.grammar is not None for row in rows)
         return InflightStep(scheduled, handle, rows, needs_tokens)
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
@@ -215,7 +225,7 @@ class Engine:
             if request.finish_reason == "abort" or position >= len(tokens):
                 continue  # aborted, or a stop token one step earlier ended it: drop the token
             tokens[position] = token_id
-            if is_stop_token(request, token_id, position):
+            if is_stop_token(request, token_id, position) or _grammar_ends(request, token_id):
                 del tokens[position + 1 :]  # a placeholder scheduled after it
                 if request.is_finished:  # by a length limit found at a later launch
                     request.finish_reason = "stop"
@@ -232,7 +242,22 @@ class Engine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+                or bool(self.grammars.compiling))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand sequences whose grammar is ready to the scheduler; end those whose grammar failed."""
+        outputs = []
+        for request in self.grammars.pop_ready():
+            assert request.grammar is not None
+            if request.grammar.error is None:
+                self.scheduler.add(request)
+                continue
+            log.error("request %s: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish([request], "abort")
+            outputs.append(_output(request, [], None))
+            self._forget_if_done(request.request_id)
+        return outputs
 
     def has_room(self) -> bool:
         """Whether to take more work: a short waiting queue and some free KV blocks."""
@@ -282,6 +307,18 @@ class Engine:
         choices = self._requests.get(request_id)
         if choices is not None and all(r.status is RequestStatus.FINISHED for r in choices):
             del self._requests[request_id]
+
+
+def _grammar_ends(request: Request, token_id: int) -> bool:
+    """Advance the sequence's grammar by its token: True once it is complete (its stop token
+    accepted) or it rejected the token (cannot happen under the mask; the sequence ends anyway)."""
+    grammar = request.grammar
+    if grammar is None:
+        return False
+    if not grammar.accept(token_id):
+        log.error("request %s: %s", request.request_id, grammar.error)
+        return True
+    return grammar.is_terminated
 
 
 def _output(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     generator: torch.Generator | None = None  # only with a seed
+    grammar: GrammarState | None = None  # only with structured output (set by the engine)
 
     @classmethod
     def create(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from services.engine.structured.spec import GrammarSpec
+
 MAX_LOGPROBS = 20
 _EPS_TEMPERATURE = 1e-5
 
@@ -29,6 +31,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many tokens exist
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured_output: GrammarSpec | None = None  # constrained decoding (json schema, regex, ...)
 
     @property
     def is_greedy(self) -> bool:

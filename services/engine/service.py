@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.spec import GrammarSpec
 from shared import streams, telemetry
 from shared.protocol import (
     Abort,
@@ -59,6 +60,8 @@ class _Active:
 def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
     """Build and validate SamplingParams from a wire dict (logit_bias keys arrive as strings)."""
     fields = dict(sampling)
+    if fields.get("structured_output") is not None:
+        fields["structured_output"] = GrammarSpec.from_wire(fields["structured_output"])
     if fields.get("logit_bias"):
         fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
     params = SamplingParams(**fields)
