@@ -20,11 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway import schemas, streaming, token_routes
+from services.gateway import schemas, streaming, structured, token_routes
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.errors import APIError, model_not_found
 from services.gateway.frontend import Frontend, Generation
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from services.gateway.tool_calls import tool_call_states
 from services.gateway.validation import read_json, validate
 from shared.protocol import ChatRequest, CompletionRequest
 from shared.settings import GatewaySettings
@@ -52,6 +53,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
             messages=[m.as_template_input() for m in req.messages], sampling=schemas.sampling_dict(req),
             max_tokens=req.token_budget, stream=req.is_stream, arrival_time=time.time(),
             traceparent=request.headers.get("traceparent"), chat_template_kwargs=req.chat_template_kwargs or {},
+            tools=structured.template_tools(req),
         )
         try:
             gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
@@ -59,10 +61,12 @@ def build_app(settings: GatewaySettings) -> Starlette:
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
+        named = req.tool_choice.function.name if isinstance(req.tool_choice, schemas.NamedToolChoice) else None
+        tools = tool_call_states(structured.tool_choice_mode(req), named, settings.tool_call_parser, req.num_choices)
         if req.is_stream:
             fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage)
-            return streaming.event_stream(streaming.chat_events(gen, fmt))
-        return await streaming.collect(request, gen, is_chat=True)
+            return streaming.event_stream(streaming.chat_events(gen, fmt, tools))
+        return await streaming.collect(request, gen, is_chat=True, tools=tools)
 
     async def completions(request: Request) -> Response:
         req: schemas.CompletionRequest = await parse(request, schemas.CompletionRequest)

@@ -163,6 +163,7 @@ def test_bitmask_is_applied_in_the_sampler(smollm2_dir: Path, smol_model: Causal
     grammar_params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=5, structured_output=spec, seed=0)
     plain_params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=5, seed=0)
     constrained, plain = engine.generate([prompt, prompt], [grammar_params, plain_params])
+    assert constrained.logprobs is not None and plain.logprobs is not None
     first = constrained.logprobs[0]
     allowed = [t for t, lp in first.top_logprobs if lp > float("-inf")]
     assert first.token_id in allowed and len(allowed) <= 4  # "yes"/"no" start with very few tokens
