@@ -40,6 +40,8 @@ class ChoiceToolCalls:
     _decided: bool | None = None  # llama3: None until the first visible character; True = calls
     _ids: list[str] = field(default_factory=list)
     _named_started: bool = False
+    _had_tag: bool = False
+    _early_arguments: dict[int, str] = field(default_factory=dict)
 
     # ── streaming ──────────────────────────────────────────────────────────────────────────
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
@@ -82,11 +84,13 @@ class ChoiceToolCalls:
             if event.name is not None:
                 self._ids.append(new_call_id())
                 deltas.append(_header(event.index, self._ids[event.index], event.name))
-                call = self.scanner.calls[event.index]
-                if call.arguments:  # arguments that came before the name
-                    deltas.append({"index": event.index, "function": {"arguments": call.arguments}})
-            elif event.arguments and event.index < len(self._ids):
+                early = self._early_arguments.pop(event.index, "")  # arguments written before the name
+                if early:
+                    deltas.append({"index": event.index, "function": {"arguments": early}})
+            elif event.index < len(self._ids):
                 deltas.append({"index": event.index, "function": {"arguments": event.arguments}})
+            else:
+                self._early_arguments[event.index] = self._early_arguments.get(event.index, "") + event.arguments
         return deltas
 
     def _feed_hermes(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
@@ -101,18 +105,20 @@ class ChoiceToolCalls:
                 if self._inside:
                     deltas += self._call_deltas(head)
                 else:
-                    content += head
+                    content += self._outside_text(head)
                 break
             if self._inside:
                 deltas += self._call_deltas(buffer[:at])
             else:
-                content += buffer[:at]
+                content += self._outside_text(buffer[:at])
             self._inside = not self._inside
+            self._had_tag = True
             buffer = buffer[at + len(tag) :]
-        if self._ids and not content.strip():
-            content = ""  # whitespace between or after calls
         self.content += content
         return content, deltas
+
+    def _outside_text(self, text: str) -> str:
+        return "" if self._had_tag and not text.strip() else text  # whitespace between or after calls
 
     def _feed_llama3(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         if self._decided is None:

@@ -72,7 +72,8 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, logit_bias={"999999": 1}), 400, bad, "logit_bias"),  # not a token of this model
         (c, chat(model, stop_token_ids=[999999]), 400, bad, "stop_token_ids"),
         (c, chat(model, stop=""), 400, bad, "stop"),
-        (c, chat(model, response_format={"type": "json_object"}), 400, bad, "response_format"),
+        (c, chat(model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
+         400, bad, "response_format"),
         (c, chat(model, stream_options={"include_usage": True}), 400, bad, "stream_options"),
         (p, completion(model, echo=True, logprobs=1), 400, bad, "echo"),
         (p, completion(model, best_of=3), 400, bad, "best_of"),
