@@ -121,11 +121,11 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
         timer = FillTimer()
-        sampling_metadata.build_token_bitmask = timer  # type: ignore[assignment]
+        sampling_metadata.build_token_bitmask = timer
         try:
             row[label] = run(engine, prompts, args.output_len, num_json)
         finally:
-            sampling_metadata.build_token_bitmask = timer.real  # type: ignore[assignment]
+            sampling_metadata.build_token_bitmask = timer.real
         if timer.times_ms:
             row[label]["fill_ms_per_step"] = {"median": round(statistics.median(timer.times_ms), 3),
                                               "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
