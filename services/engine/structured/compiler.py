@@ -25,7 +25,7 @@ def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
     """An xgrammar CompiledGrammar for `spec`; raises ValueError (or xgrammar's errors) when invalid."""
     if spec.kind == "json":
         # Compact JSON (no free whitespace): a sampled model cannot wander off into spaces and newlines.
-        return compiler.compile_json_schema(spec.value, any_whitespace=False)
+        return compiler.compile_json_schema(spec.value, any_whitespace=False, separators=(",", ":"))
     if spec.kind == "json_object":
         return compiler.compile_builtin_json_grammar()
     if spec.kind == "regex":
