@@ -38,7 +38,7 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, {"messages": MSG}, 400, bad, "model"),
         (c, {"model": model}, 400, bad, "messages"),
         (p, {"model": model}, 400, bad, "prompt"),
-        (c, chat(model, tools=[{"type": "function"}]), 400, bad, "tools"),
+        (c, chat(model, tools=[{"type": "function"}]), 400, bad, "tools[0].function"),  # missing
         (p, completion(model, suffix="!"), 400, bad, "suffix"),
         (c, chat(model, temperature="hot"), 400, bad, "temperature"),
         (c, chat(model, n="2"), 400, bad, "n"),
