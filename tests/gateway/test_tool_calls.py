@@ -19,13 +19,13 @@ HERMES_OUTPUT = (
     "\"celsius\", \"note\": \"a } and a \\\"quote\\\" <tool_call>\"}}\n</tool_call>\n"
     "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"
 )
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
     {"type": "function", "function": {"name": "get_time"}}]
 
 
 def stream(state: ChoiceToolCalls, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
-    content, deltas = "", []
+    content, deltas = "", list[dict[str, Any]]()
     for start in range(0, len(text), step):
         piece, calls = state.feed(text[start : start + step])
         content, deltas = content + piece, deltas + calls
