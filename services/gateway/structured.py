@@ -133,8 +133,8 @@ def _response_format(rf: Any) -> GrammarSpec | None:
 def tool_choice_mode(req: Any) -> str:
     """none | auto | required | named (the default: auto with tools, none without)."""
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
-    if choice is None:
-        return "auto" if tools else "none"
+    if choice is None or choice == "auto":
+        return "auto" if tools else "none"  # nothing to call: no parsing either
     if isinstance(choice, str):
         return choice
     return "named"
