@@ -33,6 +33,7 @@ from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_mem
 from services.engine import sampling_metadata
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 from services.engine.structured.spec import GrammarSpec
 
 ROW = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
@@ -89,12 +90,21 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int
 
 
 def apply_cost_ms(vocab_size: int, rows: int) -> float:
-    """Device time of one apply_token_bitmask on [rows, vocab] fp32 logits (half the rows constrained)."""
+    """Device time of one apply_token_bitmask on [rows, vocab] fp32 logits (half the rows constrained),
+    after checking that the device result equals the CPU one on a random bitmask."""
     import xgrammar as xgr
 
-    logits = torch.randn(rows, vocab_size, device=CUDA)
-    bitmask = xgr.allocate_token_bitmask(rows, vocab_size).to(CUDA)
+    generator = torch.Generator().manual_seed(0)
+    host_logits = torch.randn(rows, vocab_size, generator=generator)
+    host_bits = torch.randint(-(2**31), 2**31 - 1, xgr.get_bitmask_shape(rows, vocab_size), generator=generator,
+                              dtype=torch.int64).to(torch.int32)
     indices = list(range(0, rows, 2))
+    expected = host_logits.clone()
+    apply_token_bitmask(expected, TokenBitmask(host_bits, indices))
+    logits = host_logits.to(CUDA)
+    apply_token_bitmask(logits, TokenBitmask(host_bits.to(CUDA), indices))
+    assert torch.equal(logits.cpu(), expected), "the bitmask on CUDA differs from the CPU result"
+    bitmask = host_bits.to(CUDA)
     for _ in range(3):
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
