@@ -35,7 +35,7 @@ from services.engine.async_steps import (
     is_stop_token,
 )
 from services.engine.config import EngineConfig
-from services.engine.model_runner import ModelRunner, num_kv_blocks_for
+from services.engine.model_runner import ModelRunner, StepResult, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
@@ -190,10 +190,15 @@ class Engine:
         """Enqueue a step on the device, then tell the scheduler its sampling sequences got a
         (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
         block_tables = [self.kv_cache.block_ids(s.request) for s in scheduled.scheduled]
+        before_sampling = None
+        if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
+            def before_sampling() -> None:
+                self._advance_grammars(previous)
         try:
             handle = self.runner.launch(scheduled.scheduled, block_tables,
                                         previous.pending_rows() if previous is not None else None,
-                                        previous.handle if previous is not None else None)  # fmt: skip
+                                        previous.handle if previous is not None else None,
+                                        before_sampling=before_sampling)  # fmt: skip
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
             self.kv_cache.reset_prefix_cache()
@@ -204,28 +209,25 @@ class Engine:
         for row in rows:
             self.placeholders.add(row.request, row.position)
         self.profile.mark("update")
-        # Penalties read the output tokens, a grammar's next mask needs the last one: no overlap.
-        needs_tokens = any(row.request.params.has_penalties or row.request.grammar is not None for row in rows)
+        needs_tokens = any(row.request.params.has_penalties for row in rows)
         return InflightStep(scheduled, handle, rows, needs_tokens)
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a step's tokens, put them in place of its placeholders, apply stop tokens."""
-        try:
-            result = step.handle.result()
-        except BaseException:
-            self.kv_cache.reset_prefix_cache()
-            raise
+        result = self._result(step)
         self.profile.mark("wait")
+        grammar_ends = self._advance_grammars(step)
         self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
         outputs = []
-        for row, token_id, logprob in zip(step.rows, result.sampled_token_ids, result.logprobs, strict=True):
+        for row, token_id, logprob, ends in zip(step.rows, result.sampled_token_ids, result.logprobs, grammar_ends,
+                                                strict=True):
             request, position = row.request, row.position
             self.placeholders.resolve(request, position)
             tokens = request.all_token_ids
             if request.finish_reason == "abort" or position >= len(tokens):
                 continue  # aborted, or a stop token one step earlier ended it: drop the token
             tokens[position] = token_id
-            if is_stop_token(request, token_id, position) or _grammar_ends(request, token_id):
+            if is_stop_token(request, token_id, position) or ends:
                 del tokens[position + 1 :]  # a placeholder scheduled after it
                 if request.is_finished:  # by a length limit found at a later launch
                     request.finish_reason = "stop"
@@ -240,6 +242,29 @@ class Engine:
                 self._forget_if_done(request.request_id)
         self.profile.mark("output")
         return outputs
+
+    def _result(self, step: InflightStep) -> StepResult:
+        """Wait for a step's results (once; the grammar hook may have waited already)."""
+        if step.result is None:
+            try:
+                step.result = step.handle.result()
+            except BaseException:
+                self.kv_cache.reset_prefix_cache()
+                raise
+        return step.result
+
+    def _advance_grammars(self, step: InflightStep) -> list[bool]:
+        """Feed a step's tokens to its grammar rows (once), before the next step's masks are filled:
+        per row, whether the grammar ended the sequence."""
+        if step.grammar_ends is None:
+            tokens = self._result(step).sampled_token_ids
+            step.grammar_ends = [
+                _grammar_ends(row.request, token_id)
+                if row.request.grammar is not None and row.request.finish_reason != "abort"
+                and row.position < len(row.request.all_token_ids) else False  # dropped tokens never reach it
+                for row, token_id in zip(step.rows, tokens, strict=True)
+            ]
+        return step.grammar_ends
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None

@@ -126,8 +126,17 @@ def test_grammar_survives_preemption_and_async_steps(smollm2_dir: Path, smol_mod
     engine = make_engine(smollm2_dir, smol_model, num_kv_blocks=14, async_scheduling=True)
     params = [json_params(seed, max_tokens=40) for seed in range(8)]
     prompts = [[*prompt[:-5], 100 + seed, *prompt[-5:]] for seed in range(8)]
+    launch, hooked = engine.runner.launch, []
+
+    def spy(*args: Any, before_sampling: Any = None, **kwargs: Any) -> Any:
+        hooked.append(before_sampling is not None)
+        return launch(*args, before_sampling=before_sampling, **kwargs)
+
+    engine.runner.launch = spy  # type: ignore[method-assign]
     results = engine.generate(prompts, params)
     assert engine.stats().num_preemptions > 0
+    # Grammar steps still overlap: the next step launches first, its masks wait for the tokens.
+    assert sum(hooked) > len(hooked) // 2
     for result in results:
         if result.finish_reason == "stop":
             jsonschema.validate(json.loads(output_text(tokenizer, result.token_ids)), PERSON)
