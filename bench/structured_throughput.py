@@ -8,8 +8,10 @@ of work (every sequence prompt_len in, output_len out):
              before output_len: both runs hold the same number of sequences for the same steps)
 Reported: the plain requests' throughput in each run (their output tokens over the time until the
 last of them finished, per plain request and in all), the ratio (target: within 5%), steps/s, and
-the grammar's per-step cost: host time filling the bitmask of the step's grammar rows (`fill`),
-and the device time of applying it to [256, vocab] logits (`apply`, timed alone with CUDA events).
+the grammar's per-step cost: host time advancing the matchers by the last tokens (`accept`) and
+filling the bitmask of the step's grammar rows (`fill`; both overlap the step's forward on the
+device, so they cost wall time only where the host is the bottleneck), and the device time of
+applying it to [256, vocab] logits (`apply`, timed alone with CUDA events).
 
     python -m bench.structured_throughput --tokenizer /path/to/SmolLM2-135M-Instruct
     python -m bench.structured_throughput --quick --models smollm2-135m --tokenizer ...
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_memory, make_prompts
+from services.engine import engine as engine_module
 from services.engine import sampling_metadata
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
@@ -42,6 +45,20 @@ ROW = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"typ
 SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "items": ROW, "minItems": 64}},
           "required": ["rows"], "additionalProperties": False}  # fmt: skip
 TARGET_RATIO = 0.95
+
+
+class AcceptTimer:
+    """Wraps the engine's per-row grammar advance (matcher.accept_token), summing its host time."""
+
+    def __init__(self) -> None:
+        self.real = engine_module._grammar_ends
+        self.total_s = 0.0
+
+    def __call__(self, request: Any, token_id: int) -> bool:
+        start = time.perf_counter()
+        ends = self.real(request, token_id)
+        self.total_s += time.perf_counter() - start
+        return ends
 
 
 class FillTimer:
@@ -130,16 +147,19 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer), model=ours)
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
-        timer = FillTimer()
+        timer, accept = FillTimer(), AcceptTimer()
         sampling_metadata.build_token_bitmask = timer
+        engine_module._grammar_ends = accept
         try:
             row[label] = run(engine, prompts, args.output_len, num_json)
         finally:
             sampling_metadata.build_token_bitmask = timer.real
+            engine_module._grammar_ends = accept.real
         if timer.times_ms:
             row[label]["fill_ms_per_step"] = {"median": round(statistics.median(timer.times_ms), 3),
                                               "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
                                               "steps": len(timer.times_ms)}  # fmt: skip
+            row[label]["accept_ms_per_step"] = round(1e3 * accept.total_s / len(timer.times_ms), 3)
         print(f"   {label}: {json.dumps({k: v for k, v in row[label].items() if k != 'profile_per_step'})}",
               flush=True)
         del engine
@@ -156,14 +176,15 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | all-plain tok/s | mixed: plain tok/s (x2 for 50%) | plain per-request ratio | "
-             "step ms plain / mixed | fill ms/step (median) | apply ms/step |",
+             "step ms plain / mixed | accept + fill ms/step (median fill) | apply ms/step |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fill = r["mixed"].get("fill_ms_per_step", {}).get("median", float("nan"))
+        accept = r["mixed"].get("accept_ms_per_step", float("nan"))
         lines.append(f"| {r['model']} | {r['all_plain']['plain_tokens_per_s']:.0f} | "
                      f"{r['mixed']['plain_tokens_per_s']:.0f} | {r['plain_per_request_ratio']:.3f} "
                      f"({'ok' if r['plain_per_request_ratio'] >= TARGET_RATIO else 'MISS'} vs {TARGET_RATIO}) | "
-                     f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {fill:.3f} | "
+                     f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {accept:.3f} + {fill:.3f} | "
                      f"{r['apply_ms_per_step']:.4f} |")
     return "\n".join(lines) + "\n"
 
