@@ -39,6 +39,7 @@ class ChatRequest:
     arrival_time: float = 0.0
     traceparent: str | None = None  # W3C trace context of the request's span
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # for the chat template (HF's `tools=`)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ the environment. `PAGEDSERVE_REDIS_URL` sets the Redis URL for every service at 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -44,6 +44,7 @@ class GatewaySettings(BaseSettings):
     max_stop: int = 16
     max_logit_bias: int = 1024
     max_messages: int = 1024
+    tool_call_parser: Literal["hermes", "llama3"] = "hermes"  # the model's tool-call format (auto)
     stream_maxlen: int = 100_000
     # Redis connections of this process: the response reader, the registry and pipelined publishes
     # need a few whatever the number of requests in flight.

@@ -9,7 +9,9 @@ so length limits, block allocation and the next schedule can go ahead at once; t
 row for that token is copied on the device from the sampled ids. When step N's tokens arrive they
 replace the placeholders (`apply_token`), and an EOS or stop token ends its sequence one step late:
 the token computed for it in N+1 is dropped. Steps that need the real output tokens before the next
-launch (repetition/presence/frequency penalties read them) do not overlap.
+launch (repetition/presence/frequency penalties read them) do not overlap. Grammar sequences need
+step N's token only to mask step N+1's logits: N+1's forward is launched first, and the host waits
+for N's tokens and fills the masks while the device runs it (`before_sampling`).
 
 Prefix caching must never hash a placeholder: `KnownTokensKVCacheManager` publishes a block only once
 all its tokens are known, and `publish_known` catches up when they are.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from services.engine.input_batch import PLACEHOLDER_TOKEN_ID
 from services.engine.kv_cache_manager import _ROOT_HASH, KVCacheManager, hash_block
-from services.engine.model_runner import StepHandle
+from services.engine.model_runner import StepHandle, StepResult
 from services.engine.request import Request
 from services.engine.scheduler import SchedulerOutput
 
@@ -41,6 +43,12 @@ class InflightStep:
     handle: StepHandle
     rows: list[SampledRow]  # sampling sequences, in the order of the step's sampled ids
     needs_tokens: bool  # a sequence reads its output tokens on the host (penalties): do not overlap
+    result: StepResult | None = None  # once waited for
+    grammar_ends: list[bool] | None = None  # per row, once its grammar rows took their tokens
+
+    @property
+    def has_grammar_rows(self) -> bool:
+        return any(row.request.grammar is not None for row in self.rows)
 
     def pending_rows(self) -> dict[Request, int]:
         """Sequences whose last token is this step's placeholder -> its row in the sampled ids."""

@@ -40,6 +40,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     parallel_timeout_s: float = 120.0  # a collective waiting longer than this fails (a rank died)
     load_format: str = "auto"  # "auto": the checkpoint's safetensors | "random": random weights from `seed`
+    tokenizer: str | Path | None = None  # for grammars (structured output); None: model_dir's
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

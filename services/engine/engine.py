@@ -36,7 +36,7 @@ from services.engine.async_steps import (
     is_stop_token,
 )
 from services.engine.config import EngineConfig
-from services.engine.model_runner import ModelRunner, num_kv_blocks_for
+from services.engine.model_runner import ModelRunner, StepResult, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
@@ -46,6 +46,7 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
 from services.engine.step_profile import StepProfile
+from services.engine.structured.admission import GrammarAdmission
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()
         self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
         self._arrival = itertools.count()
+        self.grammars = GrammarAdmission(config.tokenizer or config.model_dir, self.vocab_size,
+                                         sorted(self.eos_token_ids))
         if self.device.type == "cuda" and config.warm_up:
             self._warm_up()
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, config.block_size,
@@ -139,6 +142,8 @@ class Engine:
             if request.num_output_tokens >= max_tokens:  # a continuation that was already complete
                 self.scheduler.finish([request], "length")
                 self._pending.append(_output(request, [], None))
+            elif params.structured_output is not None:
+                self.grammars.attach(request)  # the scheduler gets it once its grammar compiled
             else:
                 self.scheduler.add(request)
         self._forget_if_done(request_id)
@@ -175,12 +180,16 @@ class Engine:
         profile = self.profile
         profile.start()
         outputs, self._pending = self._pending, []
+        if self.grammars.compiling:
+            outputs += self._admit_compiled()
         previous, self._inflight = self._inflight, None
         if previous is not None and previous.needs_tokens:
             outputs += self._finish(previous)
             previous = None
         scheduled = self.scheduler.schedule()
         profile.mark("schedule")
+        if scheduled.is_empty and previous is None and self.grammars.compiling:
+            self.grammars.wait(0.005)  # only compiles are left: no busy loop
         kind = "eager" if previous is None else previous.handle.kind
         if not scheduled.is_empty:
             current = self._launch(scheduled, previous)
@@ -198,10 +207,15 @@ class Engine:
         """Enqueue a step on the device, then tell the scheduler its sampling sequences got a
         (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
         block_tables = [self.kv_cache.block_ids(s.request) for s in scheduled.scheduled]
+        before_sampling = None
+        if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
+            def before_sampling() -> None:
+                self._advance_grammars(previous)
         try:
             handle = self.runner.launch(scheduled.scheduled, block_tables,
                                         previous.pending_rows() if previous is not None else None,
-                                        previous.handle if previous is not None else None)  # fmt: skip
+                                        previous.handle if previous is not None else None,
+                                        before_sampling=before_sampling)  # fmt: skip
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
             self.kv_cache.reset_prefix_cache()
@@ -217,24 +231,22 @@ class Engine:
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a step's tokens, put them in place of its placeholders, apply stop tokens."""
-        try:
-            result = step.handle.result()
-        except BaseException:
-            self.kv_cache.reset_prefix_cache()
-            raise
+        result = self._result(step)
         self.profile.mark("wait")
+        grammar_ends = self._advance_grammars(step)
         self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
         for part in result.prompt_logprobs:
             accumulate(part.request.prompt_logprobs, part)
         outputs = []
-        for row, token_id, logprob in zip(step.rows, result.sampled_token_ids, result.logprobs, strict=True):
+        for row, token_id, logprob, ends in zip(step.rows, result.sampled_token_ids, result.logprobs, grammar_ends,
+                                                strict=True):
             request, position = row.request, row.position
             self.placeholders.resolve(request, position)
             tokens = request.all_token_ids
             if request.finish_reason == "abort" or position >= len(tokens):
                 continue  # aborted, or a stop token one step earlier ended it: drop the token
             tokens[position] = token_id
-            if is_stop_token(request, token_id, position):
+            if is_stop_token(request, token_id, position) or ends:
                 del tokens[position + 1 :]  # a placeholder scheduled after it
                 if request.is_finished:  # by a length limit found at a later launch
                     request.finish_reason = "stop"
@@ -263,8 +275,46 @@ class Engine:
         choices = self._requests.get(request_id)
         return choices is None or any(r.num_cached_tokens >= 0 for r in choices)
 
+    def _result(self, step: InflightStep) -> StepResult:
+        """Wait for a step's results (once; the grammar hook may have waited already)."""
+        if step.result is None:
+            try:
+                step.result = step.handle.result()
+            except BaseException:
+                self.kv_cache.reset_prefix_cache()
+                raise
+        return step.result
+
+    def _advance_grammars(self, step: InflightStep) -> list[bool]:
+        """Feed a step's tokens to its grammar rows (once), before the next step's masks are filled:
+        per row, whether the grammar ended the sequence."""
+        if step.grammar_ends is None:
+            tokens = self._result(step).sampled_token_ids
+            step.grammar_ends = [
+                _grammar_ends(row.request, token_id)
+                if row.request.grammar is not None and row.request.finish_reason != "abort"
+                and row.position < len(row.request.all_token_ids) else False  # dropped tokens never reach it
+                for row, token_id in zip(step.rows, tokens, strict=True)
+            ]
+        return step.grammar_ends
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+        return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+                or bool(self.grammars.compiling))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand sequences whose grammar is ready to the scheduler; end those whose grammar failed."""
+        outputs = []
+        for request in self.grammars.pop_ready():
+            assert request.grammar is not None
+            if request.grammar.error is None:
+                self.scheduler.add(request)
+                continue
+            log.error("request %s: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish([request], "abort")
+            outputs.append(_output(request, [], None))
+            self._forget_if_done(request.request_id)
+        return outputs
 
     def has_room(self) -> bool:
         """Whether to take more work: a short waiting queue and some free KV blocks."""
@@ -314,6 +364,18 @@ class Engine:
         choices = self._requests.get(request_id)
         if choices is not None and all(r.status is RequestStatus.FINISHED for r in choices):
             del self._requests[request_id]
+
+
+def _grammar_ends(request: Request, token_id: int) -> bool:
+    """Advance the sequence's grammar by its token: True once it is complete (its stop token
+    accepted) or it rejected the token (cannot happen under the mask; the sequence ends anyway)."""
+    grammar = request.grammar
+    if grammar is None:
+        return False
+    if not grammar.accept(token_id):
+        log.error("request %s: %s", request.request_id, grammar.error)
+        return True
+    return grammar.is_terminated
 
 
 def _output(

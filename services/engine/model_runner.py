@@ -12,7 +12,7 @@ this one's results are read, takes its placeholder tokens from them (`pending_ro
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +116,7 @@ class ModelRunner:
         block_tables: Sequence[Sequence[int]],
         pending_rows: Mapping[Request, int] | None = None,  # placeholder last token -> row in previous
         previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
+        before_sampling: Callable[[], None] | None = None,  # host work after the forward is enqueued
     ) -> StepHandle:
         """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
         profile = self.profile
@@ -157,6 +158,8 @@ class ModelRunner:
             marks.forward_done.record()
         profile.mark("forward")
 
+        if before_sampling is not None:  # e.g. grammars take the previous step's tokens while this forward runs
+            before_sampling()
         meta = build_sampling_metadata(sampling_requests, self.spec.vocab_size, self.device)
         output = self.sampler(logits, meta)
         num_logprobs = [r.params.logprobs for r in sampling_requests]

@@ -16,6 +16,7 @@ import torch
 
 from services.engine.outputs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     generator: torch.Generator | None = None  # only with a seed
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # [None, pos 1, ...] when asked
+    grammar: GrammarState | None = None  # only with structured output (set by the engine)
 
     @classmethod
     def create(

@@ -1,6 +1,6 @@
 """Batched sampling on the engine's device: one row per sampling sequence, no loops over the vocabulary.
 
-Order (as in vLLM v1): logprobs of the raw logits -> logit_bias, min_tokens bans -> penalties ->
+Order (as in vLLM v1): grammar bitmask -> logprobs of the raw logits -> logit_bias, min_tokens bans -> penalties ->
 greedy argmax | temperature -> min_p -> top_k -> top_p -> a draw.
 
 Filters zero out probabilities instead of renormalizing, and a draw is an inverse-CDF lookup with
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.sampling_metadata import PenaltyInputs, SamplingMetadata
+from services.engine.structured.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [num_rows, vocab] (edited in place when fp32)."""
         logits = logits.float()
+        if meta.token_bitmask is not None:  # grammar rows: disallowed tokens can neither be sampled nor listed
+            apply_token_bitmask(logits, meta.token_bitmask)
         raw_logprobs = None
         if meta.logprob_row_ids is not None:
             raw_logprobs = torch.log_softmax(logits[meta.logprob_row_ids], dim=-1)

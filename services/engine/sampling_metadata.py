@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.request import Request
+from services.engine.structured.bitmask import TokenBitmask, build_token_bitmask
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     logprob_row_ids: torch.Tensor | None  # [num_logprob_rows] int64
     max_num_logprobs: int  # top alternatives to return (0 = only the sampled token's)
+    token_bitmask: TokenBitmask | None = None  # rows with a grammar: their allowed tokens
 
 
 def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -74,6 +76,7 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
         generators=[r.generator for r in requests],
         logprob_row_ids=_ints(logprob_rows, device) if logprob_rows else None,
         max_num_logprobs=max((params[i].logprobs or 0 for i in logprob_rows), default=0),
+        token_bitmask=build_token_bitmask(requests, vocab_size, device),
     )
 
 

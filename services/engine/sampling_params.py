@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from services.engine.structured.spec import GrammarSpec
+
 MAX_LOGPROBS = 20
 _EPS_TEMPERATURE = 1e-5
 
@@ -30,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
+    structured_output: GrammarSpec | None = None  # constrained decoding (json schema, regex, ...)
 
     @property
     def is_greedy(self) -> bool:

@@ -35,6 +35,7 @@ from services.engine.engine import Engine
 from services.engine.metrics import EngineMetrics
 from services.engine.request_trace import RequestTrace
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.spec import GrammarSpec
 from shared import streams, telemetry
 from shared.outage import OutageLog
 from shared.protocol import (
@@ -68,6 +69,8 @@ class _Active:
 def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
     """Build and validate SamplingParams from a wire dict (logit_bias keys arrive as strings)."""
     fields = dict(sampling)
+    if fields.get("structured_output") is not None:
+        fields["structured_output"] = GrammarSpec.from_wire(fields["structured_output"])
     if fields.get("logit_bias"):
         fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
     params = SamplingParams(**fields)

@@ -21,11 +21,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway import completions as completions_route
-from services.gateway import responses, schemas, streaming, token_routes
+from services.gateway import responses, schemas, streaming, structured, token_routes
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.errors import APIError, model_not_found
 from services.gateway.frontend import Frontend
 from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from services.gateway.tool_calls import tool_call_states
 from services.gateway.validation import read_json, validate
 from shared.protocol import ChatRequest
 from shared.settings import GatewaySettings
@@ -53,6 +54,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
             messages=[m.as_template_input() for m in req.messages], sampling=schemas.sampling_dict(req),
             max_tokens=req.token_budget, stream=req.is_stream, arrival_time=time.time(),
             traceparent=request.headers.get("traceparent"), chat_template_kwargs=req.chat_template_kwargs or {},
+            tools=structured.template_tools(req),
         )
         try:
             gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
@@ -60,11 +62,13 @@ def build_app(settings: GatewaySettings) -> Starlette:
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
+        named = req.tool_choice.function.name if isinstance(req.tool_choice, schemas.NamedToolChoice) else None
+        tools = tool_call_states(structured.tool_choice_mode(req), named, settings.tool_call_parser, req.num_choices)
         if req.is_stream:
             fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage)
-            return streaming.event_stream(streaming.chat_events(gen, fmt))
+            return streaming.event_stream(streaming.chat_events(gen, fmt, tools))
         k = req.prompt_logprobs  # vLLM's extra: prompt_logprobs at the top of the body (never streamed)
-        return await streaming.collect(request, gen, is_chat=True, finish=None if k is None else (
+        return await streaming.collect(request, gen, is_chat=True, tools=tools, finish=None if k is None else (
             lambda body: body.update(prompt_logprobs=responses.vllm_prompt_logprobs(gen.token_texts, gen, k))))
 
     async def completions(request: Request) -> Response:

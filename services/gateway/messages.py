@@ -1,12 +1,13 @@
 """Chat messages as the OpenAI API sends them, validated strictly, and turned into chat-template input.
 
 Only text is supported. An assistant message echoed back from one of our own responses (with
-`refusal: null`, `tool_calls: null`, ...) is accepted; tool calls, images and audio are refused
-with a clear error rather than dropped.
+`refusal: null`, ...) is accepted, with its `tool_calls`; `tool` messages carry the results.
+Images and audio are refused with a clear error rather than dropped.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +24,25 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def as_template_input(self) -> dict[str, Any]:
+        # Chat templates (HF's convention) expect the arguments as a mapping, not a JSON string.
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -30,7 +50,7 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None
     # Fields of an assistant message as we return it; accepted only when empty.
     refusal: None = None
-    tool_calls: list[Any] | None = Field(default=None, max_length=0)
+    tool_calls: list[ToolCall] | None = None
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = Field(default=None, max_length=0)
@@ -39,6 +59,8 @@ class ChatMessage(Strict):
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
@@ -50,4 +72,6 @@ class ChatMessage(Strict):
             message["name"] = self.name
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         return message

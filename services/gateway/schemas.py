@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from services.gateway import structured
 from services.gateway.errors import APIError
 from services.gateway.messages import ChatMessage, Strict
 from shared.prompts import check_template_kwargs
@@ -30,9 +31,47 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")  # `json` is a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _SamplingFields(Strict):
@@ -56,6 +95,12 @@ class _SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: top-k per prompt token
+    # Constrained decoding, vLLM's extras (response_format is chat's, below).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -101,6 +146,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -175,6 +223,7 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: Gatew
         raise APIError(400, "stream_options is only allowed when stream=true", param="stream_options")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs is not available when stream=true", param="prompt_logprobs")
+    structured.check_grammar(req)  # 400 naming the field before anything is sent
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req, settings)
     else:
@@ -191,11 +240,6 @@ def _check_chat(req: ChatCompletionRequest, settings: GatewaySettings) -> None:
         raise APIError(400, f"at most {settings.max_messages} messages are allowed", param="messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(
-            400, f"response_format type '{req.response_format.type}' is not supported by this server "
-            "(no constrained decoding)", param="response_format",
-        )
     try:
         check_template_kwargs(req.chat_template_kwargs or {})
     except ValueError as exc:
@@ -225,6 +269,9 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         fields["prompt_logprobs"] = prompt_logprobs
     if req.logit_bias:
         fields["logit_bias"] = dict(req.logit_bias)
+    grammar = structured.grammar_spec(req)
+    if grammar is not None:
+        fields["structured_output"] = grammar[0].to_wire()
     return fields
 
 

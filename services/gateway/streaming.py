@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from services.gateway import responses
 from services.gateway.batch import GenerationView, parts_of
 from services.gateway.errors import APIError
-from services.gateway.frontend import Generation
+from services.gateway.frontend import ChoiceUpdate, Generation
+from services.gateway.tool_calls import ChoiceToolCalls, finish_reason
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 1.0
@@ -55,15 +56,33 @@ def _with_usage(gen: GenerationView, chunk: dict[str, Any], fmt: StreamFormat) -
     return {**chunk, "usage": gen.usage() if fmt.continuous_usage else None}
 
 
-async def chat_events(gen: Generation, fmt: StreamFormat) -> AsyncIterator[bytes]:
+async def chat_events(
+    gen: Generation, fmt: StreamFormat, tools: list[ChoiceToolCalls] | None = None,
+) -> AsyncIterator[bytes]:
     seen: set[int] = set()  # choices whose first chunk (with the role) went out
     async for update in gen.updates():
         is_first = update.index not in seen
-        if update.text or update.finish_reason or update.logprobs or is_first:
+        calls: list[Any] = []
+        if tools is not None:  # text becomes content and tool-call deltas
+            update, calls = _tool_update(tools[update.index], update)
+        if update.text or update.finish_reason or update.logprobs or is_first or calls:
             seen.add(update.index)
-            yield responses.sse(_with_usage(gen, responses.chat_chunk(gen, update, is_first), fmt))
+            chunk = responses.chat_chunk(gen, update, is_first)
+            if calls:
+                chunk["choices"][0]["delta"]["tool_calls"] = calls
+                if not update.text:
+                    chunk["choices"][0]["delta"]["content"] = None
+            yield responses.sse(_with_usage(gen, chunk, fmt))
     if fmt.include_usage:
         yield responses.sse(responses.usage_chunk(gen, "chat.completion.chunk"))
+
+
+def _tool_update(state: ChoiceToolCalls, update: ChoiceUpdate) -> tuple[ChoiceUpdate, list[Any]]:
+    content, calls = state.feed(update.text)
+    if update.finish_reason is not None:
+        tail, more = state.finish()
+        content, calls = content + tail, calls + more
+    return replace(update, text=content, finish_reason=finish_reason(state, update.finish_reason)), calls
 
 
 async def completion_events(gen: GenerationView, fmt: StreamFormat) -> AsyncIterator[bytes]:
@@ -90,6 +109,7 @@ async def completion_events(gen: GenerationView, fmt: StreamFormat) -> AsyncIter
 
 async def collect(
     request: Request, gen: GenerationView, is_chat: bool, prefix: str | list[str] = "",
+    tools: list[ChoiceToolCalls] | None = None,
     finish: Callable[[dict[str, Any]], None] | None = None,  # adds to the body (prompt logprobs)
 ) -> Response:
     """Gather a whole answer, aborting the request if the client goes away meanwhile."""
@@ -115,6 +135,13 @@ async def collect(
     task.result()  # re-raises an APIError from the generation
     builder = responses.chat_response if is_chat else responses.completion_response
     body = builder(gen, texts, logprobs)
+    if tools is not None:
+        for choice, state, text in zip(body["choices"], tools, texts):
+            state.feed(text)
+            content, calls = state.message()
+            if calls:
+                choice["message"].update(content=content, tool_calls=calls)
+                choice["finish_reason"] = finish_reason(state, choice["finish_reason"])
     if finish is not None:
         finish(body)
     return JSONResponse(body)

@@ -47,7 +47,7 @@ class PromptProcessor:
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(req, ChatRequest):
-            return chat_prompt_ids(self.tokenizer, req.messages, req.chat_template_kwargs)
+            return chat_prompt_ids(self.tokenizer, req.messages, req.chat_template_kwargs, tools=req.tools)
         return text_prompt_ids(self.tokenizer, req.prompt)
 
     def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:

@@ -38,7 +38,7 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, {"messages": MSG}, 400, bad, "model"),
         (c, {"model": model}, 400, bad, "messages"),
         (p, {"model": model}, 400, bad, "prompt"),
-        (c, chat(model, tools=[{"type": "function"}]), 400, bad, "tools"),
+        (c, chat(model, tools=[{"type": "function"}]), 400, bad, "tools[0].function"),  # missing
         (p, completion(model, suffix="!"), 400, bad, "suffix"),
         (c, chat(model, temperature="hot"), 400, bad, "temperature"),
         (c, chat(model, n="2"), 400, bad, "n"),
@@ -72,7 +72,8 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, logit_bias={"999999": 1}), 400, bad, "logit_bias"),  # not a token of this model
         (c, chat(model, stop_token_ids=[999999]), 400, bad, "stop_token_ids"),
         (c, chat(model, stop=""), 400, bad, "stop"),
-        (c, chat(model, response_format={"type": "json_object"}), 400, bad, "response_format"),
+        (c, chat(model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
+         400, bad, "response_format"),
         (c, chat(model, stream_options={"include_usage": True}), 400, bad, "stream_options"),
         (p, completion(model, suffix="x"), 400, bad, "suffix"),
         ("/v1/embeddings", {"model": model, "input": "hi"}, 404, bad, None),

@@ -58,8 +58,9 @@ def completion_error(**fields: Any) -> APIError:
     ({"messages": [{"content": "x"}]}, "messages[0].role", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type", "invalid_value"),
-    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-     "messages[0].tool_calls", "invalid_value"),
+    ({"messages": [{"role": "assistant", "content": "x",
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "missing_required_parameter"),
     ({"unknown_field": 1}, "unknown_field", "unknown_parameter"),
     ({"stream_options": {"include_usage": True, "bogus": 1}, "stream": True}, "stream_options.bogus",
      "unknown_parameter"),
@@ -78,7 +79,8 @@ def test_schema_errors_name_the_param(fields: dict[str, Any], param: str, code: 
     ({"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}] * 4}, "messages"),
     ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
-    ({"response_format": {"type": "json_object"}}, "response_format"),  # refused, never ignored
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),  # not a JSON schema
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream=true
     ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),

@@ -1,0 +1,234 @@
+"""Structured output's cost to everyone else: json_schema requests mixed 50/50 with plain ones.
+
+On each shape (random weights, as bench/throughput.py builds them; the SmolLM2 tokenizer gives the
+grammar its vocabulary), through the offline Engine at 256 concurrency, two runs of the same shape
+of work (every sequence prompt_len in, output_len out):
+  all_plain  256 plain requests (greedy, ignore_eos)
+  mixed      128 plain + 128 json_schema requests (a schema of >= 64 rows, so no grammar can finish
+             before output_len: both runs hold the same number of sequences for the same steps)
+Reported: the plain requests' throughput in each run (their output tokens over the time until the
+last of them finished, per plain request and in all), the ratio (target: within 5%), steps/s, and
+the grammar's per-step cost: host time advancing the matchers by the last tokens (`accept`) and
+filling the bitmask of the step's grammar rows (`fill`; both overlap the step's forward on the
+device, so they cost wall time only where the host is the bottleneck), and the device time of
+applying it to [256, vocab] logits (`apply`, timed alone with CUDA events).
+
+    python -m bench.structured_throughput --tokenizer /path/to/SmolLM2-135M-Instruct
+    python -m bench.structured_throughput --quick --models smollm2-135m --tokenizer ...
+Writes structured_throughput_<device>[_quick].json under --out-dir (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_memory, make_prompts
+from services.engine import engine as engine_module
+from services.engine import sampling_metadata
+from services.engine.engine import Engine
+from services.engine.sampling_params import SamplingParams
+from services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
+from services.engine.structured.spec import GrammarSpec
+
+ROW = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                        "score": {"type": "number"}, "tag": {"enum": ["alpha", "beta", "gamma"]}},
+       "required": ["id", "name", "score", "tag"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "items": ROW, "minItems": 64}},
+          "required": ["rows"], "additionalProperties": False}  # fmt: skip
+TARGET_RATIO = 0.95
+
+
+class AcceptTimer:
+    """Wraps the engine's per-row grammar advance (matcher.accept_token), summing its host time."""
+
+    def __init__(self) -> None:
+        self.real = engine_module._grammar_ends
+        self.total_s = 0.0
+
+    def __call__(self, request: Any, token_id: int) -> bool:
+        start = time.perf_counter()
+        ends = self.real(request, token_id)
+        self.total_s += time.perf_counter() - start
+        return ends
+
+
+class FillTimer:
+    """Wraps the bitmask builder the sampling metadata calls, timing its host work per step."""
+
+    def __init__(self) -> None:
+        self.real = sampling_metadata.build_token_bitmask
+        self.times_ms: list[float] = []
+
+    def __call__(self, requests: Any, vocab_size: int, device: torch.device) -> Any:
+        start = time.perf_counter()
+        mask = self.real(requests, vocab_size, device)
+        if mask is not None:
+            self.times_ms.append((time.perf_counter() - start) * 1e3)
+        return mask
+
+
+def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int) -> dict[str, Any]:
+    plain = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                                 structured_output=GrammarSpec.json_schema(SCHEMA))
+    is_json = {f"r{i}": i % 2 == 1 and i // 2 < num_json for i in range(len(prompts))}  # interleaved
+    counts = dict.fromkeys(is_json, 0)
+    done_at: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, constrained if is_json[f"r{i}"] else plain)
+    while engine.has_unfinished():
+        for out in engine.step():
+            counts[out.request_id] += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                done_at[out.request_id] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    plain_ids = [r for r, j in is_json.items() if not j]
+    plain_tokens = sum(counts[r] for r in plain_ids)
+    plain_seconds = max(done_at[r] for r in plain_ids)
+    assert all(counts[r] == output_len for r in counts), "every sequence runs to output_len"
+    return {
+        "requests": len(prompts), "json_requests": sum(is_json.values()), "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(sum(counts.values()) / seconds, 1),
+        "plain_output_tokens": plain_tokens, "plain_seconds": round(plain_seconds, 3),
+        "plain_tokens_per_s": round(plain_tokens / plain_seconds, 1),
+        "plain_tokens_per_s_per_request": round(statistics.mean(output_len / done_at[r] for r in plain_ids), 2),
+        "steps": engine.stats().num_steps, "profile_per_step": engine.profile.summary(),
+    }
+
+
+def apply_cost_ms(vocab_size: int, rows: int) -> float:
+    """Device time of one apply_token_bitmask on [rows, vocab] fp32 logits (half the rows constrained),
+    after checking that the device result equals the CPU one on a random bitmask."""
+    import xgrammar as xgr
+
+    generator = torch.Generator().manual_seed(0)
+    host_logits = torch.randn(rows, vocab_size, generator=generator)
+    host_bits = torch.randint(-(2**31), 2**31 - 1, xgr.get_bitmask_shape(rows, vocab_size), generator=generator,
+                              dtype=torch.int64).to(torch.int32)
+    indices = list(range(0, rows, 2))
+    expected = host_logits.clone()
+    apply_token_bitmask(expected, TokenBitmask(host_bits, indices))
+    logits = host_logits.to(CUDA)
+    apply_token_bitmask(logits, TokenBitmask(host_bits.to(CUDA), indices))
+    assert torch.equal(logits.cpu(), expected), "the bitmask on CUDA differs from the CPU result"
+    bitmask = host_bits.to(CUDA)
+    for _ in range(3):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"== {name}", flush=True)
+    hf, ours, model_dir = build_models(name, args.max_model_len)
+    del hf
+    free_memory()
+    vocab = SHAPES[name]["vocab_size"]
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=0)
+    row: dict[str, Any] = {"model": name}
+    for label, num_json in (("all_plain", 0), ("mixed", args.num_requests // 2), ("all_plain_again", 0)):
+        if label == "all_plain_again" and not args.repeat_plain:
+            continue
+        engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer), model=ours)
+        if num_json:  # compile once before timing (cached by schema, as a server would have it)
+            engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
+        timer, accept = FillTimer(), AcceptTimer()
+        sampling_metadata.build_token_bitmask = timer
+        engine_module._grammar_ends = accept
+        try:
+            row[label] = run(engine, prompts, args.output_len, num_json)
+        finally:
+            sampling_metadata.build_token_bitmask = timer.real
+            engine_module._grammar_ends = accept.real
+        if timer.times_ms:
+            row[label]["fill_ms_per_step"] = {"median": round(statistics.median(timer.times_ms), 3),
+                                              "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
+                                              "steps": len(timer.times_ms)}  # fmt: skip
+            row[label]["accept_ms_per_step"] = round(1e3 * accept.total_s / len(timer.times_ms), 3)
+        print(f"   {label}: {json.dumps({k: v for k, v in row[label].items() if k != 'profile_per_step'})}",
+              flush=True)
+        del engine
+        free_memory()
+    row["apply_ms_per_step"] = round(apply_cost_ms(vocab, args.max_num_seqs), 4)
+    row["plain_ratio"] = round(row["mixed"]["plain_tokens_per_s"] / row["all_plain"]["plain_tokens_per_s"], 4)
+    row["plain_per_request_ratio"] = round(row["mixed"]["plain_tokens_per_s_per_request"]
+                                           / row["all_plain"]["plain_tokens_per_s_per_request"], 4)
+    row["step_ms"] = {k: round(1e3 * row[k]["seconds"] / row[k]["steps"], 3) for k in ("all_plain", "mixed")}
+    del ours
+    free_memory()
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | all-plain tok/s | mixed: plain tok/s (x2 for 50%) | plain per-request ratio | "
+             "step ms plain / mixed | accept + fill ms/step (median fill) | apply ms/step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fill = r["mixed"].get("fill_ms_per_step", {}).get("median", float("nan"))
+        accept = r["mixed"].get("accept_ms_per_step", float("nan"))
+        lines.append(f"| {r['model']} | {r['all_plain']['plain_tokens_per_s']:.0f} | "
+                     f"{r['mixed']['plain_tokens_per_s']:.0f} | {r['plain_per_request_ratio']:.3f} "
+                     f"({'ok' if r['plain_per_request_ratio'] >= TARGET_RATIO else 'MISS'} vs {TARGET_RATIO}) | "
+                     f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {accept:.3f} + {fill:.3f} | "
+                     f"{r['apply_ms_per_step']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m,llama-3.1-8b")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="a directory with the SmolLM2 tokenizer")
+    parser.add_argument("--quick", action="store_true", help="64 requests x 128 prompt x 32 output tokens")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--repeat-plain", action="store_true", help="a second all-plain run: run-to-run noise")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.prompt_len, args.output_len = 64, 128, 32
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.cuda.get_device_name()
+    report: dict[str, Any] = {
+        "environment": {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
+                        "torch": torch.__version__,
+                        "command": "python -m bench.structured_throughput " + " ".join(sys.argv[1:])},
+        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "max_num_seqs": args.max_num_seqs, "schema": SCHEMA},
+        "models": [],
+    }  # fmt: skip
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "structured_throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "")
+    for name in args.models.split(","):
+        report["models"].append(bench_model(name, args))
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive
+    text = table(report["models"])
+    (args.out_dir / f"{stem}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Sequences whose grammar is still compiling wait here, outside the scheduler, so they never hold
+up the batch: the engine hands each to the scheduler once its grammar is ready (or failed).
+
+The compiler pool (and with it xgrammar and the tokenizer) is created on the first grammar request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from services.engine.request import Request
+from services.engine.structured.state import GrammarState
+
+
+class GrammarAdmission:
+    def __init__(self, tokenizer_source: str | Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer_source = tokenizer_source
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.compiling: list[Request] = []
+        self._pool: Any = None
+
+    @property
+    def pool(self) -> Any:
+        if self._pool is None:
+            from transformers import AutoTokenizer
+
+            from services.engine.structured.compiler import GrammarCompilerPool
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_source))
+            self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._pool
+
+    def attach(self, request: Request) -> None:
+        """Start (or share) the compile of the request's grammar and hold the request until it is done."""
+        spec = request.params.structured_output
+        assert spec is not None
+        request.grammar = GrammarState(self.pool.submit(spec))
+        self.compiling.append(request)
+
+    def pop_ready(self) -> list[Request]:
+        """Requests whose grammar is ready or failed (a continuation's tokens replayed); drops finished ones."""
+        ready, still = [], []
+        for request in self.compiling:
+            if request.is_finished:
+                continue  # aborted while compiling
+            grammar = request.grammar
+            assert grammar is not None
+            if grammar.is_ready:
+                grammar.replay(request.output_token_ids)
+                ready.append(request)
+            else:
+                still.append(request)
+        self.compiling = still
+        return ready
+
+    def wait(self, timeout: float) -> None:
+        """Block briefly for the oldest compile (the engine has nothing else to run)."""
+        if self.compiling and self.compiling[0].grammar is not None:
+            self.compiling[0].grammar.wait(timeout)
+
+    def __len__(self) -> int:
+        return len(self.compiling)

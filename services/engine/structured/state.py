@@ -1,0 +1,61 @@
+"""One sequence's grammar: the compile it waits for, then a matcher that follows its output tokens.
+
+The matcher advances only with tokens that are final (the engine does not overlap steps of grammar
+sequences), so preemption, which recomputes the KV but keeps the tokens, leaves it valid; a
+continuation's tokens are replayed into it once the grammar is ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future
+from typing import Any
+
+
+class GrammarState:
+    def __init__(self, compiled: Future[Any]) -> None:
+        self._compiled = compiled
+        self.matcher: Any = None
+        self.error: str | None = None  # the compile failed, or a token was rejected
+        self.is_terminated = False
+
+    @property
+    def is_ready(self) -> bool:
+        """Compiled (or failed): whether the scheduler may run the sequence. Never blocks."""
+        return self.matcher is not None or self.error is not None or self._start()
+
+    def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            self._compiled.exception(timeout=timeout)
+
+    def _start(self) -> bool:
+        if not self._compiled.done():
+            return False
+        exc = self._compiled.exception()
+        if exc is not None:
+            self.error = f"the grammar did not compile: {exc}"
+            return True
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(self._compiled.result())
+        return True
+
+    def replay(self, token_ids: list[int]) -> None:
+        """Advance over tokens produced before the grammar was ready here (a continuation)."""
+        for token_id in token_ids:
+            if not self.accept(token_id):
+                return
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (and `error` set) if the grammar rejects it."""
+        if self.matcher is None or self.is_terminated:
+            return True
+        if not self.matcher.accept_token(token_id):
+            self.error = f"the grammar rejected token {token_id}"
+            return False
+        self.is_terminated = bool(self.matcher.is_terminated())
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        if self.matcher is not None and not self.is_terminated:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
