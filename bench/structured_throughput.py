@@ -37,7 +37,7 @@ from services.engine import sampling_metadata
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
-from services.engine.structured.spec import GrammarSpec
+from shared.grammar_spec import GrammarSpec
 
 ROW = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
                                         "score": {"type": "number"}, "tag": {"enum": ["alpha", "beta", "gamma"]}},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from services.engine.structured.spec import GrammarSpec
+from shared.grammar_spec import GrammarSpec
 
 MAX_LOGPROBS = 20
 _EPS_TEMPERATURE = 1e-5

@@ -35,8 +35,8 @@ from services.engine.engine import Engine
 from services.engine.metrics import EngineMetrics
 from services.engine.request_trace import RequestTrace
 from services.engine.sampling_params import SamplingParams
-from services.engine.structured.spec import GrammarSpec
 from shared import streams, telemetry
+from shared.grammar_spec import GrammarSpec
 from shared.outage import OutageLog
 from shared.protocol import (
     Abort,

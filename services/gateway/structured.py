@@ -16,8 +16,8 @@ import functools
 import json
 from typing import Any
 
-from services.engine.structured.spec import GrammarSpec
 from services.gateway.errors import APIError
+from shared.grammar_spec import GrammarSpec, check_spec
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -42,8 +42,6 @@ def check_grammar(req: Any) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _check_cached(spec: GrammarSpec) -> str | None:
-    from services.engine.structured.compiler import check_spec
-
     try:
         if spec.kind == "json":
             _check_json_schema(json.loads(spec.value))

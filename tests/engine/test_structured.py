@@ -20,7 +20,7 @@ from services.engine.models.base import CausalLM
 from services.engine.sampling_metadata import build_sampling_metadata
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured.compiler import compile_spec
-from services.engine.structured.spec import GrammarSpec
+from shared.grammar_spec import GrammarSpec
 from tests.engine.engine_helpers import make_request
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from services.tokenizer.prompts import chat_prompt_ids, hermes_messages
 
-from services.engine.structured.spec import GrammarSpec
 from services.gateway import schemas, structured
 from services.gateway.tool_calls import ChoiceToolCalls, finish_reason
 from services.gateway.validation import validate
+from shared.grammar_spec import GrammarSpec
 
 HERMES_OUTPUT = (
     "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": "

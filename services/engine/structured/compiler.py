@@ -15,7 +15,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from services.engine.structured.spec import GrammarSpec
+from shared.grammar_spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 512  # compiled grammars kept (a few KB to a few MB each)
@@ -33,26 +33,6 @@ def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
     if spec.kind == "choice":
         return compiler.compile_grammar(spec.choice_ebnf())
     return compiler.compile_grammar(spec.value)
-
-
-def check_spec(spec: GrammarSpec) -> None:
-    """Parse the spec into a grammar without a tokenizer (cheap): ValueError with the reason if invalid.
-    The gateway calls this, so that a bad schema is a 400 before any byte of the response."""
-    import xgrammar as xgr
-
-    try:
-        if spec.kind == "json":
-            xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
-        elif spec.kind == "regex":
-            xgr.Grammar.from_regex(spec.value)
-        elif spec.kind == "choice":
-            xgr.Grammar.from_ebnf(spec.choice_ebnf())
-        elif spec.kind == "grammar":
-            xgr.Grammar.from_ebnf(spec.value)
-    except ValueError:
-        raise
-    except Exception as exc:  # xgrammar raises RuntimeError / its own types for bad input
-        raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
 
 
 class GrammarCompilerPool:

@@ -1,6 +1,7 @@
 """What a request's output must match: a JSON schema, any JSON, a regex, one of some strings, or an
-EBNF grammar. Plain data (no grammar library here): it travels in the wire's sampling dict as
-`{"kind": ..., "value": ...}` and keys the compile cache.
+EBNF grammar. Plain data: it travels in the wire's sampling dict as `{"kind": ..., "value": ...}` and
+keys the engine's compile cache. In shared/ because the gateway checks specs (a 400 before any byte)
+and the engine compiles them; the grammar library is imported only by `check_spec`.
 """
 
 from __future__ import annotations
@@ -48,3 +49,22 @@ class GrammarSpec:
         if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
             raise ValueError("choice: must be a non-empty list of non-empty strings")
         return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """Parse the spec into a grammar without a tokenizer (cheap): ValueError with the reason if invalid."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json":
+            xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.value)
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(spec.choice_ebnf())
+        elif spec.kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.value)
+    except ValueError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError / its own types for bad input
+        raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
