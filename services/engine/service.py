@@ -321,11 +321,17 @@ class EngineService:
                 await asyncio.sleep(0.01)
                 continue
             try:
-                await self._take(reader, await reader.read(count=8, block_ms=200))
+                await self._take(reader, await reader.read(count=self._wanted(), block_ms=200))
                 await self._take(reader, await reader.claim_stale_if_due(count=8))
                 self.outage.recovered()
             except _REDIS_ERRORS as exc:
                 await self._backoff("reading requests", exc)
+
+    def _wanted(self) -> int:
+        """How many requests to read at once: what fills the waiting queue up to its cap, so a burst
+        is taken in a few round trips without taking work that another replica could start sooner."""
+        queued = self.last_stats.num_waiting + self.inbox.qsize()
+        return max(1, self.engine.config.num_max_waiting - queued)
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()

@@ -56,7 +56,7 @@ class TokenizerService:
             try:
                 await self.reader.ensure_group()
                 while not self._stopping.is_set():
-                    entries = await self.reader.read(count=32, block_ms=500)
+                    entries = await self.reader.read(count=128, block_ms=500)  # a burst in few round trips
                     await asyncio.gather(*(self._handle(entry) for entry in entries))
                     stale = await self.reader.claim_stale_if_due()
                     await asyncio.gather(*(self._handle(entry) for entry in stale))

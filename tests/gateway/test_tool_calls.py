@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services.tokenizer.prompts import chat_prompt_ids, hermes_messages
 
 from services.gateway import schemas, structured
 from services.gateway.tool_calls import ChoiceToolCalls, finish_reason
 from services.gateway.validation import validate
 from shared.grammar_spec import GrammarSpec
+from shared.prompts import chat_prompt_ids, hermes_messages
 
 HERMES_OUTPUT = (
     "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": "
