@@ -98,5 +98,6 @@ class EngineSettings(BaseSettings):
     drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for at most this long
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
+    load_format: str = "auto"  # "auto": the checkpoint's weights | "random": random weights (benchmarks)
     tensor_parallel_size: int = 1  # one replica as N processes, one GPU each (rank r on cuda:r)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off

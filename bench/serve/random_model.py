@@ -61,6 +61,25 @@ def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len
     return out
 
 
+def write_config_only(shape: str, out: Path, tokenizer_dir: Path, max_model_len: int) -> Path:
+    """A model directory without weights, for `pagedserve engine --load-format random`: each engine (each
+    tensor-parallel rank) generates its own random weights, so a 70B shape needs no 140 GB on disk."""
+    from bench import tensor_parallel
+
+    model_dir = tensor_parallel.write_model_dir(shape, max_model_len)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    vocab_size = int(tensor_parallel.SHAPES[shape]["vocab_size"])
+    added = pad_vocab(out / "tokenizer.json", vocab_size)
+    print(f"wrote {out} ({shape}, config only; tokenizer padded by {added} ids to {vocab_size})")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", required=True, help="a bench/throughput.py shape, e.g. smollm2-135m")
@@ -69,9 +88,14 @@ def main() -> None:
                         default=Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct")  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--config-only", action="store_true", help="no weights (a bench/tensor_parallel.py shape: "
+                        "8b, 70b); serve it with PAGEDSERVE_ENGINE_LOAD_FORMAT=random")
     args = parser.parse_args()
     if (args.out / "config.json").exists():
         print(f"{args.out} exists; kept")
+        return
+    if args.config_only:
+        write_config_only(args.shape, args.out, args.tokenizer_dir.expanduser(), args.max_model_len)
         return
     write_random_model(args.shape, args.out, args.tokenizer_dir.expanduser(), args.max_model_len, args.device)
 

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The multi-GPU runs (issues 10 and 11) on one host with 2+ GPUs, in parts that each fit a 10-minute call;
+# run them in order on one machine (the tensor-parallel report accumulates in $WORK).
+#
+#   OUT=/tmp/out PART=tp8b    bash bench/multi_gpu.sh  # TP=1 vs TP=2 on the Llama-3.1-8B shape, and fp32 reference
+#   OUT=/tmp/out PART=tp70b   bash bench/multi_gpu.sh  # Llama-3.1-70B shape at TP=2: offline, then served
+#   OUT=/tmp/out PART=scaling bash bench/multi_gpu.sh  # one gateway over 1 and 2 engine replicas (8B shape)
+#
+# Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
+# engines generate their weights (PAGEDSERVE_ENGINE_LOAD_FORMAT=random), so nothing large is written.
+# Needs the service dependencies importable (carry cp312 wheels; see bench/serve_gpu.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/multi-gpu}
+WORK=${WORK:-/tmp/pagedserve-tp}
+TOKENIZER_DIR=${TOKENIZER_DIR:-build/smollm2-tokenizer}
+NUM_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the host's rule
+
+config_dir() {  # shape -> a config-only model directory (with SmolLM2's tokenizer padded to the vocab)
+  local dir="$WORK/models/$1-random"
+  python3 -m bench.serve.random_model --shape "$1" --config-only --out "$dir" --tokenizer-dir "$TOKENIZER_DIR" \
+    --max-model-len 2048 > /dev/null
+  echo "$dir"
+}
+
+serve_and_bench() {  # model dir, name, serve flags..., then bench.serve flags after "--"
+  local dir=$1 name=$2; shift 2
+  local serve_args=() bench_args=()
+  while [[ $# -gt 0 && $1 != "--" ]]; do serve_args+=("$1"); shift; done
+  shift
+  bench_args=("$@")
+  PAGEDSERVE_ENGINE_LOAD_FORMAT=random python3 -m services.cli serve --model "$dir" --host 127.0.0.1 --port 8000 \
+    --max-model-len 2048 "${serve_args[@]}" > "$OUT/server_$name.log" 2>&1 &
+  local server=$!
+  python3 - "$server" << 'EOF'
+import os, sys, time, httpx
+pid, deadline = int(sys.argv[1]), time.monotonic() + 420
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the server exited during start-up")
+    try:
+        if httpx.get("http://127.0.0.1:8000/ready", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit("the server was not ready in time")
+EOF
+  local rc=$?
+  if [[ $rc -eq 0 ]]; then
+    python3 -m bench.serve --url http://127.0.0.1:8000 --model "$(basename "$dir")" --tokenizer "$dir" \
+      --device-label "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NUM_GPUS" \
+      --result-dir "$OUT" --result-name "serve_$name" "${bench_args[@]}" > "$OUT/bench_$name.log" 2>&1
+    rc=$?
+  fi
+  kill -TERM "$server" 2> /dev/null
+  wait "$server" 2> /dev/null
+  tail -n 25 "$OUT/bench_$name.log" 2> /dev/null
+  return $rc
+}
+
+case "${PART:-tp8b}" in
+  tp8b)
+    timeout 560 python3 -m bench.tensor_parallel --phases 8b-tp1,8b-tp2,8b-fp32 --work-dir "$WORK/tp" \
+      > "$OUT/tp8b.log" 2>&1
+    echo "tensor_parallel rc=$?"
+    cp bench/results/tensor_parallel_cuda.* "$OUT/" 2> /dev/null
+    tail -n 30 "$OUT/tp8b.log"
+    ;;
+  tp70b)
+    timeout 300 python3 -m bench.tensor_parallel --phases 70b-tp2 --work-dir "$WORK/tp" > "$OUT/tp70b.log" 2>&1
+    echo "tensor_parallel rc=$?"
+    cp bench/results/tensor_parallel_cuda.* "$OUT/" 2> /dev/null
+    tail -n 20 "$OUT/tp70b.log"
+    dir=$(config_dir 70b)
+    serve_and_bench "$dir" 70b-tp2 --tensor-parallel-size 2 --gpus 0,1 --workers 2 -- \
+      --num-prompts 128 --input-len 512 --output-len 128 --max-concurrency 128 --single-stream 4 --client-processes 4
+    echo "served 70b rc=$?"
+    ;;
+  scaling)
+    dir=$(config_dir 8b)
+    [[ $NUM_GPUS -ge 4 ]] && engines="1,2,$NUM_GPUS" || engines="1,$NUM_GPUS"
+    PAGEDSERVE_ENGINE_LOAD_FORMAT=random timeout 560 python3 -m bench.scaling --model-dir "$dir" --engines "$engines" \
+      --out "$OUT" > "$OUT/scaling.log" 2>&1
+    echo "scaling rc=$?"
+    tail -n 12 "$OUT/scaling.log"
+    ;;
+esac
+
+# At most a few files come back from a lent machine: logs and plots go into one archive.
+(cd "$OUT" && tar czf "logs_${PART:-tp8b}.tgz" --ignore-failed-read ./*.log ./*.png 2> /dev/null; rm -f ./*.log ./*.png)
