@@ -49,6 +49,7 @@ from services.engine.step_profile import StepProfile
 from services.engine.structured.admission import GrammarAdmission
 
 log = logging.getLogger(__name__)
+_WAITING_WHEN_FULL = 8  # requests an engine with every sequence slot busy still takes (the next to start)
 
 
 class Engine:
@@ -317,10 +318,20 @@ class Engine:
         return outputs
 
     def has_room(self) -> bool:
-        """Whether to take more work: a short waiting queue and some free KV blocks."""
+        """Whether to take more work (see `num_wanted`)."""
+        return self.num_wanted() > 0
+
+    def num_wanted(self) -> int:
+        """How many more requests to take now: up to the waiting queue's cap while KV blocks are free,
+        but once (nearly) every sequence slot is busy only a few may wait, so that a replica does not
+        hoard work that an idle replica could start at once (work is pulled, not pushed)."""
         watermark = int(self.kv_cache.num_blocks * self.config.watermark_fraction)
-        return (len(self.scheduler.waiting) < self.config.num_max_waiting
-                and self.kv_cache.num_free_blocks > watermark)
+        if self.kv_cache.num_free_blocks <= watermark:
+            return 0
+        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        queue_room = self.config.num_max_waiting - waiting
+        slot_room = self.config.max_num_seqs + _WAITING_WHEN_FULL - running - waiting
+        return max(0, min(queue_room, slot_room))
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters

@@ -90,6 +90,7 @@ class EngineService:
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.has_room = threading.Event()
         self.has_room.set()
+        self.num_wanted = engine.num_wanted()
         self.stopping = threading.Event()
         self.drain_deadline = float("inf")
         self.step_count = 0
@@ -273,7 +274,8 @@ class EngineService:
         self.last_stats = self.engine.stats()  # a snapshot the I/O thread may read
         if self.metrics is not None:
             self.metrics.observe_load(self.last_stats)
-        if self.engine.has_room():
+        self.num_wanted = self.engine.num_wanted()  # read by the I/O thread
+        if self.num_wanted > 0:
             self.has_room.set()
         else:
             self.has_room.clear()
@@ -328,10 +330,9 @@ class EngineService:
                 await self._backoff("reading requests", exc)
 
     def _wanted(self) -> int:
-        """How many requests to read at once: what fills the waiting queue up to its cap, so a burst
-        is taken in a few round trips without taking work that another replica could start sooner."""
-        queued = self.last_stats.num_waiting + self.inbox.qsize()
-        return max(1, self.engine.config.num_max_waiting - queued)
+        """How many requests to read at once: what the engine wants (Engine.num_wanted) less what is
+        already on its way to it, so a burst is taken in a few round trips and never hoarded."""
+        return max(1, self.num_wanted - self.inbox.qsize())
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()

@@ -166,3 +166,16 @@ def test_has_room_tracks_waiting_queue(tiny_model: CausalLM, tiny_model_dir) -> 
     assert not engine.has_room() and engine.stats().num_waiting == 2
     engine.step()
     assert engine.has_room()
+
+
+def test_a_full_engine_takes_only_a_few_more(tiny_model: CausalLM, tiny_model_dir) -> None:
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=256, block_size=4, max_num_seqs=4,
+                                 max_num_waiting=64), model=tiny_model)
+    assert engine.num_wanted() == 4 + 8  # every slot, plus the few that wait for one
+    for i in range(4):
+        engine.add_request(f"r{i}", [5], GREEDY)
+    engine.step()  # all four run
+    assert engine.stats().num_running == 4 and engine.num_wanted() == 8
+    for i in range(8):
+        engine.add_request(f"w{i}", [5], GREEDY)
+    assert engine.num_wanted() == 0 and not engine.has_room()
