@@ -467,12 +467,14 @@ def _wire_logprobs(logprobs: Any) -> list[Any] | None:
 
 def _without_requests(deltas: TokenDeltas, request_ids: OrderedDict[str, None]) -> TokenDeltas:
     """`deltas` minus the columns of `request_ids`."""
+    num_rows = len(deltas.request_ids)
     keep = [i for i, rid in enumerate(deltas.request_ids) if rid not in request_ids]
-    if len(keep) == len(deltas.request_ids):
+    if len(keep) == num_rows:
         return deltas
-    columns: dict[str, Any] = {
+    columns: dict[str, Any] = {  # an optional column a sender left empty stays empty
         f.name: [getattr(deltas, f.name)[i] for i in keep]
-        for f in dataclasses.fields(deltas) if isinstance(getattr(deltas, f.name), list)
+        for f in dataclasses.fields(deltas)
+        if isinstance(getattr(deltas, f.name), list) and len(getattr(deltas, f.name)) == num_rows
     }
     return dataclasses.replace(deltas, **columns)
 

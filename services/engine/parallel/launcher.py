@@ -76,21 +76,28 @@ class TensorParallelDriver:
 
     def _watch_workers(self) -> None:
         while not self._closing.wait(0.2):
-            dead = [w for w in self.workers if w.poll() is not None]
-            if dead and not self._closing.is_set():
-                log.error("tensor-parallel worker pid %d exited (code %s): taking the replica down",
-                          dead[0].pid, dead[0].returncode)  # fmt: skip
-                for w in self.workers:
-                    if w.poll() is None:
-                        w.kill()
-                logging.shutdown()
-                os._exit(EXIT_RANK_DIED)
+            if any(w.poll() is not None for w in self.workers) and not self._closing.is_set():
+                self._end_replica()
+
+    def _end_replica(self) -> None:
+        """A worker died: kill the others and exit with EXIT_RANK_DIED (no collective can complete now)."""
+        dead = next(w for w in self.workers if w.poll() is not None)
+        log.error("tensor-parallel worker pid %d exited (code %s): taking the replica down", dead.pid, dead.returncode)
+        for w in self.workers:
+            if w.poll() is None:
+                w.kill()
+        logging.shutdown()
+        os._exit(EXIT_RANK_DIED)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to exit, wait for them (kill stragglers), leave the groups. Idempotent."""
         if self._closing.is_set():
             return
         self._closing.set()
+        if any(w.poll() not in (None, 0) for w in self.workers):
+            # A worker died first and this rank's collective failed before the watcher saw it: the
+            # replica still ends the way the watcher ends it.
+            self._end_replica()
         try:
             self.sender.send_stop()
         except Exception as exc:  # a worker already gone: it is killed below
