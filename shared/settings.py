@@ -88,3 +88,5 @@ class EngineSettings(BaseSettings):
     drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for at most this long
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
+    quantization: str | None = None  # "fp8": FP8 weights (quantised at load); None: fp8 only if the checkpoint is
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 KV cache (twice the blocks)

@@ -36,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     warm_up: bool = True  # CUDA: compile kernels and capture graphs at start-up, not on the first request
     profile_steps: bool = False  # time each step's phases (Engine.profile)
+    quantization: str | None = None  # "fp8": FP8 weights; None: as the checkpoint is (see models/fp8.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": float8_e4m3fn with per-layer scales
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -47,6 +49,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks: must be >= 1")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch: must be >= 0")
+        if self.quantization not in (None, "none", "fp8"):
+            raise ValueError(f"quantization: unknown {self.quantization!r} (expected fp8)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: unknown {self.kv_cache_dtype!r} (expected auto or fp8)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 

@@ -55,7 +55,7 @@ class Engine:
             from services.engine.models import load_model
 
             model = load_model(config.model_dir, config.dtype, self.device, max_model_len=config.max_model_len,
-                               show_progress=False)
+                               show_progress=False, quantization=config.quantization)
         _select_attention_backend(self.device)
         spec = model.spec
         num_blocks = num_kv_blocks_for(model, config, spec.max_model_len)

@@ -30,6 +30,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
         enable_prefix_caching=settings.enable_prefix_caching,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.max_num_batched_tokens:  # else the engine's default
         config.max_num_batched_tokens = settings.max_num_batched_tokens

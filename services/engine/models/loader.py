@@ -16,11 +16,12 @@ import torch
 
 from services.engine.models.base import CausalLM
 from services.engine.models.falcon import FalconForCausalLM
+from services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
 from services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.rotary import RotaryEmbedding
 from services.engine.models.spec import ModelSpec, build_spec, read_json
-from services.engine.models.weights import load_tensors, load_weights, safetensors_files
+from services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,16 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
+QUANTIZATIONS = ("none", "fp8")
+
+
+def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
+    """None/"none": fp8 only if the checkpoint is pre-quantised fp8; "fp8": always."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    return "fp8" if quantization == "fp8" or checkpoint_is_fp8(cfg) else "none"
+
+
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
     archs = cfg.get("architectures") or []
     for arch in archs:
@@ -82,12 +93,14 @@ def load_model(
     max_model_len: int | None = None,
     show_progress: bool = True,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
     `tensors` (checkpoint names, e.g. an HF module's `state_dict().items()`) replace the directory's
     safetensors files: benchmarks load random weights in memory (tensors already of the right dtype
-    and device are adopted, not copied)."""
+    and device are adopted, not copied). `quantization="fp8"` (or an fp8 checkpoint) loads the decoder
+    layers' linears as FP8 (see models/fp8.py)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -98,14 +111,23 @@ def load_model(
     try:
         with torch.device("meta"):
             model = cls.from_config(cfg, spec)
+        is_fp8 = resolve_quantization(quantization, cfg) == "fp8"
+        if is_fp8 and cls is not LlamaForCausalLM:
+            raise ValueError(f"fp8 weights are supported for the Llama family only, not {cls.__name__}")
+        if is_fp8:
+            log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     model.requires_grad_(False)
     if tensors is None:
-        load_weights(model, safetensors_files(model_dir), show_progress)
+        if is_fp8:
+            load_tensors(model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)),
+                         str(model_dir))  # fmt: skip
+        else:
+            load_weights(model, safetensors_files(model_dir), show_progress)
     else:
-        load_tensors(model, tensors, str(model_dir))
+        load_tensors(model, skip_input_scales(tensors) if is_fp8 else tensors, str(model_dir))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
