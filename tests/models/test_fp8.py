@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from services.engine.models import load_model
+from services.engine.models import CausalLM, load_model
 from services.engine.models.fp8 import FP8_DTYPE, Fp8Linear, fp8_linear, quantize_rows
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
@@ -48,8 +48,8 @@ def test_fp8_linear_matches_dequantised_operands_and_full_precision() -> None:
     assert float((out - exact).norm() / exact.norm()) < 0.06
 
 
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat(PagedDriver(model).step(dict(enumerate(PROMPTS))))  # type: ignore[arg-type]
+def _logits(model: CausalLM) -> torch.Tensor:
+    return torch.cat(PagedDriver(model).step(dict(enumerate(PROMPTS))))
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -63,8 +63,9 @@ def test_quantize_at_load_from_full_precision_checkpoint(tmp_path: Path) -> None
     linears = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer; lm_head/embeddings stay full precision
     assert all(m.weight.dtype == FP8_DTYPE and bool((m.weight_scale > 0).all()) for m in linears)
-    qkv = fp8.model.layers[0].self_attn.qkv_proj
-    full_qkv = full.model.layers[0].self_attn.qkv_proj.weight
+    qkv = fp8.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert isinstance(qkv, Fp8Linear)
+    full_qkv = full.get_submodule("model.layers.0.self_attn.qkv_proj").weight
     torch.testing.assert_close(qkv.weight.float() * qkv.weight_scale[:, None], full_qkv, atol=0, rtol=2**-4)
     # This tiny model's wide init amplifies rounding: bf16 weights alone give ~1% logit error here, and
     # e4m3 keeps 4 fewer mantissa bits (16x), so ~15-20% is the expected size, not a defect.
@@ -101,11 +102,12 @@ def _write_prequantised(src: Path, dst: Path) -> dict[str, torch.Tensor]:
 
 def test_prequantised_fp8_checkpoint_loads_exactly(tmp_path: Path) -> None:
     src, dst = tmp_path / "bf16", tmp_path / "fp8"
-    src.mkdir(), dst.mkdir()
+    src.mkdir()
+    dst.mkdir()
     build_tiny_model(CASE, src)
     dequantised = _write_prequantised(src, dst)
     fp8 = load_model(dst, dtype="fp32", device="cpu", show_progress=False)  # detected from the config
-    qkv = fp8.model.layers[1].self_attn.qkv_proj
+    qkv = fp8.get_submodule("model.layers.1.self_attn.qkv_proj")
     assert isinstance(qkv, Fp8Linear)
     want = torch.cat([dequantised[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     torch.testing.assert_close(qkv.weight.float() * qkv.weight_scale[:, None], want, atol=0, rtol=0)
