@@ -61,6 +61,11 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def kv_cache_torch_dtype(self) -> torch.dtype | None:
+        """The KV cache's element type, None for the model's own dtype."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None
+
+    @property
     def is_async_scheduling(self) -> bool:
         return self.async_scheduling if self.async_scheduling is not None else self.torch_device.type == "cuda"
 

@@ -75,12 +75,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 0,  # 0: no CUDA graphs
         profile: StepProfile | None = None,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
     ) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
         self.sampler = Sampler(device, seed)
         self.profile = profile or StepProfile()
         self.buffers: InputBuffers | None = None
@@ -192,18 +193,18 @@ def _unpack(host: list[float], num_logprobs: list[int | None], width: int) -> St
 
 
 def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, device: torch.device
+    model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
     spec = model.spec
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def num_kv_blocks_for(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
     """KV blocks to allocate: the configured count, a fixed budget on CPU, or what fits on the GPU."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = model.spec.kv_bytes_per_token() * config.block_size
+    bytes_per_block = model.spec.kv_bytes_per_token(config.kv_cache_torch_dtype) * config.block_size
     if config.torch_device.type != "cuda":
         return max(1, config.cpu_kv_cache_bytes // bytes_per_block)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)
@@ -222,7 +223,7 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: EngineConfig, max_model_len: 
     seq_len = min(num_tokens, max_model_len)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // block_size)
-    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device)
+    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device, config.kv_cache_torch_dtype)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -86,13 +86,15 @@ def rotary_and_attend(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,  # an fp8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if not is_fused(q):
         q, k = rotary(positions, q, k)
-        return attention.paged_attention(q, k, v, kv_cache, meta, scale)
+        return attention.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
     from kernels import triton_backend
     from kernels.rotary_kv_write import rotary_write_kv_cache
 
     cos, sin = rotary.caches_for(q)
-    rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping)
-    return triton_backend.attend(q, kv_cache, meta, scale)
+    rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale)

@@ -122,6 +122,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # An fp8 KV cache stores K / k_scale and V / v_scale (1.0: e4m3's range, +-448, holds K/V as is).
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(
         self,
@@ -138,7 +140,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # [num_tokens, num_heads, head_dim]
-        out = fused_ops.rotary_and_attend(self.rotary, positions, q, k, v, kv_cache, meta, self.scale)
+        out = fused_ops.rotary_and_attend(
+            self.rotary, positions, q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
