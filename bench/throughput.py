@@ -27,6 +27,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +266,7 @@ def run_concurrency(model: Any, model_dir: Path, args: argparse.Namespace) -> di
 VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8kv": (None, "fp8"), "fp8+fp8kv": ("fp8", "fp8")}
 
 
-def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> list[dict[str, Any]]:
+def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> Iterator[dict[str, Any]]:
     """One row per variant (weights x KV cache dtype), all on the same random HF model and prompts."""
     print(f"== {name}", flush=True)
     start = now()
@@ -277,7 +278,6 @@ def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> li
     hf_row = run_hf(hf, prompts[:num_hf], args.output_len) if num_hf > 0 else None
     if hf_row is not None:
         print("hf", hf_row, flush=True)
-    rows = []
     loaded: str | None = None  # the quantization `ours` was loaded with
     for variant in args.variants.split(","):
         quantization = VARIANTS[variant][0]
@@ -289,10 +289,9 @@ def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> li
                               tensors=hf.state_dict().items(), quantization=quantization)  # fmt: skip
         row = bench_variant(name, variant, hf, ours, model_dir, prompts, hf_row, args, hw)
         row["build_seconds"] = round(build_s, 1)
-        rows.append(row)
+        yield row  # the caller saves each row as it comes: a later variant's failure or timeout loses only it
     del hf, ours
     free_memory()
-    return rows
 
 
 def bench_variant(
@@ -330,6 +329,21 @@ def bench_variant(
     return row
 
 
+def _decode_step(row: dict[str, Any]) -> str:
+    graph = row["ours"]["profile_per_step"].get("graph")
+    if not graph:
+        return "-"
+    return f"{graph['host_total_ms']:.2f} / {sum(graph['gpu_ms'].values()):.2f}"
+
+
+def _logprob_error(row: dict[str, Any]) -> str:
+    err = row.get("correctness", {}).get("bf16", {}).get("logprob_abs_err_vs_hf_fp32")
+    if not err:
+        return "-"
+    ours = f"max {err['ours_max']:.3f} mean {err['ours_mean']:.3f}"
+    return f"{ours} ({err['hf_bf16_max']:.3f} / {err['hf_bf16_mean']:.3f})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     env, wl = report["environment"], report["workload"]
     lines = [f"# Offline throughput: {env['device']}, {env['date']}", "",
@@ -339,14 +353,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['hardware']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
              f"{report['hardware']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.", "",
              "| model | ours out tok/s | HF generate_batch tok/s (requests) | ours / HF | ours / HF ref. "
-             "| floor tok/s | of floor |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| floor tok/s | of floor | decode step host / GPU ms | logprob err vs HF fp32 (HF bf16) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in report["models"]:
         hf = row.get("hf", {})
         lines.append(f"| {row['model']} {row.get('variant', '')} | {row['ours']['output_tokens_per_s']:,.0f} | "
                      f"{hf.get('output_tokens_per_s', float('nan')):,.0f} ({hf.get('requests', 0)}) | "
                      f"{row.get('speedup_vs_hf', float('nan'))}x | {row['speedup_vs_hf_reference']}x | "
-                     f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} |")  # fmt: skip
+                     f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} | "
+                     f"{_decode_step(row)} | {_logprob_error(row)} |")  # fmt: skip
     lines += ["", "HF ref.: performance.md's HF generate_batch on the full workload, H200 (1,126 / 1,291 / 613 tok/s).",
               "Step profiles (mean ms per step), correctness and the 1,024-sequence run are in the JSON."]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -405,8 +420,10 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "") + args.tag
     for name in args.models.split(","):
-        report["models"].extend(bench_model(name, args, hw))
-        (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive
+        for row in bench_model(name, args, hw):
+            report["models"].append(row)
+            (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive
+            (args.out_dir / f"{stem}.md").write_text(markdown(report))
     table = markdown(report)
     (args.out_dir / f"{stem}.md").write_text(table)
     print(table)
