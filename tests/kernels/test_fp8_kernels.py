@@ -1,4 +1,5 @@
-"""An fp8 (e4m3) KV cache with per-layer scales: the kernels vs `kernels.reference` on the same cache.
+"""FP8 kernels vs torch: the e4m3 KV cache with per-layer scales (kernels vs `kernels.reference` on the
+same cache), and per-token activation quantisation for the fp8 linears.
 
 The interpreter stores and loads float8 (checked here), so the Triton fp8 path runs on CPU too.
 Unwritten cache slots hold NaN (e4m3fn has one): a kernel that reads past a context shows it.
@@ -118,3 +119,18 @@ def test_rotary_kv_write_quantises_like_reference(device: torch.device) -> None:
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     # The kernel's fp32 rotation may differ from torch's in the last bit, enough to move a rounding tie.
     assert_fp8_equal(cache, expected, exact_on_gpu=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [96, 576, 4500])
+def test_per_token_activation_quantisation_matches_torch(device: torch.device, dtype: torch.dtype, k: int) -> None:
+    from kernels.fp8_quant import quantize_rows_fp8
+    from services.engine.models.fp8 import quantize_rows
+
+    x = (torch.randn((5, k), device=device) * torch.logspace(-2, 2, 5, device=device)[:, None]).to(dtype)
+    x[3] = 0  # an all-zero token: a tiny scale, zeros out
+    q, scale = quantize_rows_fp8(x)
+    want_q, want_scale = quantize_rows(x)
+    torch.testing.assert_close(scale, want_scale, atol=0, rtol=1e-6)
+    assert_fp8_equal(q, want_q, exact_on_gpu=False)  # x * (1/scale) vs x / scale: one rounding apart
+    assert not q.float().isnan().any() and float(q.float().abs().max()) <= 448
