@@ -49,13 +49,14 @@ def checkpoint_is_fp8(cfg: dict[str, Any]) -> bool:
 
 
 @cache
-def _has_scaled_mm(device_type: str) -> bool:
+def _has_scaled_mm(device_type: str, out_dtype: torch.dtype) -> bool:
+    """Whether this build/device has row-wise scaled fp8 matmul for `out_dtype` (CUDA: bf16 output only)."""
     try:
         a = torch.zeros((16, 16), dtype=FP8_DTYPE, device=device_type)
         one = torch.ones((16, 1), dtype=torch.float32, device=device_type)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.float32)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t().contiguous(), out_dtype=out_dtype)
         return True
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
@@ -71,7 +72,7 @@ def fp8_linear(
         x_q, x_scale = quantize_rows_fp8(x)
     else:
         x_q, x_scale = quantize_rows(x)
-    if _has_scaled_mm(x.device.type):
+    if _has_scaled_mm(x.device.type, x.dtype):
         out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
                                out_dtype=x.dtype)  # fmt: skip
     else:  # the same quantised operands, dequantised
