@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[])
     serve.add_argument("--device", default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 weights (Llama family)")
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None, help="fp8: an e4m3 KV cache")
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
     return parser
@@ -110,6 +112,8 @@ def serve(args: argparse.Namespace) -> None:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         device_args = ["--device", args.device] if args.device else []
+        device_args += ["--quantization", args.quantization] if args.quantization else []
+        device_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
         commands.append([*me, "tokenizer", *model_args, *length_args])
         commands.append([*me, "engine", *model_args, *length_args, *device_args])
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]
