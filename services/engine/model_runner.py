@@ -26,7 +26,7 @@ from services.engine.models.base import CausalLM
 from services.engine.outputs import TokenLogprob
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
-from services.engine.sampling_metadata import build_sampling_metadata
+from services.engine.sampling_metadata import SamplingMetadataCache
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_profile import GpuMarks, StepProfile
 
@@ -83,6 +83,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
         self.sampler = Sampler(device, seed)
+        self.sampling_metadata = SamplingMetadataCache()
         self.profile = profile or StepProfile()
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
@@ -144,7 +145,7 @@ class ModelRunner:
             marks.forward_done.record()
         profile.mark("forward")
 
-        meta = build_sampling_metadata(sampling_requests, self.spec.vocab_size, self.device)
+        meta = self.sampling_metadata.get(sampling_requests, self.spec.vocab_size, self.device)
         output = self.sampler(logits, meta)
         num_logprobs = [r.params.logprobs for r in sampling_requests]
         packed = _pack(output)
