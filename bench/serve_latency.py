@@ -13,14 +13,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import openai
+
+from bench.servers import start_servers
 
 PROMPTS = [
     "What is the capital of France?", "Write a short poem about the sea.", "Explain what a CPU does.",
@@ -54,24 +54,6 @@ def measure(base_url: str, model: str, max_tokens: int) -> list[dict[str, float]
     return rows
 
 
-def start_services(cpu_threads: int) -> tuple[str, list[subprocess.Popen[bytes]], object]:
-    from shared.redis_server import PrivateRedis, free_port
-
-    redis = PrivateRedis().start()
-    port = free_port()
-    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis.url}
-    me = [sys.executable, "-m", "services.cli"]
-    logs = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
-    commands = [[*me, "tokenizer"], [*me, "engine", "--cpu-threads", str(cpu_threads)],
-                [*me, "gateway", "--host", "127.0.0.1", "--port", str(port)]]
-    procs = [subprocess.Popen(c, env=env, stdout=(logs / f"{i}.log").open("wb"), stderr=subprocess.STDOUT)
-             for i, c in enumerate(commands)]
-    from tests.conftest import wait_ready
-
-    wait_ready(f"http://127.0.0.1:{port}", {str(i): p for i, p in enumerate(procs)})
-    return f"http://127.0.0.1:{port}", procs, redis
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url")
@@ -79,21 +61,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cpu-threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    procs: list[subprocess.Popen[bytes]] = []
-    redis = None
-    url = args.url
-    if url is None:
-        url, procs, redis = start_services(args.cpu_threads)
+    servers = None if args.url else start_servers(["--cpu-threads", str(args.cpu_threads)])
+    url = args.url if servers is None else servers.base_url
     try:
         measure(url, args.model, 4)  # warm-up
         rows = measure(url, args.model, args.max_tokens)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
-        if redis is not None:
-            redis.stop()  # type: ignore[attr-defined]
+        if servers is not None:
+            servers.stop()
     print(f"{'prompt':>6} {'ttft ms':>8} {'decode tok/s':>13} {'tokens':>7}")
     for i, row in enumerate(rows):
         print(f"{i:>6} {row['ttft_s'] * 1000:>8.0f} {row['decode_tok_s']:>13.1f} {row['completion_tokens']:>7}")

@@ -1,4 +1,4 @@
-"""The Triton attention backend as `services.engine.attention.use_backend("triton")` loads it.
+"""The Triton attention backend, as the engine's `use_backend("triton")` loads it.
 
 Only this module and the kernel modules import triton, so CPU machines without it never do.
 Config choice is cached per batch shape and uses host integers only (no GPU sync): see
@@ -8,16 +8,13 @@ Config choice is cached per batch shape and uses host integers only (no GPU sync
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_write import write_kv_cache
 from kernels.launch_config import PREFILL_QUERY_LEN, AttentionConfig, choose_config
 from kernels.paged_attention import paged_attention
-
-if TYPE_CHECKING:
-    from services.engine.attention import AttentionMetadata
 
 __all__ = ["attend", "write_kv_cache"]
 

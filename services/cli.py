@@ -1,6 +1,6 @@
 """The `pagedserve` command: `serve` runs everything on one machine; one subcommand per service.
 
-    pagedserve serve [--model NAME_OR_PATH ...] [--host H] [--port P]
+    pagedserve serve [--model NAME_OR_PATH ...] [--host H] [--port P] [--gpus 0,1,...] [--workers N]
     pagedserve gateway | tokenizer | engine [--<setting> VALUE ...]
 
 Every service flag is a field of that service's settings class (shared/settings.py), so a flag,
@@ -61,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL"))
     serve.add_argument("--api-key", action="append", default=[])
     serve.add_argument("--device", default=None)
+    serve.add_argument("--gpus", default=None, help="comma-separated GPU indexes: one engine per GPU per model "
+                       "(e.g. 0,1,2,3); default: one engine on --device")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="gateway processes sharing the port (default: a quarter of the CPU cores, 1 to 4)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs (processes) per engine replica")
     serve.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 weights (Llama family)")
     serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None, help="fp8: an e4m3 KV cache")
     for name, cls in _SERVICES.items():
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """Everything on one machine, stopped together on Ctrl-C or SIGTERM."""
-    from shared.model_source import resolve_model_dir
+    from services.readiness import local_url, missing_models
+    from shared.model_source import model_name_for, resolve_model_dir
     from shared.redis_server import PrivateRedis
 
     models: list[str | None] = list(args.model or [None])
@@ -107,20 +113,25 @@ def serve(args: argparse.Namespace) -> None:
               flush=True)
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_url}
     me = [sys.executable, "-m", "services.cli"]
-    commands = []
+    commands: list[tuple[list[str], dict[str, str]]] = []  # (command line, extra environment)
     for model in models:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-        device_args = ["--device", args.device] if args.device else []
-        device_args += ["--quantization", args.quantization] if args.quantization else []
-        device_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
-        commands.append([*me, "tokenizer", *model_args, *length_args])
-        commands.append([*me, "engine", *model_args, *length_args, *device_args])
+        tp_args = ["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []
+        tp_args += ["--quantization", args.quantization] if args.quantization else []
+        tp_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+        commands.append(([*me, "tokenizer", *model_args, *length_args], {}))
+        for device_args, replica_env in engine_replicas(args):
+            commands.append(([*me, "engine", *model_args, *length_args, *device_args, *tp_args], replica_env))
     keys = [arg for key in args.api_key for arg in ("--api-key", key)]
-    commands.append([*me, "gateway", "--host", args.host, "--port", str(args.port), *keys])
-    children = [subprocess.Popen(cmd, env=env) for cmd in commands]
-    print(f"pagedserve: serving on http://{args.host}:{args.port} (Ctrl-C stops everything)", flush=True)
-
+    workers = args.workers or default_gateway_workers()
+    commands.append(([*me, "gateway", "--host", args.host, "--port", str(args.port), "--workers", str(workers),
+                      *keys], {}))
+    children = [subprocess.Popen(cmd, env={**env, **extra}) for cmd, extra in commands]
+    print(f"pagedserve: starting on http://{args.host}:{args.port}; a line follows once every model has a live "
+          f"engine (Ctrl-C stops everything)", flush=True)
+    names = [model_name_for(m) for m in models]
+    is_ready, next_check = False, 0.0
     stopping = False
 
     def stop(*_: Any) -> None:
@@ -131,6 +142,12 @@ def serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, stop)
     try:
         while not stopping and all(c.poll() is None for c in children):
+            if not is_ready and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                is_ready = missing_models(local_url(args.host, args.port), names) == []
+                if is_ready:
+                    print(f"pagedserve: ready on http://{args.host}:{args.port} (models: {', '.join(names)})",
+                          flush=True)
             time.sleep(0.2)
     finally:
         for child in reversed(children):  # the gateway first: it stops taking requests
@@ -147,6 +164,24 @@ def serve(args: argparse.Namespace) -> None:
     failed = [c.args for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     if failed and not stopping:
         sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]!r}")
+
+
+def engine_replicas(args: argparse.Namespace) -> list[tuple[list[str], dict[str, str]]]:
+    """The engine replicas `serve` starts for each model, as (device flags, environment): with --gpus, one
+    replica per group of --tensor-parallel-size GPUs, each seeing only its own GPUs."""
+    if not args.gpus:
+        return [(["--device", args.device] if args.device else [], {})]
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    size = args.tensor_parallel_size or 1
+    if len(gpus) % size:
+        raise SystemExit(f"pagedserve: --gpus lists {len(gpus)} GPUs, not a multiple of --tensor-parallel-size {size}")
+    groups = [gpus[i : i + size] for i in range(0, len(gpus), size)]
+    return [(["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ",".join(group)}) for group in groups]
+
+
+def default_gateway_workers() -> int:
+    # One gateway process streams ~17k tokens/s; leave most cores to tokenizers, engines and clients.
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 if __name__ == "__main__":

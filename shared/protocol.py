@@ -67,6 +67,10 @@ class GenerateRequest:
     traceparent: str | None = None
     # A continuation (migration to another replica) carries the tokens already streamed.
     output_token_ids: list[int] = field(default_factory=list)
+    # An n > 1 continuation instead carries, per choice still running, its original index and the tokens
+    # it already streamed (choices that finished are not resumed; the replies keep these indexes).
+    choice_indexes: list[int] = field(default_factory=list)
+    choice_output_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -133,6 +137,8 @@ class EngineHeartbeat:
     time: float = 0.0
     model_source: str | None = None  # what the engine loaded (a name or path); the gateway's tokenizer
     supports_choice_abort: bool = False  # honours Abort.choice_indexes
+    num_requests_finished: int = 0  # since the engine started: shows how work spreads over replicas
+    supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
 
 
 Message = (

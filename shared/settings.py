@@ -45,6 +45,12 @@ class GatewaySettings(BaseSettings):
     max_logit_bias: int = 1024
     max_messages: int = 1024
     stream_maxlen: int = 100_000
+    # Redis connections of this process: the response reader, the registry and pipelined publishes
+    # need a few whatever the number of requests in flight.
+    redis_max_connections: int = 16
+    workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), each a whole gateway
+    reuse_port: bool = False  # SO_REUSEPORT on the listening socket (workers set it)
+    drain_timeout_s: float = 30.0  # on SIGTERM: let requests in flight finish for at most this long
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -90,3 +96,4 @@ class EngineSettings(BaseSettings):
     stream_maxlen: int = 100_000
     quantization: str | None = None  # "fp8": FP8 weights (quantised at load); None: fp8 only if the checkpoint is
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 KV cache (twice the blocks)
+    tensor_parallel_size: int = 1  # one replica as N processes, one GPU each (rank r on cuda:r)

@@ -10,6 +10,7 @@ terminal state.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +53,14 @@ def engine_key(model: str, engine_id: str) -> str:
 ENGINE_KEY_PATTERN = "ps:engine:*"
 
 
-def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url, decode_responses=False, health_check_interval=10, socket_connect_timeout=2, socket_timeout=10
+def connect(url: str, max_connections: int = 16) -> aioredis.Redis:
+    """A client whose pool holds at most `max_connections`; a command beyond them waits for a free
+    connection (up to the socket timeout) instead of failing with "Too many connections"."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=10, decode_responses=False, health_check_interval=10,
+        socket_connect_timeout=2, socket_timeout=10,
     )
+    return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
 
 
 async def publish(redis: aioredis.Redis, stream: str, msg: Message, maxlen: int = 100_000) -> bytes:
@@ -79,6 +84,7 @@ class GroupReader:
         self.redis, self.stream, self.group, self.consumer = redis, stream, group, consumer
         self.claim_idle_ms = claim_idle_ms
         self._reading_pending = True  # re-read our own pending entries first (after a restart)
+        self._next_claim = 0.0  # monotonic time of the next claim_stale_if_due that asks Redis
 
     async def ensure_group(self) -> None:
         try:
@@ -122,12 +128,25 @@ class GroupReader:
             log.info("claimed %d stale entries on %s", len(claimed), self.stream)
         return await self._decode(claimed)
 
+    async def claim_stale_if_due(self, count: int = 16, interval_s: float = 1.0) -> list[Entry]:
+        """claim_stale at most every `interval_s`: a dead consumer's entries wait claim_idle_ms anyway,
+        so asking on every read would only add a round trip to every request's path."""
+        if time.monotonic() < self._next_claim:
+            return []
+        self._next_claim = time.monotonic() + interval_s
+        return await self.claim_stale(count)
+
     async def refresh_claims(self, entry_ids: Sequence[bytes | str]) -> None:
         """Reset the idle time of entries we are still working on, so nobody claims them."""
-        if entry_ids:
+        if not entry_ids:
+            return
+        try:
             await self.redis.xclaim(
                 self.stream, self.group, self.consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True
             )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise  # NOGROUP: Redis lost the group, and the entries with it; read() recreates it
 
     async def ack(self, *entry_ids: bytes) -> None:
         if entry_ids:

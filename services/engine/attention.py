@@ -1,4 +1,5 @@
-"""Paged attention as the models call it: per-step metadata plus a backend chosen at start-up.
+"""Paged attention as the models call it: per-step metadata (defined in kernels/) plus a backend chosen at
+start-up.
 
 The CPU path is a batched torch version of `kernels.reference` (the oracle); on CUDA the Triton kernels in
 `kernels/` take over (`use_backend("triton")`). Models never import a backend directly.
@@ -7,24 +8,14 @@ The CPU path is a batched torch version of `kernels.reference` (the oracle); on 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kernels import reference
+from kernels.attention_metadata import AttentionMetadata
 from services.engine.torch_attention import paged_attention_padded
 
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Everything attention needs about one step's flattened, ragged batch (see kernels/reference.py)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V, -1 = padding
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
-    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
-    max_query_len: int
-    max_seq_len: int
+__all__ = ["AttentionMetadata", "backend_name", "default_backend", "paged_attention", "use_backend"]
 
 
 # (key, value, kv_cache, slot_mapping, k_scale, v_scale); the scales matter for an fp8 cache only

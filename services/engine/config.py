@@ -38,6 +38,10 @@ class EngineConfig:
     profile_steps: bool = False  # time each step's phases (Engine.profile)
     quantization: str | None = None  # "fp8": FP8 weights; None: as the checkpoint is (see models/fp8.py)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": float8_e4m3fn with per-layer scales
+    # One replica as this many processes, one per GPU (services/engine/parallel); rank 0 is this one.
+    tensor_parallel_size: int = 1
+    parallel_timeout_s: float = 120.0  # a collective waiting longer than this fails (a rank died)
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors | "random": random weights from `seed`
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -53,6 +57,10 @@ class EngineConfig:
             raise ValueError(f"quantization: unknown {self.quantization!r} (expected fp8)")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype: unknown {self.kv_cache_dtype!r} (expected auto or fp8)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size: must be >= 1")
+        if self.load_format not in ("auto", "random"):
+            raise ValueError(f"load_format: unknown {self.load_format!r} (expected 'auto' or 'random')")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
 

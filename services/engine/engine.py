@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ from services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
 from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
+from services.engine.parallel.launcher import TensorParallelDriver, build_rank_model
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
@@ -51,14 +52,22 @@ class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cuda" and self.device.index is not None:
+            # CUDA graph capture, Triton launches and the NCCL/cuBLAS handles use the *current*
+            # device: an engine on cuda:1 must make it current before it allocates anything.
+            torch.cuda.set_device(self.device)
+        self.parallel: TensorParallelDriver | None = None  # rank 0 of a tensor-parallel replica
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("model: a tensor-parallel engine loads its own shards")
+            self.parallel = TensorParallelDriver(config)  # starts ranks 1.. (they mirror the steps below)
         if model is None:
-            from services.engine.models import load_model
-
-            model = load_model(config.model_dir, config.dtype, self.device, max_model_len=config.max_model_len,
-                               show_progress=False, quantization=config.quantization)
+            model = build_rank_model(config, self.parallel.ctx if self.parallel else None)
         _select_attention_backend(self.device)
         spec = model.spec
         num_blocks = num_kv_blocks_for(model, config, spec.max_model_len)
+        if self.parallel is not None:
+            num_blocks = self.parallel.ctx.agree_min(num_blocks)
         self.max_model_len = _fit_max_model_len(config, spec.max_model_len, num_blocks)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.vocab_size = spec.vocab_size
@@ -74,6 +83,7 @@ class Engine:
             max_num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             cuda_graph_max_batch=config.cuda_graph_max_batch, profile=self.profile,
             kv_cache_dtype=config.kv_cache_torch_dtype,
+            step_sender=self.parallel.sender if self.parallel else None,
         )
         self.is_async = config.is_async_scheduling
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
@@ -91,22 +101,25 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
+        choice_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         """Queue a request (n choices). `output_token_ids` continue a request another replica began:
         they count towards max_tokens, min_tokens and penalties and are never emitted again.
+        `choice_output_token_ids` continue some choices of an n > 1 request the same way (original
+        choice index -> its tokens so far): only those choices run, under their original indexes.
         Raises ValueError (naming the parameter) for input the engine cannot serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params.validate(self.vocab_size)
-        prompt, outputs = list(prompt_token_ids), list(output_token_ids)
+        prompt = list(prompt_token_ids)
+        resumed = _choices_to_run(params.n, list(output_token_ids), choice_output_token_ids)
         if not prompt:
             raise ValueError("prompt: must not be empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt + outputs):
+        if any(not 0 <= t < self.vocab_size for t in prompt + [t for ts in resumed.values() for t in ts]):
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        if outputs and params.n != 1:
-            raise ValueError("n: a continuation must have n == 1")
-        if len(prompt) + len(outputs) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt) + len(outputs)} tokens leave no room in the context "
+        num_context = len(prompt) + max(len(ts) for ts in resumed.values())
+        if num_context >= self.max_model_len:
+            raise ValueError(f"prompt: {num_context} tokens leave no room in the context "
                              f"of {self.max_model_len}")
         max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
@@ -116,7 +129,7 @@ class Engine:
         choices = [
             Request.create(request_id, index, prompt, outputs, params.for_choice(index), max_tokens,
                            self.eos_token_ids, arrival, self.device)
-            for index in range(params.n)
+            for index, outputs in resumed.items()
         ]
         self._requests[request_id] = choices
         for request in choices:
@@ -232,6 +245,11 @@ class Engine:
         self.profile.mark("output")
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (no-op on one rank); the engine is unusable after."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
@@ -304,6 +322,21 @@ def _output(
         num_output_tokens=request.num_output_tokens if num_output_tokens is None else num_output_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
+
+
+def _choices_to_run(
+    n: int, output_token_ids: list[int], choice_output_token_ids: Mapping[int, Sequence[int]] | None
+) -> dict[int, list[int]]:
+    """Choice index -> the output tokens it starts from, in index order."""
+    if choice_output_token_ids is None:
+        if output_token_ids and n != 1:
+            raise ValueError("n: an n > 1 continuation gives each choice's tokens (choice_output_token_ids)")
+        return {index: output_token_ids for index in range(n)}
+    if output_token_ids:
+        raise ValueError("output_token_ids: give either output_token_ids or choice_output_token_ids")
+    if not choice_output_token_ids or any(not 0 <= i < n for i in choice_output_token_ids):
+        raise ValueError(f"n: a continuation resumes one or more of the choices 0..{n - 1}")
+    return {index: list(choice_output_token_ids[index]) for index in sorted(choice_output_token_ids)}
 
 
 def _fit_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

@@ -30,11 +30,13 @@ def build_engine(settings: EngineSettings) -> Engine:
         max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
         enable_prefix_caching=settings.enable_prefix_caching,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
         quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.max_num_batched_tokens:  # else the engine's default
         config.max_num_batched_tokens = settings.max_num_batched_tokens
-    log.info("loading %s on %s (attention: %s)", config.model_dir, device, attention.backend_name())
+    log.info("loading %s on %s (attention: %s, tensor parallel %d)", config.model_dir, device,
+             attention.backend_name(), config.tensor_parallel_size)
     return Engine(config)
 
 

@@ -24,6 +24,7 @@ from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.input_batch import InputBuffers, build_host_batch, pad_decode_batch, to_model_input
 from services.engine.models.base import CausalLM
 from services.engine.outputs import TokenLogprob
+from services.engine.parallel.step_broadcast import StepSender
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_metadata import SamplingMetadataCache
@@ -76,6 +77,7 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,  # 0: no CUDA graphs
         profile: StepProfile | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
+        step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -85,6 +87,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.sampling_metadata = SamplingMetadataCache()
         self.profile = profile or StepProfile()
+        self.step_sender = step_sender
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
@@ -119,6 +122,8 @@ class ModelRunner:
         graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
         if graph_size is not None:
             batch = pad_decode_batch(batch, graph_size)
+        if self.step_sender is not None:
+            self.step_sender.send(batch, graph_size)
         inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:
@@ -126,6 +131,8 @@ class ModelRunner:
         if inputs.patch_rows is not None and inputs.patch_src is not None:
             assert previous is not None and previous.sampled_token_ids is not None
             inputs.input_ids.index_copy_(0, inputs.patch_rows, previous.sampled_token_ids[inputs.patch_src])
+            if self.step_sender is not None:
+                self.step_sender.share_input_ids(inputs.input_ids)
         profile.mark("prepare")
 
         if graph_size is not None and self.graphs is not None:

@@ -1,4 +1,8 @@
-"""`Engine.generate`: run a list of prompts to completion and collect whole results (offline use).
+"""`generate(engine, prompts, params)`: run a list of prompts to completion and collect whole results
+(offline use; `Engine.generate` calls it).
+
+It is a function over anything that steps like an engine (`SteppingEngine`), so this module never imports
+engine.py, which imports it.
 
 Text prompts need the tokenizer, which is loaded lazily from the model directory, once; with
 token-id prompts the tokenizer is only used, if it loads at all, to fill in `Choice.text`.
@@ -9,21 +13,31 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from services.engine.outputs import Choice, GenerationResult
+from services.engine.config import EngineConfig
+from services.engine.outputs import Choice, GenerationResult, RequestOutput
 from services.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 _batch_ids = itertools.count()
 _tokenizers: dict[str, Any] = {}
 
 
+class SteppingEngine(Protocol):
+    """What `generate` needs of an engine (services.engine.engine.Engine is one)."""
+
+    config: EngineConfig
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+
 def generate(
-    engine: Engine,
+    engine: SteppingEngine,
     prompts: Sequence[Sequence[int]] | Sequence[str],
     params: SamplingParams | Sequence[SamplingParams] | None,
     use_tqdm: bool = False,

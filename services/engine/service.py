@@ -9,14 +9,18 @@
 
 The compute loop never waits on Redis; Redis I/O never blocks a step. Entries are acknowledged
 only when their request reached a terminal state, so a replica that dies leaves its work pending
-for another replica to claim.
+for another replica to claim. A step's tokens that cannot be published are lost: those requests end
+with an error rather than stream on with a gap. While Redis is down the log gets one warning, then a
+reminder every few seconds (shared/outage.py), never a line per failed operation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -25,11 +29,13 @@ from typing import Any
 
 from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import (
     Abort,
     DecodeError,
@@ -45,6 +51,7 @@ from shared.settings import EngineSettings
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
+_UNAVAILABLE = "service_unavailable_error"
 
 
 @dataclass(slots=True)
@@ -78,11 +85,14 @@ class EngineService:
         self.stopping = threading.Event()
         self.drain_deadline = float("inf")
         self.step_count = 0
+        self.num_requests_finished = 0
         self.last_stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
         self._io_ready = threading.Event()
         self._io_thread = threading.Thread(target=self._run_io, name="engine-redis-io", daemon=True)
+        self.outage = OutageLog(log)  # I/O thread only
+        self._lost: OrderedDict[str, None] = OrderedDict()  # I/O thread only: requests whose tokens were lost
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -91,6 +101,9 @@ class EngineService:
         After `stop()` the replica pulls no new work and says so in its heartbeat (gateways stop
         counting it as live), finishes what it holds until `drain_timeout_s`, and exits; whatever is
         left unfinished is taken over by other replicas once its heartbeat record is gone."""
+        # The I/O thread must not wait out the default 5 ms GIL switch interval while this loop runs
+        # Python between kernels: that wait would be added to every request's first token.
+        sys.setswitchinterval(0.0005)
         self._io_thread.start()
         self._io_ready.wait()
         log.info("engine %s serving %s", self.settings.engine_id, self.model)
@@ -128,6 +141,8 @@ class EngineService:
                 self._add(*payload)
             elif kind == "abort":
                 self._abort(payload.request_ids, payload.choice_indexes)
+            elif kind == "lost":
+                self._fail_lost(payload)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -150,7 +165,8 @@ class EngineService:
             return
         try:
             params = sampling_params_from_wire(req.sampling)
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids)
+            resumed = _resumed_choices(req)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
@@ -160,9 +176,11 @@ class EngineService:
             "engine.generate", context=telemetry.context_from(req.traceparent),
             attributes={"pagedserve.request_id": req.request_id, "pagedserve.engine_id": self.settings.engine_id,
                         "pagedserve.prompt_tokens": len(req.prompt_token_ids),
-                        "pagedserve.continued_tokens": len(req.output_token_ids)},
+                        "pagedserve.continued_tokens": len(req.output_token_ids)
+                        + sum(len(ts) for ts in req.choice_output_token_ids)},
         )
-        self.active[req.request_id] = _Active(entry_id, req.reply_to, params.n, span)
+        num_choices = params.n if resumed is None else len(resumed)
+        self.active[req.request_id] = _Active(entry_id, req.reply_to, num_choices, span)
 
     def _publish_step(self, outputs: list[Any]) -> None:
         self.step_count += 1
@@ -190,21 +208,34 @@ class EngineService:
                                                "pagedserve.cached_tokens": out.num_cached_tokens})
                     state.span.end()
                     finished_entries.append(state.entry_id)
+                    self.num_requests_finished += 1
                     del self.active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
             self._send(("deltas", (dict(by_gateway), finished_entries)))
 
     def _fail_active(self, message: str) -> None:
-        ids = list(self.active)
-        self.engine.abort(ids)  # frees their blocks at once
-        for request_id in ids:
+        self._fail(list(self.active), 500, message, "internal_server_error")
+
+    def _fail(self, request_ids: list[str], status: int, message: str, error_type: str) -> None:
+        """End active requests with an error to their gateways."""
+        self.engine.abort(request_ids)  # frees their blocks at once
+        for request_id in request_ids:
             state = self.active.pop(request_id)
             state.span.set_status(Status(StatusCode.ERROR, message))
             state.span.end()
-            error = RequestError(request_id, 500, message, type="internal_server_error")
+            error = RequestError(request_id, status, message, type=error_type)
             self._send(("error", (state.reply_to, error, state.entry_id)))
             self._remember(request_id)
+
+    def _fail_lost(self, lost: list[tuple[str, str]]) -> None:
+        """(request id, gateway) pairs whose tokens could not be published: end them with an error."""
+        message = "tokens of this request were lost: the engine could not reach Redis"
+        active = [rid for rid, _ in lost if rid in self.active]
+        self._fail(active, 503, message, _UNAVAILABLE)
+        for rid, reply_to in lost:  # finished in the very step whose tokens were lost: tell the gateway too
+            if rid not in active:
+                self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
 
     def _remember(self, request_id: str) -> None:
         self.recent[request_id] = None
@@ -250,23 +281,30 @@ class EngineService:
             await redis.aclose()
 
     async def _read_requests(self, reader: streams.GroupReader) -> None:
-        await _retrying(reader.ensure_group)
+        while True:
+            try:
+                await reader.ensure_group()
+                break
+            except _REDIS_ERRORS as exc:
+                await self._backoff("connecting", exc)
         while True:
             if not self.has_room.is_set() or self.stopping.is_set():
                 await asyncio.sleep(0.01)
                 continue
             try:
-                entries = await reader.read(count=8, block_ms=200)
-                entries += await reader.claim_stale(count=8)
+                await self._take(reader, await reader.read(count=8, block_ms=200))
+                await self._take(reader, await reader.claim_stale_if_due(count=8))
+                self.outage.recovered()
             except _REDIS_ERRORS as exc:
-                await _backoff("reading requests", exc)
-                continue
-            for entry in entries:
-                if isinstance(entry.message, GenerateRequest):
-                    self.inbox.put(("generate", (entry.entry_id, entry.message)))
-                else:
-                    log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
-                    await reader.ack(entry.entry_id)
+                await self._backoff("reading requests", exc)
+
+    async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
+        for entry in entries:
+            if isinstance(entry.message, GenerateRequest):
+                self.inbox.put(("generate", (entry.entry_id, entry.message)))
+            else:
+                log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
+                await reader.ack(entry.entry_id)
 
     async def _read_aborts(self, redis: Any) -> None:
         stream, last_id = streams.control_stream(self.model), "$"
@@ -274,7 +312,7 @@ class EngineService:
             try:
                 reply = await redis.xread({stream: last_id}, block=1000, count=256)
             except _REDIS_ERRORS as exc:
-                await _backoff("reading aborts", exc)
+                await self._backoff("reading aborts", exc)
                 continue
             for _, items in reply or []:
                 for entry_id, fields in items:
@@ -297,37 +335,86 @@ class EngineService:
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
-                supports_choice_abort=True,
+                supports_choice_abort=True, supports_choice_continuation=True,
+                num_requests_finished=self.num_requests_finished,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)
                 await reader.refresh_claims([a.entry_id for a in list(self.active.values())])
-            except _REDIS_ERRORS as exc:
-                log.warning("heartbeat failed: %s", exc)
+                self.outage.recovered()
+            except RedisError as exc:  # any: a heartbeat that stops for good makes the replica look dead
+                self.outage.failed("sending the heartbeat", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
+        """Everything the compute loop sent since the last round trip goes out as one pipeline:
+        each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended."""
         assert self._outbox is not None
         maxlen = self.settings.stream_maxlen
         while True:
-            kind, payload = await self._outbox.get()
-            if kind == "close":
-                return
-            try:
+            items = [await self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            pipe = redis.pipeline(transaction=False)
+            acks: list[bytes] = []
+            sent_deltas: list[tuple[str, TokenDeltas]] = []  # lost as a whole if the round trip fails
+            for kind, payload in items:
                 if kind == "deltas":
                     by_gateway, finished = payload
                     for gateway_id, deltas in by_gateway.items():
-                        await streams.publish(redis, streams.response_stream(gateway_id), deltas, maxlen)
-                    await reader.ack(*finished)
+                        deltas = _without_requests(deltas, self._lost)
+                        if deltas.request_ids:
+                            _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
+                            sent_deltas.append((gateway_id, deltas))
+                    acks.extend(finished)
                 elif kind == "error":
                     reply_to, error, entry_id = payload
-                    await streams.publish(redis, streams.response_stream(reply_to), error, maxlen)
-                    await reader.ack(entry_id)
+                    _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
+                    if entry_id is not None:
+                        acks.append(entry_id)
                 elif kind == "ack":
-                    await reader.ack(payload)
+                    acks.append(payload)
+            if acks:
+                pipe.xack(reader.stream, reader.group, *acks)
+            try:
+                await pipe.execute()
             except _REDIS_ERRORS as exc:
-                # The entries stay pending; the gateway notices the silence and ends those streams.
-                log.warning("could not publish %s: %s", kind, exc)
+                self.outage.failed(f"publishing {len(items)} outputs", exc)
+                self._lose([(rid, gw) for gw, deltas in sent_deltas for rid in deltas.request_ids])
+            else:
+                self.outage.recovered()
+            if any(kind == "close" for kind, _ in items):
+                return
+
+    def _lose(self, lost: list[tuple[str, str]]) -> None:
+        """(request id, gateway) pairs whose tokens never reached the gateway: send none of their later
+        tokens (the client would see a gap) and have the compute thread end them with an error."""
+        new = [(rid, gw) for rid, gw in dict.fromkeys(lost) if rid not in self._lost]
+        for rid, _ in new:
+            self._lost[rid] = None
+        while len(self._lost) > _RECENT_IDS:
+            self._lost.popitem(last=False)
+        if new:
+            self.inbox.put(("lost", new))
+
+    async def _backoff(self, doing: str, exc: BaseException) -> None:
+        self.outage.failed(doing, exc)
+        await asyncio.sleep(0.5)
+
+
+def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:
+    pipe.xadd(stream, {streams.DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+
+
+def _resumed_choices(req: GenerateRequest) -> dict[int, list[int]] | None:
+    """An n > 1 continuation's choices (index -> tokens so far), or None for a whole request."""
+    if not req.choice_indexes and not req.choice_output_token_ids:
+        return None
+    if len(req.choice_indexes) != len(req.choice_output_token_ids) or len(set(req.choice_indexes)) != len(
+        req.choice_indexes
+    ):
+        raise ValueError("choice_indexes: one distinct index per choice_output_token_ids list")
+    return dict(zip(req.choice_indexes, req.choice_output_token_ids))
 
 
 def _wire_logprobs(logprobs: Any) -> list[Any] | None:
@@ -336,22 +423,13 @@ def _wire_logprobs(logprobs: Any) -> list[Any] | None:
     return [[lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
 
 
-async def _retrying(fn: Any) -> None:
-    while True:
-        try:
-            await fn()
-            return
-        except _REDIS_ERRORS as exc:
-            await _backoff("connecting", exc)
-
-
-_last_warning = 0.0
-
-
-async def _backoff(what: str, exc: BaseException) -> None:
-    global _last_warning
-    now = time.monotonic()
-    if now - _last_warning > 5.0:  # one line per 5 s while Redis is down, not a hot loop of errors
-        log.warning("redis unavailable while %s: %s; retrying", what, exc)
-        _last_warning = now
-    await asyncio.sleep(0.5)
+def _without_requests(deltas: TokenDeltas, request_ids: OrderedDict[str, None]) -> TokenDeltas:
+    """`deltas` minus the columns of `request_ids`."""
+    keep = [i for i, rid in enumerate(deltas.request_ids) if rid not in request_ids]
+    if len(keep) == len(deltas.request_ids):
+        return deltas
+    columns: dict[str, Any] = {
+        f.name: [getattr(deltas, f.name)[i] for i in keep]
+        for f in dataclasses.fields(deltas) if isinstance(getattr(deltas, f.name), list)
+    }
+    return dataclasses.replace(deltas, **columns)

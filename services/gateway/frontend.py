@@ -5,9 +5,10 @@
     (finally) Abort ──XADD ps:ctl:{model}──► engines, unless every choice finished
 
 If the engine serving a request stops heartbeating, the request moves to a live replica as a
-continuation (prompt + tokens already streamed, under a new internal id; the old id is aborted so a
-replica that later claims the stale entry drops it): the client stream goes on with no lost or
-repeated tokens. With no live replica the stream ends with an error instead of hanging.
+continuation (prompt + tokens already streamed, per choice for n > 1, where finished choices stay
+finished; under a new internal id; the old id is aborted so a replica that later claims the stale
+entry drops it): the client stream goes on with no lost or repeated tokens. With no live replica
+the stream ends with an error instead of hanging.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from services.gateway.router import Delta, Disconnected, ResponseRouter
 from services.gateway.token_text import TokenTexts
 from services.gateway.tokenizers import TokenizerCache
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+from shared.publisher import Publisher
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,14 @@ class ChoiceUpdate:
     token_ids: list[int]
     logprobs: list[Any] | None  # per token [logprob, [[token_id, logprob], ...]]
     finish_reason: str | None
+
+    def extended(self, later: ChoiceUpdate) -> ChoiceUpdate:
+        """This update followed by a later one of the same choice, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else [
+            *(self.logprobs or []), *(later.logprobs or [])
+        ]
+        return ChoiceUpdate(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
+                            later.finish_reason or self.finish_reason)
 
 
 @dataclass(slots=True)
@@ -109,11 +120,30 @@ class Generation:
                         silent_since = time.monotonic()  # engines are alive but busy: keep waiting
                     continue
                 silent_since = time.monotonic()
-                update = self._apply(reply)
-                if update is not None:
+                merged: dict[int, ChoiceUpdate] = {}
+                error: APIError | None = None
+                try:
+                    self._apply_ready(reply, merged)
+                except APIError as exc:
+                    error = exc  # what came before it still goes out
+                for update in merged.values():
                     yield update
+                if error is not None:
+                    raise error
         finally:
             self.frontend.release(self)
+
+    def _apply_ready(self, reply: Any, merged: dict[int, ChoiceUpdate]) -> None:
+        """Apply `reply` and every reply already queued behind it, one merged update per choice: a
+        client that fell behind gets one chunk (one write) for all it missed, not one per step."""
+        while True:
+            update = self._apply(reply)
+            if update is not None:
+                previous = merged.get(update.index)
+                merged[update.index] = update if previous is None else previous.extended(update)
+            if self.is_finished or self.queue.empty():
+                return
+            reply = self.queue.get_nowait()
 
     def _apply(self, reply: Any) -> ChoiceUpdate | None:
         if isinstance(reply, Disconnected):
@@ -154,7 +184,9 @@ class Generation:
     async def _migrate(self) -> None:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
-        if len(self.choices) != 1 or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
+        can_continue = len(self.choices) == 1 or (  # an older engine would restart every choice from scratch
+            entry is not None and all(e.supports_choice_continuation for e in entry.engines))
+        if not can_continue or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
             raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
                            code="engine_lost")
         self.num_migrations += 1
@@ -167,17 +199,22 @@ class Generation:
 class Frontend:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = streams.connect(settings.redis_url)
+        self.redis = streams.connect(settings.redis_url, settings.redis_max_connections)
+        self.publisher = Publisher(self.redis)  # every XADD of every request, pipelined
         self.router = ResponseRouter(self.redis, settings.gateway_id)
         self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
         self.num_in_flight = 0
         self.is_draining = False
         self.tokenizers = TokenizerCache()
+        self.outage = OutageLog(log)  # aborts that cannot be sent: one warning per outage, not one per request
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._readers: list[asyncio.Task[None]] = []  # the router and the registry, of _tasks
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self.router.run()), asyncio.create_task(self.registry.run())]
+        # Long-running: the reply reader, the registry and the publisher (which spawned aborts still need).
+        self._readers = [asyncio.create_task(task.run()) for task in (self.router, self.registry, self.publisher)]
+        self._tasks = list(self._readers)
         try:
             await self.registry.refresh()
         except _REDIS_ERRORS as exc:
@@ -192,6 +229,9 @@ class Frontend:
             log.warning("could not load the tokenizer of %s: %s", model, exc)
 
     async def stop(self) -> None:
+        spawned = [t for t in self._tasks if t not in self._readers]  # aborts on their way to the engines
+        if spawned:
+            await asyncio.wait(spawned, timeout=2.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -242,7 +282,7 @@ class Frontend:
         queue = self.router.register(req.request_id)
         try:
             tokenizer, token_texts = await self.tokenizers.get(req.model, entry.model_source)
-            await streams.publish(self.redis, streams.request_stream(req.model), req, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.request_stream(req.model), req, self.settings.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
         except _REDIS_ERRORS as exc:
             self._forget(req.request_id)
@@ -299,11 +339,15 @@ class Frontend:
             request_id=gen.current_id, reply_to=self.settings.gateway_id, model=gen.model,
             prompt_token_ids=gen.accepted.prompt_token_ids,
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens}, arrival_time=time.time(),
-            output_token_ids=list(gen.choices[0].token_ids),
         )
+        if len(gen.choices) == 1:
+            request.output_token_ids = list(gen.choices[0].token_ids)
+        else:  # only the choices still running, under their own indexes
+            request.choice_indexes = [i for i in range(len(gen.choices)) if i not in gen.finish_reasons]
+            request.choice_output_token_ids = [list(gen.choices[i].token_ids) for i in request.choice_indexes]
         try:
             await self.abort(gen.model, old_id)
-            await streams.publish(self.redis, streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
         except _REDIS_ERRORS as exc:
             raise APIError(503, f"could not move the request to another engine: {exc}", retry_after=2) from None
 
@@ -319,6 +363,7 @@ class Frontend:
     async def abort(self, model: str, request_id: str, choice_indexes: list[int] | None = None) -> None:
         msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
-            await streams.publish(self.redis, streams.control_stream(model), msg, 10_000)
+            await self.publisher.publish(streams.control_stream(model), msg, 10_000)
+            self.outage.recovered()
         except _REDIS_ERRORS as exc:
-            log.warning("could not send abort for %s: %s", request_id, exc)
+            self.outage.failed(f"sending an abort for {request_id}", exc)

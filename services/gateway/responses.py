@@ -6,8 +6,9 @@ finishing EOS/stop token is counted in usage and listed in logprobs, but never s
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from services.gateway.frontend import ChoiceUpdate, Generation
 from services.gateway.token_text import TokenTexts
@@ -16,8 +17,8 @@ SYSTEM_FINGERPRINT = "pagedserve-0.1"
 
 
 def sse(data: Any) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    return b"data: " + payload + b"\n\n"
 
 
 def chat_logprobs(texts: TokenTexts, update: ChoiceUpdate) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from shared import streams
 from shared.protocol import Accepted, DecodeError, RequestError, TokenDeltas, decode
 
 log = logging.getLogger(__name__)
+_TRIM_INTERVAL_S = 0.5  # trimming is housekeeping: not a round trip between every read and the next
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class ResponseRouter:
         self.stream = streams.response_stream(gateway_id)
         self.queues: dict[str, asyncio.Queue[Reply]] = {}
         self.last_id = b"0-0"  # a gateway's stream is its own: read all of it, once
+        self.last_trim = 0.0
 
     def register(self, request_id: str) -> asyncio.Queue[Reply]:
         queue: asyncio.Queue[Reply] = asyncio.Queue()
@@ -79,11 +82,12 @@ class ResponseRouter:
                 for entry_id, fields in items:
                     self.last_id = entry_id
                     self._dispatch(fields.get(streams.DATA_FIELD, b""))
-            if reply:
+            if reply and time.monotonic() - self.last_trim > _TRIM_INTERVAL_S:
                 await self._trim()
 
     async def _trim(self) -> None:
         # Replies are read once, by this gateway alone: drop what has been read.
+        self.last_trim = time.monotonic()
         with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
             await self.redis.xtrim(self.stream, minid=self.last_id, approximate=True)
 

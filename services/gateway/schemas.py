@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from services.gateway.errors import APIError
 from services.gateway.messages import ChatMessage, Strict
-from services.tokenizer.prompts import check_template_kwargs
+from shared.prompts import check_template_kwargs
 from shared.settings import GatewaySettings
 
 MAX_INT32 = 2**31 - 1  # bounds counts and token ids so they always fit the wire (msgpack: 64 bits)

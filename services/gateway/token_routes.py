@@ -22,7 +22,7 @@ from services.gateway.frontend import Frontend
 from services.gateway.messages import ChatMessage, Strict
 from services.gateway.schemas import TokenId
 from services.gateway.validation import read_json, validate
-from services.tokenizer.prompts import chat_prompt_ids, check_template_kwargs, text_prompt_ids
+from shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
 
 
 class TokenizeText(Strict):
@@ -80,7 +80,7 @@ async def detokenize(request: Request) -> Response:
     req = validate(Detokenize, await read_json(request, frontend.settings.max_body_bytes))
     tokenizer, _ = await frontend.tokenizer_of(req.model)
     vocab = len(tokenizer)
-    bad = [t for t in req.tokens if t >= vocab]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is not in [0, {vocab})", param="tokens")
+    bad = first_out_of_vocab(req.tokens, vocab)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="tokens")
     return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)})

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.tokenizer.prompts import chat_prompt_ids, check_template_kwargs, text_prompt_ids
+from shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
 from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 
 
@@ -64,7 +64,7 @@ class PromptProcessor:
         vocab = len(self.tokenizer)
         if not prompt_ids:
             return RequestError(req.request_id, 400, "the prompt is empty", param=param)
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+        if first_out_of_vocab(prompt_ids, vocab) is not None:
             return RequestError(req.request_id, 400, f"prompt token ids must be in [0, {vocab})", param=param)
         num_prompt, limit = len(prompt_ids), self.limits.max_model_len
         if req.max_tokens is None:
@@ -106,9 +106,9 @@ class PromptProcessor:
                 ids = [int(t) for t in req.sampling.get(param) or []]  # logit_bias: its keys
             except (TypeError, ValueError):
                 return RequestError(req.request_id, 400, f"{param}: token ids must be integers", param=param)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                return RequestError(req.request_id, 400, f"{param}: token id {bad[0]} is not in [0, {vocab})",
+            bad = first_out_of_vocab(ids, vocab)
+            if bad is not None:
+                return RequestError(req.request_id, 400, f"{param}: token id {bad} is not in [0, {vocab})",
                                     param=param)
         return None
 

@@ -16,10 +16,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.tokenizer.processor import PromptProcessor
 from shared import streams, telemetry
+from shared.outage import OutageLog
 from shared.protocol import ChatRequest, CompletionRequest, RequestError
+from shared.publisher import Publisher
 from shared.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+_MAX_BACKOFF_S = 2.0  # bounds how long after Redis returns the tokenizer takes requests again
 
 
 class TokenizerService:
@@ -30,6 +33,7 @@ class TokenizerService:
             self.redis, streams.request_stream(model), streams.TOKENIZER_GROUP, settings.consumer_name,
             claim_idle_ms=settings.claim_idle_ms,
         )
+        self.publisher = Publisher(self.redis)
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -37,20 +41,25 @@ class TokenizerService:
 
     async def run(self) -> None:
         backoff = 0.1
+        outage = OutageLog(log)
         log.info("tokenizer %s serving model %s", self.settings.consumer_name, self.model)
+        publishing = asyncio.create_task(self.publisher.run())
         while not self._stopping.is_set():
             try:
                 await self.reader.ensure_group()
                 while not self._stopping.is_set():
                     entries = await self.reader.read(count=32, block_ms=500)
-                    entries += await self.reader.claim_stale()
-                    for entry in entries:
-                        await self._handle(entry)
+                    await asyncio.gather(*(self._handle(entry) for entry in entries))
+                    stale = await self.reader.claim_stale_if_due()
+                    await asyncio.gather(*(self._handle(entry) for entry in stale))
+                    outage.recovered()
                     backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                outage.failed("reading requests", exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
         await self.redis.aclose()
 
     async def _handle(self, entry: streams.Entry) -> None:
@@ -74,11 +83,13 @@ class TokenizerService:
             result = RequestError(req.request_id, 500, "internal error while preparing the prompt",
                                   type="internal_server_error")
         reply_stream = streams.response_stream(req.reply_to)
-        maxlen = self.settings.stream_maxlen
         if isinstance(result, RequestError):
-            await streams.publish(self.redis, reply_stream, result, maxlen)
+            await self.publisher.publish(reply_stream, result, self.settings.stream_maxlen)
         else:
             accepted, generate = result
             generate.traceparent = telemetry.current_traceparent()  # the engine's span: a child of this one
-            await streams.publish(self.redis, reply_stream, accepted, maxlen)
-            await streams.publish(self.redis, streams.generate_stream(self.model), generate, maxlen)
+            # Accepted goes first, in the same pipelined batch as the work itself: one round trip.
+            maxlen = self.settings.stream_maxlen
+            sent = [self.publisher.send(reply_stream, accepted, maxlen),
+                    self.publisher.send(streams.generate_stream(self.model), generate, maxlen)]
+            await asyncio.gather(*sent)

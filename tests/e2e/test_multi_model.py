@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -16,28 +15,17 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import RunningServices, start_service, stop_all
+from tests.e2e.tiny_llama import build_tiny_llama
 
 TINY = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama that shares SmolLM2's tokenizer and chat template."""
-    out = tmp_path_factory.mktemp("models") / TINY
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, out / name)
-    return out
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / TINY, smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -27,7 +29,15 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        wait_ready(f"http://127.0.0.1:{port}", {"serve": serve})
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while "pagedserve: ready" not in (tmp_path / "serve.log").read_text():  # said only once it is so
+            assert serve.poll() is None and time.monotonic() < deadline, "serve never said it was ready"
+            time.sleep(0.2)
+        assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
+        assert [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=5).json()["data"]] == [
+            "SmolLM2-135M-Instruct"]
+        wait_ready(base_url, {"serve": serve})
         children = psutil.Process(serve.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and all(s in names for s in ("tokenizer", "engine", "gateway"))

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.tokenizer.processor import ModelLimits, PromptProcessor, read_limits
-from services.tokenizer.prompts import chat_prompt_ids, check_template_kwargs, text_prompt_ids
+from shared.prompts import chat_prompt_ids, check_template_kwargs, text_prompt_ids
 from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 
 LIMIT = 64

@@ -25,7 +25,9 @@ Anything else raises UnsupportedArchitectureError naming these. Loading (`loader
 config.json, single or sharded safetensors (index file) streamed tensor by tensor into parameters
 of a module built on the meta device, a tqdm bar, dtype "auto" = fp32 on CPU, the config's dtype
 on CUDA (bf16 when it says fp32). Sliding-window models (Mistral v0.1) are limited to their window.
-`python -m services.engine.models [MODEL]` prints the spec and the resolve/load times.
+`load_model(..., parallel=ctx)` builds and loads one tensor-parallel rank's shard, and
+`random_weights_seed=N` fills random weights identical for every tensor-parallel size (see
+services/engine/parallel). `python -m services.engine.models [MODEL]` prints the spec and the resolve/load times.
 """
 
 from services.engine.models.base import CausalLM

@@ -9,7 +9,7 @@ translate to ours in `checkpoint_to_params` (see `rename`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +66,9 @@ class DecoderStack(nn.Module):
 
 
 class DecoderLM(CausalLM):
+    # Tensor parallelism (parallel/sharding.py): joins the ranks' vocabulary slices of the logits.
+    logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module, is_tied: bool) -> None:
         super().__init__(spec)
         self.model = DecoderStack(spec, layers, norm)
@@ -88,7 +91,8 @@ class DecoderLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
 
 def rename(name: str, pairs: list[tuple[str, str]]) -> str:

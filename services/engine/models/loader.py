@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.rotary import RotaryEmbedding
 from services.engine.models.spec import ModelSpec, build_spec, read_json
 from services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
+
+if TYPE_CHECKING:
+    from services.engine.parallel.state import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +96,18 @@ def load_model(
     max_model_len: int | None = None,
     show_progress: bool = True,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    parallel: ParallelContext | None = None,
+    random_weights_seed: int | None = None,
     quantization: str | None = None,
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
     `tensors` (checkpoint names, e.g. an HF module's `state_dict().items()`) replace the directory's
     safetensors files: benchmarks load random weights in memory (tensors already of the right dtype
-    and device are adopted, not copied). `quantization="fp8"` (or an fp8 checkpoint) loads the decoder
-    layers' linears as FP8 (see models/fp8.py)."""
+    and device are adopted, not copied). `parallel` (world size > 1): build and load only this
+    rank's shard (services/engine/parallel). `random_weights_seed`: deterministic random weights,
+    the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
+    loads the decoder layers' linears as FP8 (see models/fp8.py)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -111,16 +118,31 @@ def load_model(
     try:
         with torch.device("meta"):
             model = cls.from_config(cfg, spec)
+            if is_sharded := parallel is not None and parallel.world_size > 1:
+                from services.engine.parallel.sharding import shard_model
+
+                shard_model(model, parallel)
         is_fp8 = resolve_quantization(quantization, cfg) == "fp8"
-        if is_fp8 and cls is not LlamaForCausalLM:
-            raise ValueError(f"fp8 weights are supported for the Llama family only, not {cls.__name__}")
+        if is_fp8 and (cls is not LlamaForCausalLM or is_sharded or random_weights_seed is not None):
+            raise ValueError("fp8 weights are supported for the Llama family, unsharded, loaded from weights "
+                             f"(not {cls.__name__}, tensor parallel {is_sharded}, random {random_weights_seed})")
         if is_fp8:
             log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     model.requires_grad_(False)
-    if tensors is None:
+    if random_weights_seed is not None:
+        from services.engine.parallel.loading import load_random
+
+        load_random(model, random_weights_seed)
+    elif is_sharded:
+        from services.engine.parallel.loading import load_sharded
+
+        if tensors is not None:
+            raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
+        load_sharded(model, safetensors_files(model_dir), show_progress)
+    elif tensors is None:
         if is_fp8:
             load_tensors(model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)),
                          str(model_dir))  # fmt: skip
@@ -128,6 +150,10 @@ def load_model(
             load_weights(model, safetensors_files(model_dir), show_progress)
     else:
         load_tensors(model, skip_input_scales(tensors) if is_fp8 else tensors, str(model_dir))
+    if is_sharded and parallel is not None:
+        from services.engine.parallel.sharding import local_spec
+
+        model.spec = local_spec(spec, parallel)  # this rank's heads: sizes its KV cache
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)

@@ -1,5 +1,6 @@
-"""Prompt token ids from a chat or a text prompt: the one place both the tokenizer service and the
-gateway's `/tokenize` render chat templates, so the two can never disagree.
+"""Prompt token ids from a chat or a text prompt, and vocabulary checks: the one place both the tokenizer
+service and the gateway's `/tokenize` / `/detokenize` render chat templates and check token ids, so the two
+can never disagree (shared/, because services never import each other).
 
 Chat templates run in transformers' sandboxed Jinja environment. User-supplied
 `chat_template_kwargs` become template variables only: keys that would change how
@@ -9,6 +10,7 @@ Chat templates run in transformers' sandboxed Jinja environment. User-supplied
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 # apply_chat_template's own parameters (and this module's), never taken from a request.
@@ -50,3 +52,11 @@ def text_prompt_ids(tokenizer: Any, prompt: str | list[int], add_special_tokens:
     if isinstance(prompt, str):
         return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     return list(prompt)
+
+
+def first_out_of_vocab(token_ids: Iterable[object], vocab_size: int) -> object | None:
+    """The first id that is not an int in [0, vocab_size), or None when all are."""
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            return t
+    return None

@@ -1,0 +1,76 @@
+"""Offered load: Poisson arrivals at a request rate (or all at once), capped at a concurrency,
+driven by one event loop, or by several client processes for servers faster than one Python
+process can read (~15k SSE events/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing
+import random
+import time
+from dataclasses import dataclass
+
+from bench.serve.client import ClientConfig, RequestResult, new_session, send
+from bench.serve.datasets import BenchRequest
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    request_rate: float = math.inf  # requests/s of a Poisson process; inf: all at once
+    max_concurrency: int | None = None  # requests in flight at most; None: no cap
+    seed: int = 0
+    client_processes: int = 1
+
+
+def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: exponential gaps of mean 1/rate."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+async def _run(config: ClientConfig, requests: list[BenchRequest], offsets: list[float],
+               max_concurrency: int | None, start_wall: float) -> list[RequestResult]:  # fmt: skip
+    limit = max_concurrency or len(requests)
+    gate = asyncio.Semaphore(limit)
+    async with new_session(config, max(1, limit)) as session:
+        await asyncio.sleep(max(0.0, start_wall - time.time()))  # processes start together
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with gate:
+                return await send(session, config, request)
+
+        return list(await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets))))
+
+
+def _run_in_process(args: tuple[ClientConfig, list[BenchRequest], list[float], int | None, float]) -> list[dict]:
+    return [r.to_dict() for r in asyncio.run(_run(*args))]
+
+
+def run_load(config: ClientConfig, requests: list[BenchRequest], spec: LoadSpec) -> list[RequestResult]:
+    """Send every request as `spec` says; results in the order of `requests`."""
+    offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
+    procs = max(1, min(spec.client_processes, len(requests)))
+    if procs == 1:
+        return asyncio.run(_run(config, requests, offsets, spec.max_concurrency, time.time()))
+    # Request i goes to process i % procs, keeping its arrival time; the concurrency cap is split.
+    cap = spec.max_concurrency
+    caps = [None if cap is None else max(1, cap // procs + (p < cap % procs)) for p in range(procs)]
+    start_wall = time.time() + 2.0  # time for the processes to start and connect
+    jobs = [(config, requests[p::procs], offsets[p::procs], caps[p], start_wall) for p in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_run_in_process, jobs)
+    results: list[RequestResult] = [RequestResult(0.0, 0, 0)] * len(requests)
+    for p, part in enumerate(parts):
+        for i, row in zip(range(p, len(requests), procs), part):
+            results[i] = RequestResult(**row)
+    return results

@@ -1,0 +1,23 @@
+"""The per-step description of a flattened, ragged batch that every attention backend reads.
+
+It lives in kernels/ (the bottom layer) so the Triton backend needs nothing from the engine above it;
+`services.engine.attention` re-exports it for the models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's flattened, ragged batch (see kernels/reference.py)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V, -1 = padding
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int

@@ -1,0 +1,106 @@
+"""Rank 0's side of a tensor-parallel replica: start the worker ranks, join the groups, watch them.
+
+Workers are plain subprocesses (`python -m services.engine.parallel.worker`) that inherit the
+environment (NCCL_* and CUDA settings included) and get the EngineConfig as JSON. A worker that
+exits while the replica runs takes the whole replica down at once: the other workers are killed and
+this process exits, so its heartbeat stops and the gateway's failover moves its requests. Workers
+in turn exit when this process disappears (they watch their parent).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from services.engine.config import EngineConfig
+from services.engine.models.base import CausalLM
+from services.engine.parallel.state import ParallelContext, init_parallel, shutdown_parallel
+from services.engine.parallel.step_broadcast import StepSender
+
+log = logging.getLogger(__name__)
+EXIT_RANK_DIED = 70
+
+
+def build_rank_model(config: EngineConfig, ctx: ParallelContext | None) -> CausalLM:
+    """This rank's model: the same call on every rank, so every rank builds the same shard layout."""
+    from services.engine.models import load_model
+
+    seed = config.seed if config.load_format == "random" else None
+    return load_model(config.model_dir, config.dtype, config.torch_device, max_model_len=config.max_model_len,
+                      show_progress=False, parallel=ctx, random_weights_seed=seed,
+                      quantization=config.quantization)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TensorParallelDriver:
+    def __init__(self, config: EngineConfig) -> None:
+        world = config.tensor_parallel_size
+        import torch
+
+        if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config_json = json.dumps({k: str(v) if k == "model_dir" else v
+                                  for k, v in dataclasses.asdict(config).items()})  # fmt: skip
+        threads = str(torch.get_num_threads())
+        self.workers = [
+            subprocess.Popen([sys.executable, "-m", "services.engine.parallel.worker", "--rank", str(rank),
+                              "--world-size", str(world), "--init-method", init_method, "--parent-pid",
+                              str(os.getpid()), "--num-threads", threads, "--config", config_json])
+            for rank in range(1, world)
+        ]  # fmt: skip
+        self._closing = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_workers, name="tp-worker-watch", daemon=True)
+        self._monitor.start()
+        self.ctx = init_parallel(0, world, init_method, config.torch_device, config.parallel_timeout_s)
+        self.sender = StepSender(self.ctx)
+        atexit.register(self.shutdown)
+        log.info("tensor parallel: %d ranks (%s), worker pids %s", world, init_method,
+                 [w.pid for w in self.workers])  # fmt: skip
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def _watch_workers(self) -> None:
+        while not self._closing.wait(0.2):
+            dead = [w for w in self.workers if w.poll() is not None]
+            if dead and not self._closing.is_set():
+                log.error("tensor-parallel worker pid %d exited (code %s): taking the replica down",
+                          dead[0].pid, dead[0].returncode)  # fmt: skip
+                for w in self.workers:
+                    if w.poll() is None:
+                        w.kill()
+                logging.shutdown()
+                os._exit(EXIT_RANK_DIED)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell the workers to exit, wait for them (kill stragglers), leave the groups. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        try:
+            self.sender.send_stop()
+        except Exception as exc:  # a worker already gone: it is killed below
+            log.warning("could not send stop to tensor-parallel workers: %s", exc)
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            try:
+                w.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+        shutdown_parallel()

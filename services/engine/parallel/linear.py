@@ -1,0 +1,131 @@
+"""Column- and row-parallel linear layers (Megatron-style), loaded from slices of full tensors.
+
+    column: y_r = x @ W[rows of rank r]^T          output features split; no communication
+    row:    y   = sum_r x[:, cols r] @ W[:, cols r]^T  (one all-reduce), bias added once after it
+
+A column layer may stack several checkpoint tensors (fused q/k/v, gate/up); each is split on its
+own, so rank r's weight is [q_r | k_r | v_r] (see `attention_parts` for how heads are split).
+
+Loading: `load_piece(param, shard_id, read)` where `read(dim, start, size)` returns that slice of
+the full checkpoint tensor, so a safetensors file is read only where this rank needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.parallel.state import ParallelContext
+
+ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """This rank's rows of one full checkpoint tensor of `full_size` rows."""
+
+    full_size: int
+    start: int
+    size: int
+
+
+def even_part(full_size: int, ctx: ParallelContext, unit: int = 1) -> Part:
+    """A balanced split in whole `unit`s (sizes differ by at most one unit when it does not divide)."""
+    num_units, world, rank = full_size // unit, ctx.world_size, ctx.rank
+    start, end = rank * num_units // world, (rank + 1) * num_units // world
+    return Part(full_size, start * unit, (end - start) * unit)
+
+
+def attention_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: ParallelContext) -> tuple[Part, Part]:
+    """This rank's query-head and KV-head rows. Query heads follow their KV head's group:
+
+        KV heads >= ranks: KV heads split (unevenly if need be, e.g. SmolLM2's 3 over 2 ranks: 2 + 1),
+                           each rank takes the query heads of its KV heads
+        KV heads <  ranks: each KV head replicated on ranks / num_kv_heads consecutive ranks, which
+                           split that head's query group (Falcon multi-query; 8 KV heads on 16 ranks)
+    """
+    world, rank = ctx.world_size, ctx.rank
+    group = num_heads // num_kv_heads
+    if num_heads < world:
+        raise ValueError(f"tensor_parallel_size: {num_heads} attention heads cannot be split over {world} ranks")
+    if num_kv_heads >= world:
+        kv_first, kv_end = rank * num_kv_heads // world, (rank + 1) * num_kv_heads // world
+        q_first, q_end = kv_first * group, kv_end * group
+    else:
+        if world % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size: {num_kv_heads} KV heads cannot be replicated evenly over "
+                             f"{world} ranks")  # fmt: skip
+        ranks_per_kv = world // num_kv_heads
+        kv_first, kv_end = rank // ranks_per_kv, rank // ranks_per_kv + 1
+        sub = rank % ranks_per_kv
+        q_first = kv_first * group + sub * group // ranks_per_kv
+        q_end = kv_first * group + (sub + 1) * group // ranks_per_kv
+    q = Part(num_heads * head_dim, q_first * head_dim, (q_end - q_first) * head_dim)
+    kv = Part(num_kv_heads * head_dim, kv_first * head_dim, (kv_end - kv_first) * head_dim)
+    return q, kv
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, parts: dict[str, Part], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = parts
+        self.shard_offsets: dict[str, int] = {}  # shard id -> first local row
+        offset = 0
+        for shard_id, part in parts.items():
+            self.shard_offsets[shard_id] = offset
+            offset += part.size
+        self.out_features = offset
+        self.weight = nn.Parameter(torch.empty(offset, in_features))
+        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(shard id, full shape) of each checkpoint tensor this parameter is cut from."""
+        rest = (self.in_features,) if param_name == "weight" else ()
+        return [(sid, (p.full_size, *rest)) for sid, p in self.parts.items()]
+
+    def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> None:
+        """Copy this rank's rows; shard_id None: the full tensor stacks every shard in order."""
+        param = self.weight if param_name == "weight" else self.bias
+        assert param is not None
+        base = 0
+        for sid, part in self.parts.items():
+            if shard_id is None or sid == shard_id:
+                start = base + part.start if shard_id is None else part.start
+                rows = read(0, start, part.size)
+                local = self.shard_offsets[sid]
+                param.data[local : local + part.size].copy_(rows)
+            base += part.full_size
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, part: Part, out_features: int, bias: bool, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.part = part  # this rank's input features (the column layer before it produced them)
+        in_features = part.full_size
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.part.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ctx.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
+        return [(None, full)]
+
+    def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> None:
+        if param_name == "weight":
+            self.weight.data.copy_(read(1, self.part.start, self.part.size))
+        else:
+            assert self.bias is not None
+            self.bias.data.copy_(read(0, 0, self.out_features))

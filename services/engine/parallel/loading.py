@@ -1,0 +1,120 @@
+"""Weights into a sharded model: slices of safetensors tensors, or deterministic random weights.
+
+Checkpoint files: each tensor's name goes through the family's `checkpoint_to_params` with a meta
+stand-in first. When the family passes it through unchanged (every Llama-family tensor), the rank
+reads only its rows or columns with safetensors `get_slice`; when the family reorders it (GPT-NeoX
+and Falcon fused qkv), that one tensor is read whole, reordered, and sliced.
+
+Random weights (`load_random`, benchmarks): every full tensor is generated from (seed, its name,
+its shard id) and then sliced, so one GPU and N GPUs hold identical weights. Values are rounded to
+bf16 so an fp32 model of the same seed is an exact reference.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from services.engine.models.base import CausalLM
+from services.engine.models.layers import ShardedLinear
+from services.engine.parallel.linear import ReadSlice
+
+
+def _narrow_reader(tensor: torch.Tensor) -> ReadSlice:
+    return lambda dim, start, size: tensor.narrow(dim, start, size)
+
+
+def _slice_reader(handle: object, name: str) -> ReadSlice:
+    def read(dim: int, start: int, size: int) -> torch.Tensor:
+        view = handle.get_slice(name)  # type: ignore[attr-defined]
+        return view[start : start + size] if dim == 0 else view[:, start : start + size]
+
+    return read
+
+
+def _load_param(model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, shard_id: str | None,
+                read: ReadSlice, full_rows: int) -> None:  # fmt: skip
+    if name not in params:
+        raise KeyError(f"checkpoint tensor maps to unknown parameter {name!r}")
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    with torch.no_grad():
+        if hasattr(module, "load_piece"):
+            module.load_piece(param_name, shard_id, read)  # type: ignore[operator]
+        elif shard_id is not None and isinstance(module, ShardedLinear):
+            module.load_shard(param_name, read(0, 0, full_rows), shard_id)
+        else:  # replicated (norms, rotary-free parameters): the whole tensor on every rank
+            loaded = read(0, 0, full_rows)
+            assert params[name].shape == loaded.shape, (name, tuple(params[name].shape), tuple(loaded.shape))
+            params[name].copy_(loaded)
+
+
+def load_sharded(model: CausalLM, files: list[Path], show_progress: bool = True) -> None:
+    """Fill a sharded model from checkpoint files, reading only this rank's slices where possible."""
+    params = dict(model.named_parameters())
+    unwritten = set(params)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    with tqdm(total=total, desc="loading weight shards", unit="tensor", disable=not show_progress) as bar:
+        for handle in handles:
+            for ckpt_name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                shape = handle.get_slice(ckpt_name).get_shape()
+                probe = torch.empty(shape, device="meta")
+                full: dict[str, torch.Tensor] | None = None
+                for name, piece, shard_id in model.checkpoint_to_params(ckpt_name, probe):
+                    if piece is probe:
+                        read = _slice_reader(handle, ckpt_name)
+                    else:  # the family reorders this tensor: read it whole, once
+                        if full is None:
+                            tensor = handle.get_tensor(ckpt_name)
+                            full = {n: t for n, t, _ in model.checkpoint_to_params(ckpt_name, tensor)}
+                        read = _narrow_reader(full[name])
+                    _load_param(model, params, name, shard_id, read, int(piece.shape[0]))
+                    unwritten.discard(name)
+                bar.update(1)
+    if unwritten:
+        raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")
+
+
+def _full_pieces(model: CausalLM) -> Iterator[tuple[str, str | None, tuple[int, ...]]]:
+    """(parameter name, shard id, full shape) of every full tensor the model's parameters come from."""
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if hasattr(module, "full_pieces"):
+                for shard_id, shape in module.full_pieces(param_name):
+                    yield name, shard_id, shape
+            elif isinstance(module, ShardedLinear):
+                for shard_id, (_, size) in module.shard_offsets.items():
+                    yield name, shard_id, (size, *param.shape[1:])
+            else:
+                yield name, None, tuple(param.shape)
+
+
+def random_tensor(name: str, shard_id: str | None, shape: tuple[int, ...], seed: int,
+                  device: torch.device) -> torch.Tensor:  # fmt: skip
+    """A full tensor that depends only on (seed, name, shard id): norms 1, biases 0, else N(0, 0.02)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight":
+        return torch.ones(shape, device=device)
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}/{shard_id or ''}".encode()))
+    values = torch.randn(shape, generator=generator, device=device) * 0.02
+    return values.to(torch.bfloat16)
+
+
+def load_random(model: CausalLM, seed: int) -> None:
+    """Random weights, identical for every tensor-parallel size (see the module docstring)."""
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    for name, shard_id, shape in _full_pieces(model):
+        tensor = random_tensor(name, shard_id, shape, seed, device)
+        _load_param(model, params, name, shard_id, _narrow_reader(tensor), shape[0])
+        del tensor

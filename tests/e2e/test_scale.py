@@ -1,0 +1,138 @@
+"""Scale on one machine: 1,024 concurrent streams through a 2-worker gateway over two engine replicas
+of one model. Every stream completes with 200 and its greedy answer, both gateway workers and both
+engines take work, and nothing stays pending in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from shared import streams
+from shared.protocol import EngineHeartbeat, decode_as
+from shared.redis_server import free_port
+from tests.conftest import RunningServices, start_service, stop_all
+from tests.e2e.tiny_llama import build_tiny_llama
+
+MODEL = "tiny-scale"
+NUM_STREAMS = 1024
+ENGINE_IDS = ("scale-engine-a", "scale-engine-b")
+GATEWAY_ID = "gw-scale"
+PROMPTS = ["The quick brown fox", "Once upon a time", "Redis streams are", "In the beginning"]
+
+
+@dataclass
+class ScaledServices:
+    base_url: str
+    redis_url: str
+    processes: dict[str, subprocess.Popen[bytes]]
+
+
+@pytest.fixture(scope="module")
+def scaled(services: RunningServices, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ScaledServices]:
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
+    env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
+    common = ["--model", str(model_dir), "--served-model-name", MODEL]
+    port = free_port()
+    processes = {
+        "scale-tokenizer": start_service("scale-tokenizer", ["tokenizer", *common], env, services.log_dir),
+        **{
+            engine_id: start_service(engine_id, ["engine", *common, "--engine-id", engine_id, "--device", "cpu",
+                                                 "--cpu-threads", "1"], env, services.log_dir)
+            for engine_id in ENGINE_IDS
+        },
+        "scale-gateway": start_service(
+            "scale-gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+                              "--gateway-id", GATEWAY_ID, "--max-in-flight", str(2 * NUM_STREAMS)],
+            env, services.log_dir,
+        ),
+    }
+    scaled = ScaledServices(f"http://127.0.0.1:{port}", services.redis_url, processes)
+    try:
+        deadline = time.monotonic() + 180
+        while len(_heartbeats(scaled)) < len(ENGINE_IDS) or not _serves_model(scaled.base_url):
+            assert all(p.poll() is None for p in processes.values()), "a scale-test service died at start-up"
+            assert time.monotonic() < deadline, "scale-test services not ready"
+            time.sleep(0.25)
+        yield scaled
+    finally:
+        stop_all(processes)
+
+
+def _serves_model(base_url: str) -> bool:
+    try:
+        return MODEL in [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=2).json()["data"]]
+    except httpx.HTTPError:
+        return False
+
+
+def _heartbeats(scaled: ScaledServices) -> dict[str, EngineHeartbeat]:
+    r = redis.Redis.from_url(scaled.redis_url)
+    try:
+        raw = {engine_id: r.get(streams.engine_key(MODEL, engine_id)) for engine_id in ENGINE_IDS}
+        return {engine_id: decode_as(value, EngineHeartbeat) for engine_id, value in raw.items() if value}
+    finally:
+        r.close()
+
+
+async def _stream(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int, str | None]:
+    text, finish, usage = "", None, 0
+    stream = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return text, usage, finish
+
+
+def test_1024_concurrent_streams_over_two_workers_and_two_engines(scaled: ScaledServices) -> None:
+    async def run() -> tuple[dict[str, str], list[tuple[str, int, str | None]]]:
+        limits = httpx.Limits(max_connections=NUM_STREAMS, max_keepalive_connections=NUM_STREAMS)
+        async with httpx.AsyncClient(limits=limits, timeout=300) as http, openai.AsyncOpenAI(
+            base_url=f"{scaled.base_url}/v1", api_key="x", max_retries=0, http_client=http
+        ) as client:
+            expected = {p: (await _stream(client, p))[0] for p in PROMPTS}  # one at a time: the reference
+            results = await asyncio.gather(*(_stream(client, PROMPTS[i % len(PROMPTS)]) for i in range(NUM_STREAMS)))
+            return expected, results
+
+    finished_before = sum(b.num_requests_finished for b in _heartbeats(scaled).values())
+    expected, results = asyncio.run(run())  # any non-200 raises inside the openai client
+    assert len(results) == NUM_STREAMS
+    for i, (text, num_tokens, finish) in enumerate(results):
+        assert (num_tokens, finish) == (4, "length"), f"stream {i}"
+        assert text == expected[PROMPTS[i % len(PROMPTS)]], f"stream {i} got another answer under load"
+
+    r = redis.Redis.from_url(scaled.redis_url)
+    try:
+        # Both workers answered streams: each has its own response stream.
+        assert all(r.exists(streams.response_stream(f"{GATEWAY_ID}-{i}")) for i in range(2))
+        deadline = time.monotonic() + 15
+        while True:
+            beats = _heartbeats(scaled)
+            pending = r.xpending(streams.generate_stream(MODEL), streams.engine_group(MODEL))["pending"]
+            pending += r.xpending(streams.request_stream(MODEL), streams.TOKENIZER_GROUP)["pending"]
+            done = sum(b.num_requests_finished for b in beats.values()) - finished_before
+            if pending == 0 and done >= NUM_STREAMS + len(PROMPTS):
+                break
+            assert time.monotonic() < deadline, f"{pending} entries pending, {done} requests counted"
+            time.sleep(0.5)
+    finally:
+        r.close()
+    # Pull-based admission spreads the work: both replicas took a share of it.
+    finished = {engine_id: beat.num_requests_finished for engine_id, beat in beats.items()}
+    assert all(count > 0 for count in finished.values()), finished

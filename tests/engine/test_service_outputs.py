@@ -1,0 +1,51 @@
+"""The engine service never publishes tokens of a request whose earlier tokens were lost; it ends it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.models.base import CausalLM
+from services.engine.service import EngineService, _without_requests
+from shared.protocol import GenerateRequest, TokenDeltas
+from shared.settings import EngineSettings
+
+
+def deltas() -> TokenDeltas:
+    return TokenDeltas("eng", 7, ["a", "b", "a"], [0, 0, 1], [[1], [2], [3]], [None, None, None],
+                       [None, "length", None], [4, 5, 4], [1, 9, 1], [0, 0, 0])
+
+
+def test_lost_requests_are_dropped_column_by_column() -> None:
+    kept = _without_requests(deltas(), OrderedDict.fromkeys(["a"]))
+    assert (kept.engine_id, kept.step) == ("eng", 7)
+    assert (kept.request_ids, kept.indexes, kept.token_ids, kept.finish_reasons) == (["b"], [0], [[2]], ["length"])
+    assert (kept.num_prompt_tokens, kept.num_output_tokens, kept.num_cached_tokens, kept.logprobs) == (
+        [5], [9], [0], [None])
+
+
+def test_nothing_lost_keeps_the_message() -> None:
+    original = deltas()
+    assert _without_requests(original, OrderedDict.fromkeys(["zzz"])) is original
+    assert _without_requests(original, OrderedDict.fromkeys(["a", "b"])).request_ids == []
+
+
+def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
+    service = EngineService(EngineSettings(), "m", engine, model_source=None)
+    sent: list[tuple[str, Any]] = []
+    service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
+    params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
+    service._add(b"1-0", GenerateRequest("running", "gw1", "m", [5, 6, 7], params))
+    service._publish_step(engine.step())
+    sent.clear()
+    service._fail_lost([("running", "gw1"), ("finished", "gw2")])  # "finished": ended in the lost step
+    assert "running" not in service.active and "running" in service.recent
+    errors = [(kind, reply_to, error.request_id, error.status, entry_id) for kind, (reply_to, error, entry_id) in sent]
+    assert errors == [("error", "gw1", "running", 503, b"1-0"), ("error", "gw2", "finished", 503, None)]
+    while engine.has_unfinished():  # the engine dropped the sequence and freed its blocks
+        engine.step()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
