@@ -27,6 +27,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def measure_hardware() -> dict[str, float]:
             "bf16_flops_per_s": 2 * 8192**3 / (matmul_ms / 1e3)}  # fmt: skip
 
 
-def build_models(name: str, max_model_len: int) -> tuple[Any, Any, Path]:
+def build_models(name: str, max_model_len: int, quantization: str | None = None) -> tuple[Any, Any, Path]:
     """HF's random bf16 model on the GPU, and ours on the same tensors."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -102,7 +103,7 @@ def build_models(name: str, max_model_len: int) -> tuple[Any, Any, Path]:
     with CUDA:  # initialised on the GPU, in bf16: seconds even for 8B
         hf = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
     ours = load_model(model_dir, "bf16", CUDA, max_model_len=max_model_len, show_progress=False,
-                      tensors=hf.state_dict().items())  # fmt: skip
+                      tensors=hf.state_dict().items(), quantization=quantization)  # fmt: skip
     return hf, ours, model_dir
 
 
@@ -195,7 +196,8 @@ def run_hf(hf: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]
 def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> EngineConfig:
     settings = dict(model_dir=model_dir, dtype="bfloat16", device=DEVICE, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    gpu_memory_utilization=args.gpu_memory_utilization, profile_steps=True)  # fmt: skip
+                    gpu_memory_utilization=args.gpu_memory_utilization, profile_steps=True,
+                    kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     return EngineConfig(**{**settings, **changes})
 
 
@@ -219,12 +221,13 @@ def run_ours(model: Any, model_dir: Path, prompts: list[list[int]], args: argpar
     return out
 
 
-def floor_seconds(model: Any, prompts: list[list[int]], output_len: int, hw: dict[str, float]) -> dict[str, float]:
+def floor_seconds(model: Any, prompts: list[list[int]], output_len: int, hw: dict[str, float],
+                  kv_cache_dtype: str = "auto") -> dict[str, float]:  # fmt: skip
     """performance.md's limit: every decode step reads all weights and every live KV entry (all
     requests in one batch); prefill is 2 * params FLOPs per prompt token."""
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = model.spec.kv_bytes_per_token()
+    kv_bytes = model.spec.kv_bytes_per_token(torch.float8_e4m3fn if kv_cache_dtype == "fp8" else None)
     live_kv_tokens = sum(len(p) * output_len + output_len * (output_len - 1) // 2 for p in prompts)
     decode = (output_len * weight_bytes + live_kv_tokens * kv_bytes) / hw["copy_bytes_per_s"]
     prefill = 2 * params * sum(len(p) for p in prompts) / hw["bf16_flops_per_s"]
@@ -260,41 +263,85 @@ def run_concurrency(model: Any, model_dir: Path, args: argparse.Namespace) -> di
     return out
 
 
-def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> dict[str, Any]:
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8kv": (None, "fp8"), "fp8+fp8kv": ("fp8", "fp8")}
+
+
+def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> Iterator[dict[str, Any]]:
+    """One row per variant (weights x KV cache dtype), all on the same random HF model and prompts."""
     print(f"== {name}", flush=True)
     start = now()
     hf, ours, model_dir = build_models(name, args.max_model_len)
     build_s = now() - start
     prompts = make_prompts(args.num_requests, args.prompt_len, ours.spec.vocab_size, seed=0)
-    row: dict[str, Any] = {"model": name, "build_seconds": round(build_s, 1)}
-    if not args.skip_correctness:
-        row["correctness"] = correctness(hf, ours, model_dir, args.check_tokens, with_fp32=name != "llama-3.1-8b")
-        print(json.dumps(row["correctness"]), flush=True)
     num_hf = args.hf_requests if args.hf_requests is not None else HF_REQUESTS[name]
     num_hf = min(num_hf, len(prompts))
-    if num_hf > 0:
-        row["hf"] = run_hf(hf, prompts[:num_hf], args.output_len)
-        print("hf", row["hf"], flush=True)
+    hf_row = run_hf(hf, prompts[:num_hf], args.output_len) if num_hf > 0 else None
+    if hf_row is not None:
+        print("hf", hf_row, flush=True)
+    loaded: str | None = None  # the quantization `ours` was loaded with
+    for variant in args.variants.split(","):
+        quantization = VARIANTS[variant][0]
+        if quantization != loaded:
+            loaded = quantization
+            del ours
+            free_memory()
+            ours = load_model(model_dir, "bf16", CUDA, max_model_len=args.max_model_len, show_progress=False,
+                              tensors=hf.state_dict().items(), quantization=quantization)  # fmt: skip
+        row = bench_variant(name, variant, hf, ours, model_dir, prompts, hf_row, args, hw)
+        row["build_seconds"] = round(build_s, 1)
+        yield row  # the caller saves each row as it comes: a later variant's failure or timeout loses only it
+    del hf, ours
+    free_memory()
+
+
+def bench_variant(
+    name: str, variant: str, hf: Any, ours: Any, model_dir: Path, prompts: list[list[int]],
+    hf_row: dict[str, Any] | None, args: argparse.Namespace, hw: dict[str, float],
+) -> dict[str, Any]:  # fmt: skip
+    print(f"-- {name} {variant}", flush=True)
+    quantization, kv_cache_dtype = VARIANTS[variant]
+    args.kv_cache_dtype = kv_cache_dtype  # read by engine_config
+    row: dict[str, Any] = {"model": name, "variant": variant, "quantization": quantization or "none",
+                           "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
+    if not args.skip_correctness and variant in args.check_variants.split(","):
+        row["correctness"] = correctness(hf, ours, model_dir, args.check_tokens,
+                                         with_fp32=name != "llama-3.1-8b" and variant == "bf16")  # fmt: skip
+        print(json.dumps(row["correctness"]), flush=True)
+    if hf_row is not None:
+        row["hf"] = hf_row
     row["ours"] = run_ours(ours, model_dir, prompts, args)
     print("ours", json.dumps(row["ours"]), flush=True)
-    floor = floor_seconds(ours, prompts, args.output_len, hw)
+    floor = floor_seconds(ours, prompts, args.output_len, hw, kv_cache_dtype)
     floor_tps = len(prompts) * args.output_len / floor["total_s"]
     ours_tps = row["ours"]["output_tokens_per_s"]
     row["floor"] = {**floor, "output_tokens_per_s": round(floor_tps, 1), "fraction": round(ours_tps / floor_tps, 3)}
     if "hf" in row:
         row["speedup_vs_hf"] = round(ours_tps / row["hf"]["output_tokens_per_s"], 2)
     row["speedup_vs_hf_reference"] = round(ours_tps / HF_REFERENCE[name], 2)
-    targets = TARGETS.get(name, {})
+    targets = TARGETS.get(name, {}) if variant == "bf16" else {}
     row["targets"] = {
         key: {"target": goal, "measured": row.get("speedup_vs_hf") if key == "vs_hf" else row["floor"]["fraction"]}
         for key, goal in targets.items()
     }
-    if name == "llama-3.2-1b" and not args.skip_concurrency:
+    if name == "llama-3.2-1b" and not args.skip_concurrency and variant == "bf16":
         row["concurrency_1024"] = run_concurrency(ours, model_dir, args)
         print("concurrency", json.dumps(row["concurrency_1024"]), flush=True)
-    del hf, ours
-    free_memory()
     return row
+
+
+def _decode_step(row: dict[str, Any]) -> str:
+    graph = row["ours"]["profile_per_step"].get("graph")
+    if not graph:
+        return "-"
+    return f"{graph['host_total_ms']:.2f} / {sum(graph['gpu_ms'].values()):.2f}"
+
+
+def _logprob_error(row: dict[str, Any]) -> str:
+    err = row.get("correctness", {}).get("bf16", {}).get("logprob_abs_err_vs_hf_fp32")
+    if not err:
+        return "-"
+    ours = f"max {err['ours_max']:.3f} mean {err['ours_mean']:.3f}"
+    return f"{ours} ({err['hf_bf16_max']:.3f} / {err['hf_bf16_mean']:.3f})"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -306,14 +353,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['hardware']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
              f"{report['hardware']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.", "",
              "| model | ours out tok/s | HF generate_batch tok/s (requests) | ours / HF | ours / HF ref. "
-             "| floor tok/s | of floor |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| floor tok/s | of floor | decode step host / GPU ms | logprob err vs HF fp32 (HF bf16) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in report["models"]:
         hf = row.get("hf", {})
-        lines.append(f"| {row['model']} | {row['ours']['output_tokens_per_s']:,.0f} | "
+        lines.append(f"| {row['model']} {row.get('variant', '')} | {row['ours']['output_tokens_per_s']:,.0f} | "
                      f"{hf.get('output_tokens_per_s', float('nan')):,.0f} ({hf.get('requests', 0)}) | "
                      f"{row.get('speedup_vs_hf', float('nan'))}x | {row['speedup_vs_hf_reference']}x | "
-                     f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} |")  # fmt: skip
+                     f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} | "
+                     f"{_decode_step(row)} | {_logprob_error(row)} |")  # fmt: skip
     lines += ["", "HF ref.: performance.md's HF generate_batch on the full workload, H200 (1,126 / 1,291 / 613 tok/s).",
               "Step profiles (mean ms per step), correctness and the 1,024-sequence run are in the JSON."]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -336,7 +384,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-concurrency", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--variants", default="bf16",
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (fp8 = FP8 weights quantised at load, "
+                             "fp8kv = e4m3 KV cache)")  # fmt: skip
+    parser.add_argument("--check-variants", default="bf16,fp8,fp8kv,fp8+fp8kv",
+                        help="variants that get the correctness check (unless --skip-correctness)")  # fmt: skip
+    parser.add_argument("--tag", default="", help="appended to the output file names (e.g. _fp8)")
     args = parser.parse_args()
+    args.kv_cache_dtype = "auto"
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 64, 128, 32
         args.hf_requests = 16 if args.hf_requests is None else args.hf_requests
@@ -358,14 +413,17 @@ def main() -> None:
                         "transformers": transformers.__version__,
                         "command": "python -m bench.throughput " + " ".join(sys.argv[1:])},
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "variants": args.variants},
         "hardware": hw, "models": [],
     }  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "")
+    stem = "throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "") + args.tag
     for name in args.models.split(","):
-        report["models"].append(bench_model(name, args, hw))
-        (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive
+        for row in bench_model(name, args, hw):
+            report["models"].append(row)
+            (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive
+            (args.out_dir / f"{stem}.md").write_text(markdown(report))
     table = markdown(report)
     (args.out_dir / f"{stem}.md").write_text(table)
     print(table)

@@ -31,11 +31,14 @@ def _write_kv_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    inv_k_scale,  # 1 / k_scale: an fp8 cache stores K / k_scale
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     NUM_KV_HEADS_PADDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -57,6 +60,9 @@ def _write_kv_kernel(
         + offs_h[:, None] * stride_cache_head
         + offs_d[None, :]
     )  # int64
+    if IS_FP8:
+        key = key.to(tl.float32) * inv_k_scale
+        value = value.to(tl.float32) * inv_v_scale
     tl.store(key_cache_ptr + cache_offs, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offs, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -66,6 +72,8 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = kv_cache.shape[2]
@@ -79,8 +87,9 @@ def write_kv_cache(
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
+        BLOCK_SIZE=block_size, IS_FP8=kv_cache.dtype.itemsize == 1,
+        num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
     )  # fmt: skip

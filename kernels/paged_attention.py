@@ -91,6 +91,8 @@ def _attend_tile(
         k = tl.load(key_cache_ptr + kv_offs)
         v = tl.load(value_cache_ptr + kv_offs)
 
+    k = k.to(q.dtype)  # an fp8 cache: its scale is folded into qk_scale (K) and the output (V)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
     if IS_MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & key_valid[None, :]
@@ -120,7 +122,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # an fp8 cache stores V / v_scale (1.0 otherwise)
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -207,7 +210,7 @@ def _paged_attention_kernel(
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
     else:
@@ -215,7 +218,7 @@ def _paged_attention_kernel(
         tl.store(seg_max_ptr + seg_row, m_i, mask=row_valid)
         tl.store(seg_sum_ptr + seg_row, l_i, mask=row_valid)
         seg_offs = seg_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
-        tl.store(seg_out_ptr + seg_offs, acc, mask=row_valid[:, None])
+        tl.store(seg_out_ptr + seg_offs, acc * v_scale, mask=row_valid[:, None])
 
 
 def paged_attention(
@@ -227,6 +230,8 @@ def paged_attention(
     scale: float,
     config: AttentionConfig,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: float = 1.0,  # an fp8 cache holds K / k_scale and V / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
     num_tokens, num_heads, head_dim = query.shape
@@ -251,7 +256,7 @@ def paged_attention(
         seg_out = seg_max = seg_sum = out  # unused by the kernel in this mode
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         out, seg_out, seg_max, seg_sum, query, key_cache, value_cache,
-        block_tables, seq_lens, query_start_loc, scale * LOG2_E, num_seqs,
+        block_tables, seq_lens, query_start_loc, scale * LOG2_E * k_scale, v_scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,

@@ -29,14 +29,30 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token, not written
+    k_scale: float = 1.0,  # stored = value / scale (an fp8 cache's range), read back as stored * scale
+    v_scale: float = 1.0,
 ) -> None:
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = to_cache(key, kv_cache.dtype, k_scale), to_cache(value, kv_cache.dtype, v_scale)
+    if kv_cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernels: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as the cache stores it: divided by its scale (fp32 math) when the cache is 8-bit."""
+    if cache_dtype.itemsize == 1:
+        return (x.float() * (1.0 / scale)).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:  # -> float32
+    return x.float() * scale if x.dtype.itemsize == 1 else x.float()
 
 
 def paged_attention(
@@ -47,6 +63,8 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context (fp32 math)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -66,8 +84,8 @@ def paged_attention(
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kvh, d]
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q = query[q_start:q_end].float()  # [num_q, h, d]
-        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, h, d]
-        v = v.float().repeat_interleave(group, dim=1)
+        k = from_cache(k, k_scale).repeat_interleave(group, dim=1)  # [seq_len, h, d]
+        v = from_cache(v, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [h, num_q, seq_len]
         q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

@@ -45,6 +45,8 @@ def attend(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     config = _config(
         meta.seq_lens.shape[0],
@@ -54,4 +56,5 @@ def attend(
         min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
         _num_sms(query.device),
     )
-    return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config)
+    return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config,
+                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip

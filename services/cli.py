@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gateway processes sharing the port (default: a quarter of the CPU cores, 1 to 4)")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs (processes) per engine replica")
+    serve.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 weights (Llama family)")
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None, help="fp8: an e4m3 KV cache")
     for name, cls in _SERVICES.items():
         _add_settings_flags(sub.add_parser(name, help=f"run one {name} process"), cls)
     status = sub.add_parser("status", help="live models, engines, load and stream lag, from Redis")
@@ -126,6 +128,8 @@ def serve(args: argparse.Namespace) -> None:
         model_args = ["--model", model] if model else []
         length_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         tp_args = ["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []
+        tp_args += ["--quantization", args.quantization] if args.quantization else []
+        tp_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
         commands.append(([*me, "tokenizer", *model_args, *length_args], {}))
         for device_args, replica_env in engine_replicas(args):
             commands.append(([*me, "engine", *model_args, *length_args, *device_args, *tp_args], replica_env))

@@ -99,5 +99,7 @@ class EngineSettings(BaseSettings):
     claim_idle_ms: int = 15_000  # live engines refresh their claims every heartbeat
     stream_maxlen: int = 100_000
     load_format: str = "auto"  # "auto": the checkpoint's weights | "random": random weights (benchmarks)
+    quantization: str | None = None  # "fp8": FP8 weights (quantised at load); None: fp8 only if the checkpoint is
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 KV cache (twice the blocks)
     tensor_parallel_size: int = 1  # one replica as N processes, one GPU each (rank r on cuda:r)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off

@@ -18,21 +18,26 @@ from services.engine.torch_attention import paged_attention_padded
 __all__ = ["AttentionMetadata", "backend_name", "default_backend", "paged_attention", "use_backend"]
 
 
-WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-Attend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (key, value, kv_cache, slot_mapping, k_scale, v_scale); the scales matter for an fp8 cache only
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], None]
+# (query, kv_cache, meta, softmax scale, k_scale, v_scale)
+Attend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, float, float], torch.Tensor]
 
 
 _MAX_PADDED_TOKENS = 1 << 16  # bounds the padded K/V the CPU path gathers at once (per chunk of sequences)
 
 
-def _torch_attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _torch_attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """The CPU path: batched SDPA over padded sequences, in chunks that bound the padding's memory."""
     num_seqs = meta.seq_lens.shape[0]
     per_chunk = max(1, _MAX_PADDED_TOKENS // max(1, meta.max_seq_len))
     if per_chunk >= num_seqs:
         return paged_attention_padded(
             query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
-            meta.max_seq_len, scale,
+            meta.max_seq_len, scale, k_scale, v_scale,
         )
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
@@ -43,16 +48,18 @@ def _torch_attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
             continue
         out[q0:q1] = paged_attention_padded(
             query[q0:q1], kv_cache, meta.query_start_loc[first : last + 1] - q0, meta.seq_lens[first:last],
-            meta.block_tables[first:last], meta.max_query_len, meta.max_seq_len, scale,
+            meta.block_tables[first:last], meta.max_query_len, meta.max_seq_len, scale, k_scale, v_scale,
         )
     return out
 
 
 def _reference_attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     return reference.paged_attention(
-        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -93,7 +100,9 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,  # an fp8 cache stores K / k_scale (see kernels/reference.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Store this step's K/V in the paged cache, then attend over each sequence's whole context."""
-    _write_kv(key, value, kv_cache, meta.slot_mapping)
-    return _attend(query, kv_cache, meta, scale)
+    _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return _attend(query, kv_cache, meta, scale, k_scale, v_scale)

@@ -36,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     warm_up: bool = True  # CUDA: compile kernels and capture graphs at start-up, not on the first request
     profile_steps: bool = False  # time each step's phases (Engine.profile)
+    quantization: str | None = None  # "fp8": FP8 weights; None: as the checkpoint is (see models/fp8.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": float8_e4m3fn with per-layer scales
     # One replica as this many processes, one per GPU (services/engine/parallel); rank 0 is this one.
     tensor_parallel_size: int = 1
     parallel_timeout_s: float = 120.0  # a collective waiting longer than this fails (a rank died)
@@ -52,6 +54,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks: must be >= 1")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch: must be >= 0")
+        if self.quantization not in (None, "none", "fp8"):
+            raise ValueError(f"quantization: unknown {self.quantization!r} (expected fp8)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: unknown {self.kv_cache_dtype!r} (expected auto or fp8)")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size: must be >= 1")
         if self.load_format not in ("auto", "random"):
@@ -62,6 +68,11 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype | None:
+        """The KV cache's element type, None for the model's own dtype."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None
 
     @property
     def is_async_scheduling(self) -> bool:

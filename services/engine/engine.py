@@ -86,6 +86,7 @@ class Engine:
             model, num_blocks, config.block_size, self.device, config.seed, max_num_seqs=config.max_num_seqs,
             max_num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             cuda_graph_max_batch=config.cuda_graph_max_batch, profile=self.profile,
+            kv_cache_dtype=config.kv_cache_torch_dtype,
             step_sender=self.parallel.sender if self.parallel else None,
         )
         self.is_async = config.is_async_scheduling

@@ -78,6 +78,11 @@ class KVCacheManager:
         Returns the newly taken block ids, or None when there is no room (nothing changes then)."""
         seq_id = request.seq_id
         block_ids = self._blocks.get(seq_id, [])
+        if block_ids and not computed_block_ids and self.num_blocks_for(num_tokens) <= len(block_ids):
+            # The common decode step: the sequence's last block still has room. Nothing to take.
+            if self.enable_prefix_caching:
+                self._publish_full_blocks(request, block_ids, num_tokens)
+            return []
         assert not computed_block_ids or not block_ids, "cache hits only for a sequence with no blocks"
         num_new = self.num_blocks_for(num_tokens) - len(block_ids) - len(computed_block_ids)
         num_revived = sum(1 for b in computed_block_ids if self.pool.is_free(b))

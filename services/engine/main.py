@@ -33,6 +33,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         enable_prefix_caching=settings.enable_prefix_caching,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size, load_format=settings.load_format,
+        quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.max_num_batched_tokens:  # else the engine's default
         config.max_num_batched_tokens = settings.max_num_batched_tokens

@@ -27,7 +27,7 @@ from services.engine.outputs import TokenLogprob
 from services.engine.parallel.step_broadcast import StepSender
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
-from services.engine.sampling_metadata import build_sampling_metadata
+from services.engine.sampling_metadata import SamplingMetadataCache
 from services.engine.scheduler import ScheduledRequest
 from services.engine.step_profile import GpuMarks, StepProfile
 
@@ -80,14 +80,16 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 0,  # 0: no CUDA graphs
         profile: StepProfile | None = None,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
     ) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
         self.sampler = Sampler(device, seed)
+        self.sampling_metadata = SamplingMetadataCache()
         self.profile = profile or StepProfile()
         self.step_sender = step_sender
         self.buffers: InputBuffers | None = None
@@ -160,7 +162,7 @@ class ModelRunner:
 
         if before_sampling is not None:  # e.g. grammars take the previous step's tokens while this forward runs
             before_sampling()
-        meta = build_sampling_metadata(sampling_requests, self.spec.vocab_size, self.device)
+        meta = self.sampling_metadata.get(sampling_requests, self.spec.vocab_size, self.device)
         output = self.sampler(logits, meta)
         num_logprobs = [r.params.logprobs for r in sampling_requests]
         packed = _pack(output)
@@ -209,18 +211,18 @@ def _unpack(host: list[float], num_logprobs: list[int | None], width: int) -> St
 
 
 def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, device: torch.device
+    model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
     spec = model.spec
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def num_kv_blocks_for(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
     """KV blocks to allocate: the configured count, a fixed budget on CPU, or what fits on the GPU."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = model.spec.kv_bytes_per_token() * config.block_size
+    bytes_per_block = model.spec.kv_bytes_per_token(config.kv_cache_torch_dtype) * config.block_size
     if config.torch_device.type != "cuda":
         return max(1, config.cpu_kv_cache_bytes // bytes_per_block)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)
@@ -239,7 +241,7 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: EngineConfig, max_model_len: 
     seq_len = min(num_tokens, max_model_len)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // block_size)
-    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device)
+    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device, config.kv_cache_torch_dtype)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

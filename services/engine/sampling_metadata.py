@@ -9,6 +9,7 @@ device="cuda")` would wait for the GPU to finish the step in flight, undoing the
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,3 +140,23 @@ def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.devic
 def _padded(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return _to_device([r + [pad_id] * (width - len(r)) for r in rows], torch.int64, device)
+
+
+class SamplingMetadataCache:
+    """Reuses the last step's metadata while the sampling batch is the same sequences in the same order
+    and nothing in it changes per step (no penalties, no pending min_tokens, no grammar): a steady decode batch
+    then costs one identity check instead of per-row lists, pinned copies and host-to-device copies."""
+
+    def __init__(self) -> None:
+        self._requests: tuple[Request, ...] = ()
+        self._meta: SamplingMetadata | None = None
+
+    def get(self, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
+        if (self._meta is not None and len(requests) == len(self._requests)
+                and all(map(operator.is_, requests, self._requests))):  # fmt: skip
+            return self._meta
+        meta = build_sampling_metadata(requests, vocab_size, device)
+        # banned: min_tokens still pending; a grammar's bitmask changes with every token.
+        is_static = meta.penalties is None and meta.banned is None and meta.token_bitmask is None
+        self._requests, self._meta = (tuple(requests), meta) if is_static else ((), None)
+        return meta

@@ -23,6 +23,8 @@ def paged_attention_padded(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -34,6 +36,8 @@ def paged_attention_padded(
     blocks = block_tables[:, :num_ctx_blocks].long()  # [num_seqs, num_ctx_blocks]
     k = kv_cache[0][blocks].reshape(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1][blocks].reshape(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    if kv_cache.dtype.itemsize == 1:  # fp8 cache: dequantise (few ops are defined on float8 tensors)
+        k, v = k.float() * k_scale, v.float() * v_scale
     # Slots past a sequence's end hold anything (NaN in a fresh cache): a masked weight of 0 times
     # NaN is still NaN, so zero them.
     is_ctx = torch.arange(max_ctx, device=device)[None, :] < seq_lens.long()[:, None]  # [num_seqs, max_ctx]

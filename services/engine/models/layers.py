@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, paged_attention
+from services.engine.attention import AttentionMetadata
+from services.engine.models import fused_ops
 from services.engine.models.rotary import RotaryEmbedding
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -44,12 +45,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel (fp32 inside) instead of seven: decode steps are launch-bound
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
 
 
 class ShardedLinear(nn.Linear):
@@ -79,8 +75,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ShardedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(act)
+        self.is_silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_silu:
+            return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -123,6 +122,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # An fp8 KV cache stores K / k_scale and V / v_scale (1.0: e4m3's range, +-448, holds K/V as is).
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(
         self,
@@ -138,8 +139,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        # [num_tokens, num_heads, head_dim]
+        out = fused_ops.rotary_and_attend(
+            self.rotary, positions, q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

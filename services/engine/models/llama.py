@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from services.engine.attention import AttentionMetadata
+from services.engine.models import fused_ops
 from services.engine.models.base import DecoderLM, ParamPiece
 from services.engine.models.layers import Attention, GatedMLP, RMSNorm
 from services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
@@ -66,6 +67,20 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_residual(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]: the stream before x is added; None first
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream): each add fused into a norm
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        h, residual = fused_ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = fused_ops.add_rms_norm(h, residual, norm_post.weight, norm_post.eps)
+        return self.mlp(h), residual
+
 
 class LlamaForCausalLM(DecoderLM):
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
@@ -73,6 +88,26 @@ class LlamaForCausalLM(DecoderLM):
         layers: list[nn.Module] = [LlamaDecoderLayer(cfg, spec, rotary) for _ in range(spec.num_layers)]
         norm = RMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if not fused_ops.is_fused(self.model.embed_tokens.weight):
+            return super().forward(input_ids, positions, kv_caches, meta)
+        x = self.model.embed_tokens(input_ids)
+        # Fused path: the residual travels beside x, so every add is part of the next norm's kernel.
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
+            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta)
+        norm = self.model.norm
+        assert isinstance(norm, RMSNorm)
+        out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return out
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], spec: ModelSpec) -> LlamaForCausalLM:

@@ -16,11 +16,12 @@ import torch
 
 from services.engine.models.base import CausalLM
 from services.engine.models.falcon import FalconForCausalLM
+from services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
 from services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.rotary import RotaryEmbedding
 from services.engine.models.spec import ModelSpec, build_spec, read_json
-from services.engine.models.weights import load_tensors, load_weights, safetensors_files
+from services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
 
 if TYPE_CHECKING:
     from services.engine.parallel.state import ParallelContext
@@ -66,6 +67,16 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
+QUANTIZATIONS = ("none", "fp8")
+
+
+def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
+    """None/"none": fp8 only if the checkpoint is pre-quantised fp8; "fp8": always."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    return "fp8" if quantization == "fp8" or checkpoint_is_fp8(cfg) else "none"
+
+
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
     archs = cfg.get("architectures") or []
     for arch in archs:
@@ -87,6 +98,7 @@ def load_model(
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     parallel: ParallelContext | None = None,
     random_weights_seed: int | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
@@ -94,7 +106,8 @@ def load_model(
     safetensors files: benchmarks load random weights in memory (tensors already of the right dtype
     and device are adopted, not copied). `parallel` (world size > 1): build and load only this
     rank's shard (services/engine/parallel). `random_weights_seed`: deterministic random weights,
-    the same for every tensor-parallel size (benchmarks)."""
+    the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
+    loads the decoder layers' linears as FP8 (see models/fp8.py)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -109,6 +122,12 @@ def load_model(
                 from services.engine.parallel.sharding import shard_model
 
                 shard_model(model, parallel)
+        is_fp8 = resolve_quantization(quantization, cfg) == "fp8"
+        if is_fp8 and (cls is not LlamaForCausalLM or is_sharded or random_weights_seed is not None):
+            raise ValueError("fp8 weights are supported for the Llama family, unsharded, loaded from weights "
+                             f"(not {cls.__name__}, tensor parallel {is_sharded}, random {random_weights_seed})")
+        if is_fp8:
+            log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -124,9 +143,13 @@ def load_model(
             raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
         load_sharded(model, safetensors_files(model_dir), show_progress)
     elif tensors is None:
-        load_weights(model, safetensors_files(model_dir), show_progress)
+        if is_fp8:
+            load_tensors(model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)),
+                         str(model_dir))  # fmt: skip
+        else:
+            load_weights(model, safetensors_files(model_dir), show_progress)
     else:
-        load_tensors(model, tensors, str(model_dir))
+        load_tensors(model, skip_input_scales(tensors) if is_fp8 else tensors, str(model_dir))
     if is_sharded and parallel is not None:
         from services.engine.parallel.sharding import local_spec
 

@@ -95,19 +95,24 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
         self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
 
+    def caches_for(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables [max_position, rotary_dim] on query's device in query's dtype."""
+        if self.cos_cache is None or self.cos_cache.device != query.device:
+            self.build_cache(query.device)
+        assert self.cos_cache is not None and self.sin_cache is not None
+        if self.cos_cache.dtype != query.dtype:  # cast once (the same values as casting each gather)
+            self.cos_cache, self.sin_cache = self.cos_cache.to(query.dtype), self.sin_cache.to(query.dtype)
+        return self.cos_cache, self.sin_cache
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_cache is None or self.cos_cache.device != query.device:
-            self.build_cache(query.device)
-        assert self.cos_cache is not None and self.sin_cache is not None
-        if self.cos_cache.dtype != query.dtype:  # cast once (the same values as casting each gather)
-            self.cos_cache, self.sin_cache = self.cos_cache.to(query.dtype), self.sin_cache.to(query.dtype)
-        cos = self.cos_cache[positions][:, None, :]  # [num_tokens, 1, rotary_dim]
-        sin = self.sin_cache[positions][:, None, :]
+        cos_cache, sin_cache = self.caches_for(query)
+        cos = cos_cache[positions][:, None, :]  # [num_tokens, 1, rotary_dim]
+        sin = sin_cache[positions][:, None, :]
         return _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
 

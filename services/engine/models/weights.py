@@ -57,6 +57,12 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             if name not in params:
                 raise KeyError(f"checkpoint tensor {ckpt_name!r} maps to unknown parameter {name!r}")
             module_name, _, param_name = name.rpartition(".")
+            load_weight = getattr(model.get_submodule(module_name), "load_weight", None)
+            if load_weight is not None:  # modules that convert what they load (fp8) say what they wrote
+                with torch.no_grad():
+                    written = load_weight(param_name, loaded, shard_id)
+                unwritten.difference_update(f"{module_name}.{p}" for p in written)
+                continue
             with torch.no_grad():
                 if shard_id is None:
                     _assign(params[name], loaded, name)

@@ -35,7 +35,8 @@ def build_rank_model(config: EngineConfig, ctx: ParallelContext | None) -> Causa
 
     seed = config.seed if config.load_format == "random" else None
     return load_model(config.model_dir, config.dtype, config.torch_device, max_model_len=config.max_model_len,
-                      show_progress=False, parallel=ctx, random_weights_seed=seed)  # fmt: skip
+                      show_progress=False, parallel=ctx, random_weights_seed=seed,
+                      quantization=config.quantization)  # fmt: skip
 
 
 def _free_port() -> int:

@@ -40,7 +40,8 @@ def build_runner(config: EngineConfig, ctx: ParallelContext) -> ModelRunner:
     max_model_len = _fit_max_model_len(config, model.spec.max_model_len, num_blocks)
     return ModelRunner(model, num_blocks, config.block_size, device, config.seed, max_num_seqs=config.max_num_seqs,
                        max_num_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                       cuda_graph_max_batch=config.cuda_graph_max_batch)  # fmt: skip
+                       cuda_graph_max_batch=config.cuda_graph_max_batch,
+                       kv_cache_dtype=config.kv_cache_torch_dtype)  # fmt: skip
 
 
 @torch.inference_mode()

@@ -1,0 +1,146 @@
+"""FP8 (e4m3) weights: per-output-channel scales, dynamic per-token activation scales, `torch._scaled_mm`.
+
+    y = (x_q * x_scale[:, None]) @ (w_q * w_scale[:, None]).T      x_q, w_q in float8_e4m3fn
+      = _scaled_mm(x_q, w_q.T, scale_a=x_scale [M, 1], scale_b=w_scale [1, N])
+
+Two ways in, one module (`Fp8Linear`), chosen at load (`quantize_linears`):
+- a bf16/fp16/fp32 checkpoint with `quantization="fp8"`: each weight (or fused shard) is quantised as it
+  is loaded, one scale per output row (amax / 448), so the full-precision weight never sits on the GPU;
+- a pre-quantised checkpoint in the common HF layout (`quantization_config.quant_method` "fp8" or
+  "compressed-tensors"): `weight` in float8_e4m3fn plus `weight_scale` (per tensor, or per row as [N] or
+  [N, 1]); a per-tensor scale is repeated over the shard's rows, so fused q/k/v with three scales load
+  exactly. A static `input_scale` is not needed (activations are scaled per token) and is skipped.
+CPU runs the same `_scaled_mm` where this torch build has it, else dequantises: the CPU tests check the
+quantise/load/matmul logic with the GPU's arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row or token gets a tiny scale, not 0/0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([N, K] fp8, [N] fp32)
+    """One scale per row: amax / 448, so the row's largest value maps to fp8's largest."""
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def checkpoint_is_fp8(cfg: dict[str, Any]) -> bool:
+    qc = cfg.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return True
+    if method == "compressed-tensors":  # float-quantized weights with 8 bits
+        groups = (qc.get("config_groups") or {}).values()
+        return any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+                   for g in groups)  # fmt: skip
+    return False
+
+
+@cache
+def _has_scaled_mm(device_type: str, out_dtype: torch.dtype) -> bool:
+    """Whether this build/device has row-wise scaled fp8 matmul for `out_dtype` (CUDA: bf16 output only)."""
+    try:
+        a = torch.zeros((16, 16), dtype=FP8_DTYPE, device=device_type)
+        one = torch.ones((16, 1), dtype=torch.float32, device=device_type)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t().contiguous(), out_dtype=out_dtype)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    if x.is_cuda:  # one Triton launch instead of ~6 torch ops per linear
+        from kernels.fp8_quant import quantize_rows_fp8
+
+        x_q, x_scale = quantize_rows_fp8(x)
+    else:
+        x_q, x_scale = quantize_rows(x)
+    if _has_scaled_mm(x.device.type, x.dtype):
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
+                               out_dtype=x.dtype)  # fmt: skip
+    else:  # the same quantised operands, dequantised
+        x_dq = x_q.float() * x_scale[:, None]
+        out = F.linear(x_dq, weight.float() * weight_scale[:, None]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with an fp8 weight [N, K] and per-row scales [N]; may hold fused shards (q/k/v)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 shard_offsets: dict[str, tuple[int, int]] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.shard_offsets = shard_offsets or {}
+
+    @classmethod
+    def like(cls, linear: nn.Linear) -> Fp8Linear:
+        """An empty Fp8Linear of `linear`'s shape (same device, e.g. meta)."""
+        with linear.weight.device:
+            return cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                       getattr(linear, "shard_offsets", None))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
+        return out.view(*lead, self.out_features)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | None) -> list[str]:
+        """Copy a checkpoint tensor (or one fused shard of it) in; returns the parameter names written."""
+        start, size = self.shard_offsets[shard_id] if shard_id is not None else (0, self.out_features)
+        rows = slice(start, start + size)
+        if param_name == "bias":
+            assert self.bias is not None and loaded.shape == (size,), (shard_id, tuple(loaded.shape))
+            self.bias.data[rows].copy_(loaded)
+            return ["bias"]
+        if param_name == "weight_scale":  # per tensor [] / [1], or per row [N] / [N, 1]
+            self.weight_scale.data[rows].copy_(loaded.float().reshape(-1).expand(size) if loaded.numel() == 1
+                                               else loaded.float().reshape(size))  # fmt: skip
+            return ["weight_scale"]
+        assert param_name == "weight" and loaded.shape == (size, self.in_features), (shard_id, tuple(loaded.shape))
+        if loaded.dtype == FP8_DTYPE:
+            self.weight.data[rows].copy_(loaded)
+            return ["weight"]
+        q, scale = quantize_rows(loaded.to(self.weight.device))
+        self.weight.data[rows].copy_(q)
+        self.weight_scale.data[rows].copy_(scale)
+        return ["weight", "weight_scale"]
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every nn.Linear inside the decoder layers for an (empty) Fp8Linear; returns how many.
+
+    Called on the meta-device model before loading. Embeddings and lm_head stay in full precision."""
+    layers = model.get_submodule("model.layers")
+    swaps = [(name, module) for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, Fp8Linear.like(module))
+    return len(swaps)
+
+
+def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop static activation scales (and KV scales this loader does not use) from a checkpoint stream."""
+    for name, tensor in tensors:
+        if not name.endswith((".input_scale", ".k_scale", ".v_scale", ".kv_scale")):
+            yield name, tensor
