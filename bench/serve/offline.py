@@ -36,7 +36,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     settings = argparse.Namespace(max_num_seqs=args.offline_max_num_seqs,
                                   max_num_batched_tokens=args.offline_max_num_batched_tokens,
                                   max_model_len=args.offline_max_model_len,
-                                  gpu_memory_utilization=args.offline_gpu_memory_utilization)  # fmt: skip
+                                  gpu_memory_utilization=args.offline_gpu_memory_utilization,
+                                  kv_cache_dtype="auto")  # the served engine's default  # fmt: skip
     model = None
     if args.offline_shape:
         if not args.offline_device.startswith("cuda"):
