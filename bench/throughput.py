@@ -197,7 +197,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> 
     settings = dict(model_dir=model_dir, dtype="bfloat16", device=DEVICE, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     gpu_memory_utilization=args.gpu_memory_utilization, profile_steps=True,
-                    kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))  # fmt: skip
     return EngineConfig(**{**settings, **changes})
 
 

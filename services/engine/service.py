@@ -319,11 +319,12 @@ class EngineService:
             except _REDIS_ERRORS as exc:
                 await self._backoff("connecting", exc)
         while True:
-            if not self.has_room.is_set() or self.stopping.is_set():
+            wanted = self._wanted()
+            if wanted <= 0 or self.stopping.is_set():
                 await asyncio.sleep(0.01)
                 continue
             try:
-                await self._take(reader, await reader.read(count=self._wanted(), block_ms=200))
+                await self._take(reader, await reader.read(count=wanted, block_ms=200))
                 await self._take(reader, await reader.claim_stale_if_due(count=8))
                 self.outage.recovered()
             except _REDIS_ERRORS as exc:
@@ -331,8 +332,9 @@ class EngineService:
 
     def _wanted(self) -> int:
         """How many requests to read at once: what the engine wants (Engine.num_wanted) less what is
-        already on its way to it, so a burst is taken in a few round trips and never hoarded."""
-        return max(1, self.num_wanted - self.inbox.qsize())
+        already on its way to it, so a burst is taken in a few round trips and never hoarded (while a
+        long step runs, the compute thread's figure is stale: what the inbox holds counts against it)."""
+        return self.num_wanted - self.inbox.qsize() if self.has_room.is_set() else 0
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()
