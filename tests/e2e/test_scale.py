@@ -21,6 +21,7 @@ from shared import streams
 from shared.protocol import EngineHeartbeat, decode_as
 from shared.redis_server import free_port
 from tests.conftest import RunningServices, start_service, stop_all
+from tests.e2e.checks import num_pending
 from tests.e2e.tiny_llama import build_tiny_llama
 
 MODEL = "tiny-scale"
@@ -124,8 +125,7 @@ def test_1024_concurrent_streams_over_two_workers_and_two_engines(scaled: Scaled
         deadline = time.monotonic() + 15
         while True:
             beats = _heartbeats(scaled)
-            pending = r.xpending(streams.generate_stream(MODEL), streams.engine_group(MODEL))["pending"]
-            pending += r.xpending(streams.request_stream(MODEL), streams.TOKENIZER_GROUP)["pending"]
+            pending = sum(num_pending(r, MODEL).values())
             done = sum(b.num_requests_finished for b in beats.values()) - finished_before
             if pending == 0 and done >= NUM_STREAMS + len(PROMPTS):
                 break

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
 from services.engine.models import load_model
 from services.engine.models.base import CausalLM
 
@@ -46,3 +48,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> CausalLM:
     return load_model(tiny_model_dir, torch.float32, "cpu", show_progress=False)
+
+
+@pytest.fixture()
+def engine(tiny_model: CausalLM, tiny_model_dir: Path) -> Engine:
+    """A small paged engine over the tiny model (64 blocks of 4 tokens)."""
+    return Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)

@@ -6,6 +6,8 @@ import itertools
 
 import torch
 
+from services.engine.engine import Engine
+from services.engine.outputs import RequestOutput
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 
@@ -25,3 +27,15 @@ def make_request(
         request_id or f"req-{arrival}", 0, prompt_token_ids, [], params, params.max_tokens or max_tokens,
         eos_token_ids, arrival, torch.device("cpu"),
     )
+
+
+def run(engine: Engine) -> dict[tuple[str, int], list[RequestOutput]]:
+    by_choice: dict[tuple[str, int], list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            by_choice.setdefault((out.request_id, out.index), []).append(out)
+    return by_choice
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]

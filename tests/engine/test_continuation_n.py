@@ -5,32 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import _resumed_choices
 from shared.protocol import GenerateRequest
+from tests.engine.engine_helpers import run, tokens_of
 
 PROMPT = [5, 6, 7]
-
-
-@pytest.fixture()
-def engine(tiny_model: CausalLM, tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
-
-
-def run(engine: Engine) -> dict[tuple[str, int], list[RequestOutput]]:
-    by_choice: dict[tuple[str, int], list[RequestOutput]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            by_choice.setdefault((out.request_id, out.index), []).append(out)
-    return by_choice
-
-
-def tokens_of(outputs: list[RequestOutput]) -> list[int]:
-    return [t for out in outputs for t in out.new_token_ids]
 
 
 def greedy(max_tokens: int, n: int = 1) -> SamplingParams:

@@ -9,28 +9,11 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.models.base import CausalLM
-from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import run, tokens_of
 
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture()
-def engine(tiny_model: CausalLM, tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
-
-
-def run(engine: Engine) -> dict[tuple[str, int], list[RequestOutput]]:
-    by_choice: dict[tuple[str, int], list[RequestOutput]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            by_choice.setdefault((out.request_id, out.index), []).append(out)
-    return by_choice
-
-
-def tokens_of(outputs: list[RequestOutput]) -> list[int]:
-    return [t for out in outputs for t in out.new_token_ids]
 
 
 def test_eos_min_tokens_stop_ids_ignore_eos_max_tokens(engine: Engine) -> None:
