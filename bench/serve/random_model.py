@@ -34,6 +34,14 @@ def pad_vocab(tokenizer_json: Path, vocab_size: int) -> int:
     return added
 
 
+def add_tokenizer(out: Path, tokenizer_dir: Path, vocab_size: int) -> int:
+    """SmolLM2's tokenizer files into `out`, padded to `vocab_size`; returns how many ids were added."""
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return pad_vocab(out / "tokenizer.json", vocab_size)
+
+
 def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len: int, device: str) -> Path:
     import torch
 
@@ -52,12 +60,8 @@ def write_random_model(shape: str, out: Path, tokenizer_dir: Path, max_model_len
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     shutil.rmtree(scratch, ignore_errors=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
-    vocab_size = int(throughput.SHAPES[shape]["vocab_size"])
-    added = pad_vocab(out / "tokenizer.json", vocab_size)
-    print(f"wrote {out} ({shape}, random bf16 weights; tokenizer padded by {added} ids to {vocab_size})")
+    added = add_tokenizer(out, tokenizer_dir, int(throughput.SHAPES[shape]["vocab_size"]))
+    print(f"wrote {out} ({shape}, random bf16 weights; tokenizer padded by {added} ids)")
     return out
 
 
@@ -71,12 +75,8 @@ def write_config_only(shape: str, out: Path, tokenizer_dir: Path, max_model_len:
     shutil.copy(model_dir / "config.json", out / "config.json")
     shutil.rmtree(model_dir, ignore_errors=True)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
-    vocab_size = int(tensor_parallel.SHAPES[shape]["vocab_size"])
-    added = pad_vocab(out / "tokenizer.json", vocab_size)
-    print(f"wrote {out} ({shape}, config only; tokenizer padded by {added} ids to {vocab_size})")
+    added = add_tokenizer(out, tokenizer_dir, int(tensor_parallel.SHAPES[shape]["vocab_size"]))
+    print(f"wrote {out} ({shape}, config only; tokenizer padded by {added} ids)")
     return out
 
 

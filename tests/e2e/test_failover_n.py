@@ -21,6 +21,7 @@ import redis
 from shared import streams
 from shared.protocol import EngineHeartbeat, decode_as
 from tests.conftest import E2E_MAX_MODEL_LEN, RunningServices, start_service, stop_all
+from tests.e2e.checks import wait_nothing_pending
 
 GREEDY_PROMPTS = [f"Write a long story about a {thing}." for thing in ("lighthouse", "violin", "glacier")]
 SAMPLED_PROMPTS = [f"Describe a day in the life of a {who}." for who in ("baker", "pilot", "beekeeper")]
@@ -119,11 +120,7 @@ def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: Runni
             assert [b.decode() for b in answer.token_bytes] == answer.texts
         assert any(a.texts[0] != a.texts[1] for a in sampled)  # the seed made the choices differ
 
-        group = streams.engine_group(services.model)
-        deadline = time.monotonic() + 40  # the dead consumer's entries are claimed and dropped
-        while (pending := r.xpending(streams.generate_stream(services.model), group)["pending"]) != 0:
-            assert time.monotonic() < deadline, f"{pending} entries still pending"
-            time.sleep(0.5)
+        wait_nothing_pending(services.redis_url, services.model)  # the dead consumer's entries are claimed
     finally:
         stop_all({"doomed-engine-n2": replica})
         r.close()
