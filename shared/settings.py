@@ -51,6 +51,9 @@ class GatewaySettings(BaseSettings):
     redis_max_connections: int = 16
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), each a whole gateway
     reuse_port: bool = False  # SO_REUSEPORT on the listening socket (workers set it)
+    # Idle keep-alive connections stay open this long. Above clients' own idle expiry (httpx: 5 s), so a
+    # client never reuses a connection the server is closing at that very moment (a reset, not a retry).
+    keep_alive_s: int = 75
     drain_timeout_s: float = 30.0  # on SIGTERM: let requests in flight finish for at most this long
     max_prompts: int = 64  # prompts x n of one batched completion (each prompt is its own request)
     grpc_port: int = 0  # the gRPC front door's port; 0 = off

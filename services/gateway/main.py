@@ -43,6 +43,7 @@ def serve(settings: GatewaySettings) -> None:
     app = build_app(settings)
     config = uvicorn.Config(
         app, log_level="info", access_log=False, backlog=max(2048, settings.max_in_flight),
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=5,  # after our own drain (drain.py) only idle connections are left
     )
     DrainingServer(config, app.state.frontend, settings.drain_timeout_s).run(sockets=[sock])
