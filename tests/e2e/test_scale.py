@@ -61,10 +61,14 @@ def scaled(services: RunningServices, smollm2_dir: Path, tmp_path_factory: pytes
     scaled = ScaledServices(f"http://127.0.0.1:{port}", services.redis_url, processes)
     try:
         deadline = time.monotonic() + 180
-        while len(_heartbeats(scaled)) < len(ENGINE_IDS) or not _serves_model(scaled.base_url):
+        # Each worker refreshes its own registry: ask until many fresh connections in a row (spread over
+        # the workers by SO_REUSEPORT) all list the model.
+        in_a_row = 0
+        while len(_heartbeats(scaled)) < len(ENGINE_IDS) or in_a_row < 16:
             assert all(p.poll() is None for p in processes.values()), "a scale-test service died at start-up"
             assert time.monotonic() < deadline, "scale-test services not ready"
-            time.sleep(0.25)
+            in_a_row = in_a_row + 1 if _serves_model(scaled.base_url) else 0
+            time.sleep(0.1)
         yield scaled
     finally:
         stop_all(processes)
