@@ -6,12 +6,20 @@ For each shape (random bf16 weights), an engine with CUDA graphs off (so the pro
 runs 256 requests x 512 prompt tokens: the first step (a pure prefill of max_num_batched_tokens) and,
 once every sequence decodes, a few decode steps at 256 sequences are profiled. Prints, per step kind,
 the kernels that take the most GPU time, grouped by name, with their share of the step.
+
+`--host` also runs the whole workload (256 x 512 x 256) the way bench.throughput does (CUDA graphs,
+async steps) under cProfile, and prints each eager step's host and GPU forward time and the functions
+that take the most host time: where a host-bound step's milliseconds go.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -56,6 +64,46 @@ def show(title: str, table: dict[str, tuple[int, float]], steps: int, top: int) 
     return {"ms_per_step": total / steps / 1e3, "kernels": kernels}
 
 
+def host_profile(model: Any, model_dir: Path, args: argparse.Namespace, top: int) -> dict[str, Any]:
+    """The full workload with graphs and async steps, per-step phase times and a cProfile of it."""
+    config = EngineConfig(model_dir=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=args.num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
+                          gpu_memory_utilization=0.85, profile_steps=True)  # fmt: skip
+    engine = Engine(config, model=model)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(args.num_seqs, args.prompt_len, model.spec.vocab_size, seed=2)):
+        engine.add_request(f"h{i}", prompt, params)
+    profile = engine.profile
+    steps: list[dict[str, Any]] = []
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        before = {kind: dict(phases) for kind, phases in profile.host_s.items()}
+        gpu_before = {kind: dict(phases) for kind, phases in profile.gpu_ms.items()}
+        step_start = time.perf_counter()
+        profiler.enable()
+        engine.step()
+        profiler.disable()
+        wall = time.perf_counter() - step_start
+        for kind, phases in profile.host_s.items():
+            host = {p: (s - before.get(kind, {}).get(p, 0.0)) * 1e3 for p, s in phases.items()}
+            gpu = {p: s - gpu_before.get(kind, {}).get(p, 0.0) for p, s in profile.gpu_ms.get(kind, {}).items()}
+            if sum(host.values()) > 0:
+                steps.append({"kind": kind, "wall_ms": wall * 1e3, "host_ms": host, "gpu_ms": gpu})
+    seconds = time.perf_counter() - start
+    eager = [s for s in steps if s["kind"] == "eager"]
+    print(f"--- host: {len(steps)} engine calls in {seconds:.2f} s ({args.num_seqs * 256 / seconds:,.0f} out tok/s"
+          f" under cProfile); eager calls (host forward / GPU forward so far / wall ms):")  # fmt: skip
+    for s in eager[:24]:
+        print(f"  {s['host_ms'].get('forward', 0):8.2f} {s['gpu_ms'].get('forward', 0):8.2f} {s['wall_ms']:8.2f}"
+              f"   {' '.join(f'{k} {v:.2f}' for k, v in s['host_ms'].items())}")  # fmt: skip
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top * 2)
+    print(out.getvalue()[-6000:])
+    del engine
+    return {"seconds": seconds, "steps": steps, "profile_summary": profile.summary()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m,llama-3.1-8b")
@@ -64,6 +112,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--host", action="store_true", help="also profile the host over the whole workload")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
@@ -85,7 +134,11 @@ def main() -> None:
             engine.step()
         report[name]["decode"] = show(f"{name} decode step ({args.num_seqs} sequences, eager)",
                                       profiled(engine, args.decode_steps), args.decode_steps, args.top)  # fmt: skip
-        del engine, model
+        del engine
+        torch.cuda.empty_cache()
+        if args.host:
+            report[name]["host"] = host_profile(model, model_dir, args, args.top)
+        del model
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

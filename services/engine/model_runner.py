@@ -21,7 +21,14 @@ from services.engine import attention, prompt_logprobs
 from services.engine.attention import AttentionMetadata
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.input_batch import InputBuffers, build_host_batch, pad_decode_batch, to_model_input
+from services.engine.input_batch import (
+    InputBuffers,
+    build_host_batch,
+    eager_token_bucket,
+    pad_decode_batch,
+    pad_eager_batch,
+    to_model_input,
+)
 from services.engine.models.base import CausalLM
 from services.engine.outputs import TokenLogprob
 from services.engine.parallel.step_broadcast import StepSender
@@ -127,6 +134,8 @@ class ModelRunner:
         graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
         if graph_size is not None:
             batch = pad_decode_batch(batch, graph_size)
+        elif self.buffers is not None and attention.backend_name() == "triton":
+            batch = pad_eager_batch(batch, min(eager_token_bucket(num_tokens), self.buffers.max_num_tokens))
         if self.step_sender is not None:
             self.step_sender.send(batch, graph_size)
         inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)

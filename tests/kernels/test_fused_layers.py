@@ -55,3 +55,50 @@ def test_fused_layers_match_unfused(case: str, dtype: str, device: torch.device,
         assert agreement == 1.0 if dtype == "fp32" else agreement >= 0.9
     for got_cache, want_cache in zip(results["on"][2], results["off"][2]):
         torch.testing.assert_close(got_cache, want_cache, **tol)
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_padding_tokens_change_nothing(device: torch.device, tmp_path: Path) -> None:
+    """An eager CUDA step runs padded to a bucket of tokens (model_runner, `pad_eager_batch`): tokens past
+    the last sequence, with slot -1, must leave the real rows' logits and the KV cache as they were."""
+    import numpy as np
+
+    from services.engine.attention import AttentionMetadata
+    from services.engine.input_batch import HostBatch, eager_token_bucket, pad_eager_batch
+
+    build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
+    model = load_model(tmp_path, dtype="fp32", device=device, show_progress=False)
+    fused_ops.set_fusion("on")
+    lens, block_size = [5, 11], 4
+    tables = np.array([[3, 7, 1, 0], [2, 5, 6, 4]], dtype=np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens])
+    seq_of = np.repeat(np.arange(len(lens)), lens)
+    batch = HostBatch(
+        input_ids=np.array(PROMPTS[2][:5] + PROMPTS[2][:11], dtype=np.int64), positions=positions,
+        slot_mapping=tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size,
+        query_start_loc=np.array([0, 5, 16], dtype=np.int32), seq_lens=np.array(lens, dtype=np.int32),
+        block_tables=tables, logits_rows=np.array([4, 15]), patch_rows=np.zeros(0, dtype=np.int64),
+        patch_src=np.zeros(0, dtype=np.int64), max_query_len=11, max_seq_len=11,
+    )  # fmt: skip
+    assert eager_token_bucket(16) == 16 and eager_token_bucket(17) == 32 and eager_token_bucket(2049) == 2304
+
+    def run(b: HostBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [torch.zeros((2, 8, block_size, model.spec.num_kv_heads, model.spec.head_dim), device=device)
+                  for _ in range(model.spec.num_layers)]  # fmt: skip
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        meta = AttentionMetadata(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
+                                 b.max_query_len, b.max_seq_len)  # fmt: skip
+        with torch.inference_mode():
+            hidden = model(t(b.input_ids), t(b.positions), caches, meta)
+            return model.compute_logits(hidden[t(b.logits_rows)]), caches
+
+    want_logits, want_caches = run(batch)
+    padded = pad_eager_batch(batch, 32)
+    assert padded.num_tokens == 32 and padded.num_seqs == 2 and (padded.slot_mapping[16:] == -1).all()
+    got_logits, got_caches = run(padded)
+    torch.testing.assert_close(got_logits, want_logits)
+    for got, want in zip(got_caches, want_caches):
+        torch.testing.assert_close(got, want)
