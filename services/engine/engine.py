@@ -36,6 +36,7 @@ from services.engine.async_steps import (
     is_stop_token,
 )
 from services.engine.config import EngineConfig
+from services.engine.input_batch import eager_token_bucket
 from services.engine.model_runner import ModelRunner, StepResult, num_kv_blocks_for
 from services.engine.models.base import CausalLM
 from services.engine.offline import generate
@@ -367,6 +368,13 @@ class Engine:
         for lengths in ((longest, 1), (min(8, longest), 1)):  # a prefill-sized and a short-query mix
             prompts = [[i % self.vocab_size for i in range(n)] for n in lengths]
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        # Every eager token bucket up to 2,048 once, so that a first prompt of any usual length finds cuBLAS's
+        # algorithm choices cached (input_batch.eager_token_bucket); bigger steps come under load.
+        limit = min(2048, self.config.max_num_batched_tokens, self.max_model_len - 1)
+        sizes = sorted(b for b in {eager_token_bucket(n) for n in range(1, limit + 1)} if b <= limit)
+        one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for size in sizes:  # prompts that share no block: a prefix-cache hit would shrink the step
+            self.generate([[(size + i) % self.vocab_size for i in range(size)]], one_token)
         self.kv_cache.reset_prefix_cache()
         self.scheduler.counters = SchedulerCounters()
         self.profile.reset()
