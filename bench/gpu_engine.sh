@@ -12,11 +12,12 @@
 #   kernels     bench/kernels.py: paged attention vs SDPA
 #   throughput  bench/throughput.py: smollm2-135m bf16, llama-3.1-8b bf16 / fp8 weights / fp8 KV
 #   host        bench/host_step.py --device cuda: host ms per decode step at 256 sequences
+#   steps       bench/step_kernels.py: GPU time per kernel of a prefill and a decode step (both shapes)
 # Each part's timeout is also cut to what is left of TOTAL_S (default 540 s), so the summary always prints.
 # A short table is printed last.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-engine-run}
-PARTS=${PARTS:-layers throughput tests kernels host}  # they always run in this order: most wanted first
+PARTS=${PARTS:-layers throughput tests kernels host steps}  # they always run in this order: most wanted first
 TOTAL_S=${TOTAL_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -77,6 +78,12 @@ if has host; then
   RC[host]=$?
 fi
 
+if has steps; then
+  timeout "$(budget "${STEPS_TIMEOUT:-90}")" python3 -m bench.step_kernels --json "$OUT/step_kernels.json" \
+    > "$OUT/step_kernels.log" 2>&1
+  RC[steps]=$?
+fi
+
 echo "=== $(grep -E "NVIDIA H|torch" "$OUT/env.txt" | head -n 2 | tr '\n' ' ') ($(( $(date +%s) - START )) s)"
 for part in "${!RC[@]}"; do echo "rc $part=${RC[$part]}"; done | sort
 if has tests; then
@@ -95,6 +102,10 @@ fi
 if has host; then
   echo "--- host ms per decode step, 256 sequences (tiny model on CUDA)"
   tail -n 2 "$OUT/host_step.log"
+fi
+if has steps; then
+  echo "--- GPU ms per step (eager, torch.profiler)"
+  grep -E "^--- " "$OUT/step_kernels.log"
 fi
 if has throughput; then
   echo "--- throughput (256 x 512 prompt x 256 output tokens)"
