@@ -12,12 +12,14 @@
 #   kernels     bench/kernels.py: paged attention vs SDPA
 #   throughput  bench/throughput.py: smollm2-135m bf16, llama-3.1-8b bf16 / fp8 weights / fp8 KV
 #   host        bench/host_step.py --device cuda: host ms per decode step at 256 sequences
+#   decodeheavy bench/throughput.py on a decode-heavy 8B workload (128 x 128 prompt x 512 output): bf16 / fp8
+#               weights / fp8 weights + fp8 KV, where the weights are most of the bytes a step moves
 #   steps       bench/step_kernels.py: GPU time per kernel of a prefill and a decode step (both shapes)
 # Each part's timeout is also cut to what is left of TOTAL_S (default 540 s), so the summary always prints.
 # A short table is printed last.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-engine-run}
-PARTS=${PARTS:-layers throughput tests kernels host steps}  # they always run in this order: most wanted first
+PARTS=${PARTS:-layers throughput decodeheavy tests kernels host steps}  # they always run in this order: most wanted first
 TOTAL_S=${TOTAL_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -56,6 +58,13 @@ if has throughput; then
     --variants bf16,fp8,fp8kv --check-variants fp8 --check-tokens 16 --out-dir "$OUT" --tag _8b \
     > "$OUT/throughput_8b.log" 2>&1
   RC[throughput_8b]=$?
+fi
+
+if has decodeheavy; then
+  timeout "$(budget "${DECODE_HEAVY_TIMEOUT:-150}")" python3 -m bench.throughput --models llama-3.1-8b --hf-requests 0 \
+    --variants bf16,fp8,fp8+fp8kv --skip-correctness --skip-concurrency --num-requests 128 --prompt-len 128 \
+    --output-len 512 --out-dir "$OUT" --tag _8b_decode_heavy > "$OUT/throughput_8b_decode_heavy.log" 2>&1
+  RC[decodeheavy]=$?
 fi
 
 if has tests; then
@@ -109,6 +118,6 @@ if has steps; then
 fi
 if has throughput; then
   echo "--- throughput (256 x 512 prompt x 256 output tokens)"
-  cat "$OUT"/throughput_*_smollm2.md "$OUT"/throughput_*_8b.md 2> /dev/null | grep -E "^\| [a-z]" | grep -v "^| model" \
+  cat "$OUT"/throughput_*_smollm2.md "$OUT"/throughput_*_8b.md "$OUT"/throughput_*_8b_decode_heavy.md 2> /dev/null | grep -E "^\| [a-z]" | grep -v "^| model" \
     || tail -n 5 "$OUT/throughput_8b.log"
 fi
