@@ -23,6 +23,12 @@ PREFILL_QUERY_LEN = 64
 # on an H200 that picked the fastest split measured for 64 x 8, 256 x 8 and 32 x 3 programs.
 TARGET_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 16
+# Decode inner-loop variants (issue 13) the engine uses: AttentionConfig field -> value, e.g.
+# {"prefetch": 1, "evict_kv": True}. Empty = the kernel as measured before issue 13. Only a GPU
+# sweep (`bench/kernels.py --sweep --only decode`) should change this line.
+DECODE_VARIANT: dict[str, int | bool] = {}
+# > 0: decode runs as a persistent grid of this many programs per SM (the persistent_programs field).
+PERSISTENT_PROGRAMS_PER_SM = 0
 
 
 def next_power_of_2(n: int) -> int:
@@ -39,6 +45,14 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     is_decode_only: bool  # one program per sequence, no sequence search
+    # Variants of the key loop (issue 13); the defaults are the kernel as it was before them.
+    prefetch: int = 0  # 1: load the next tile's block ids one iteration early; 2: its K/V too
+    loop_stages: int = 0  # > 0: tl.range(num_stages=...) on the full-tile loop (pipelines every load)
+    unroll: int = 0  # > 1: loop_unroll_factor of the full-tile loop
+    evict_kv: bool = False  # stream K/V with evict_first, keep block-table lines with evict_last
+    late_v: bool = False  # issue the V load after QK^T (fewer live registers, later V)
+    use_dot: bool = True  # False: scores and P@V as broadcast-multiply + sum (block_m may be < 16)
+    persistent_programs: int = 0  # decode-only: > 0 launches this many programs that loop over work
 
     def block_q(self, num_queries_per_kv: int) -> int:
         """Query tokens per program: the packed rows are (token, head-in-group) pairs."""
@@ -46,6 +60,13 @@ class AttentionConfig:
 
     def with_(self, **changes: int | bool) -> AttentionConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def decode_rows_fixed(config: AttentionConfig, group: int) -> AttentionConfig:
+    """Without tl.dot there is no 16-row minimum: pad the head group only to a power of two."""
+    if config.use_dot:
+        return config.with_(block_m=max(config.block_m, MIN_BLOCK_M, next_power_of_2(group)))
+    return config.with_(block_m=next_power_of_2(group))
 
 
 def choose_config(
@@ -62,21 +83,25 @@ def choose_config(
     Mixed batches use one launch: a second, decode-shaped launch for their single-token sequences
     measured slower on an H200 (the two launches serialise), so decodes ride in the query tiles.
     """
-    group_rows = max(MIN_BLOCK_M, next_power_of_2(num_heads // num_kv_heads))
+    group = num_heads // num_kv_heads
+    group_rows = max(MIN_BLOCK_M, next_power_of_2(group))
     head_dim_padded = next_power_of_2(head_dim)
     if max_query_len <= 1:
         num_programs = num_seqs * num_kv_heads
         num_segments = 1
         while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
             num_segments *= 2
-        return AttentionConfig(
+        config = AttentionConfig(
             block_m=group_rows,
             tile_n=64 if head_dim_padded <= 128 else 32,
             num_segments=num_segments,
             num_warps=4,
             num_stages=2 if head_dim_padded <= 64 else 3,
             is_decode_only=True,
-        )
+        ).with_(**DECODE_VARIANT)
+        if PERSISTENT_PROGRAMS_PER_SM > 0:
+            config = config.with_(persistent_programs=PERSISTENT_PROGRAMS_PER_SM * num_sms)
+        return decode_rows_fixed(config, group)
     if max_query_len >= PREFILL_QUERY_LEN:
         # 64 rows x 4 warps x 2 stages was the fastest tiling measured for prefill and mixed (H200).
         return AttentionConfig(

@@ -44,15 +44,67 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
+def _load_block_ids(
+    block_table_ptr, tile_start, kv_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IS_MASKED: tl.constexpr,
+    BT_EVICT: tl.constexpr,
+):  # fmt: skip
+    offs_n = tile_start + tl.arange(0, TILE_N)
+    if IS_MASKED:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0,
+                            eviction_policy=BT_EVICT)  # fmt: skip
+    else:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, eviction_policy=BT_EVICT)
+    return block_ids
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,  # the key or the value cache
+    block_ids,  # [TILE_N] cache block of each key of the tile
+    tile_start,
+    kv_end,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    IS_MASKED: tl.constexpr,
+    KEYS_ONLY_MASK: tl.constexpr,  # mask keys but not head dims: keeps the vector width of full tiles
+    KV_EVICT: tl.constexpr,
+):
+    offs_n = tile_start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    kv_offs = (
+        block_ids.to(tl.int64)[:, None] * stride_cache_block
+        + (offs_n % BLOCK_SIZE)[:, None] * stride_cache_slot
+        + kv_head_offset
+        + offs_d[None, :]
+    )  # [TILE_N, HEAD_DIM_PADDED] int64
+    if IS_MASKED and KEYS_ONLY_MASK and HEAD_DIM == HEAD_DIM_PADDED:
+        tile = tl.load(cache_ptr + kv_offs, mask=(offs_n < kv_end)[:, None], other=0.0, eviction_policy=KV_EVICT)
+    elif IS_MASKED:
+        kv_mask = (offs_n < kv_end)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tile = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+    elif HEAD_DIM != HEAD_DIM_PADDED:
+        tile = tl.load(cache_ptr + kv_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0, eviction_policy=KV_EVICT)
+    else:
+        tile = tl.load(cache_ptr + kv_offs, eviction_policy=KV_EVICT)
+    return tile
+
+
+@triton.jit
+def _update(
     acc,  # [BLOCK_M, HEAD_DIM_PADDED] fp32, unnormalised output
     m_i,  # [BLOCK_M] fp32, running max of the log2-scaled scores
     l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM_PADDED]
     q_pos,  # [BLOCK_M] absolute position of each row's query token
-    key_cache_ptr,
-    value_cache_ptr,
-    block_table_ptr,  # this sequence's row of the block table
+    k,  # [TILE_N, HEAD_DIM_PADDED]
+    v,  # [TILE_N, HEAD_DIM_PADDED], or None with LATE_V
+    value_cache_ptr,  # LATE_V: V is loaded here, after the scores
+    block_ids,
     tile_start,
     kv_end,  # keys at positions >= kv_end are never read
     kv_head_offset,
@@ -65,37 +117,22 @@ def _attend_tile(
     HEAD_DIM_PADDED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_MASKED: tl.constexpr,
+    LATE_V: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    KV_EVICT: tl.constexpr,
 ):
     offs_n = tile_start + tl.arange(0, TILE_N)
-    offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    if IS_MASKED:
-        key_valid = offs_n < kv_end
-        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=key_valid, other=0)
+    if USE_DOT:
+        k = k.to(q.dtype)  # an fp8 cache: its scale is folded into qk_scale (K) and the output (V)
+        if not LATE_V:
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
     else:
-        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
-    kv_offs = (
-        block_ids.to(tl.int64)[:, None] * stride_cache_block
-        + (offs_n % BLOCK_SIZE)[:, None] * stride_cache_slot
-        + kv_head_offset
-        + offs_d[None, :]
-    )  # [TILE_N, HEAD_DIM_PADDED] int64
+        # A few rows (GQA decode): fp32 multiply-add on CUDA cores instead of a 16-row padded MMA.
+        prod = q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :]
+        s = tl.sum(prod, 2) * qk_scale
     if IS_MASKED:
-        kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-    elif HEAD_DIM != HEAD_DIM_PADDED:
-        d_mask = (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=d_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offs, mask=d_mask, other=0.0)
-    else:
-        k = tl.load(key_cache_ptr + kv_offs)
-        v = tl.load(value_cache_ptr + kv_offs)
-
-    k = k.to(q.dtype)  # an fp8 cache: its scale is folded into qk_scale (K) and the output (V)
-    v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
-    if IS_MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of this tile yet (segments, short rows): keep exp2 away from -inf - -inf.
@@ -106,8 +143,160 @@ def _attend_tile(
     p = tl.math.exp2(s - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if LATE_V:
+        v = _load_kv_tile(
+            value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
+        )  # fmt: skip
+        if USE_DOT:
+            v = v.to(q.dtype)
+    if USE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset,
+    stride_cache_block, stride_cache_slot, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_MASKED: tl.constexpr, LATE_V: tl.constexpr, USE_DOT: tl.constexpr,
+    KV_EVICT: tl.constexpr,
+):  # fmt: skip
+    """One key tile whose block ids are known: load K (and V), then the online-softmax update."""
+    k = _load_kv_tile(
+        key_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
+    )  # fmt: skip
+    v = None
+    if not LATE_V:
+        v = _load_kv_tile(
+            value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
+        )  # fmt: skip
+    return _update(
+        acc, m_i, l_i, q, q_pos, k, v, value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset,
+        stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED,
+        DOT_PRECISION, IS_MASKED, LATE_V, USE_DOT, KV_EVICT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_program(
+    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, qk_scale, v_scale,
+    seq, q_block, q_start, q_len, kv_head, segment,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt_seq,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, UNROLL: tl.constexpr, KV_EVICT: tl.constexpr, BT_EVICT: tl.constexpr,
+    LATE_V: tl.constexpr, USE_DOT: tl.constexpr,
+):  # fmt: skip
+    """One (query block, KV head, segment) work item whose query block holds at least one token."""
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys before this step's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    q_idx = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query row within the sequence
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d_valid = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PADDED]
+    q_pos = ctx_len + q_idx
+
+    # Keys [0, kv_end) are visible to some row here, keys [0, kv_full_end) to every row.
+    kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
+    kv_full_end = ctx_len + q_block * BLOCK_Q + 1
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SEGMENTS > 1:
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    tile_mid = tl.maximum(tl.minimum(kv_full_end // TILE_N, tile_hi), tile_lo)
+
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    if PREFETCH == 0:
+        for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
+            block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, False, BT_EVICT)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
+                kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
+                HEAD_DIM_PADDED, DOT_PRECISION, False, LATE_V, USE_DOT, KV_EVICT,
+            )  # fmt: skip
+    elif PREFETCH == 1:
+        # The next tile's block ids load while this tile's K/V stream in, so a K/V address never
+        # waits on a block-table load. Masked: the last prefetch may point past the sequence.
+        next_ids = _load_block_ids(block_table_ptr, tile_lo * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+        for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
+            block_ids = next_ids
+            next_ids = _load_block_ids(block_table_ptr, (t + 1) * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
+                kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
+                HEAD_DIM_PADDED, DOT_PRECISION, False, LATE_V, USE_DOT, KV_EVICT,
+            )  # fmt: skip
+    else:
+        # A software pipeline in registers: block ids two tiles ahead, K/V one tile ahead. Loads past
+        # the full tiles are masked off (kv_lim), so the ragged tail is never fetched twice.
+        kv_lim = tile_mid * TILE_N
+        ids = _load_block_ids(block_table_ptr, tile_lo * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+        k_next = _load_kv_tile(key_cache_ptr, ids, tile_lo * TILE_N, kv_lim, kv_head_offset, stride_cache_block,
+                               stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True, True,
+                               KV_EVICT)  # fmt: skip
+        v_next = _load_kv_tile(value_cache_ptr, ids, tile_lo * TILE_N, kv_lim, kv_head_offset, stride_cache_block,
+                               stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True, True,
+                               KV_EVICT)  # fmt: skip
+        ids = _load_block_ids(block_table_ptr, (tile_lo + 1) * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+        for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
+            k = k_next
+            v = v_next
+            k_next = _load_kv_tile(key_cache_ptr, ids, (t + 1) * TILE_N, kv_lim, kv_head_offset,
+                                   stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM,
+                                   HEAD_DIM_PADDED, True, True, KV_EVICT)  # fmt: skip
+            v_next = _load_kv_tile(value_cache_ptr, ids, (t + 1) * TILE_N, kv_lim, kv_head_offset,
+                                   stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM,
+                                   HEAD_DIM_PADDED, True, True, KV_EVICT)  # fmt: skip
+            ids = _load_block_ids(block_table_ptr, (t + 2) * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+            acc, m_i, l_i = _update(
+                acc, m_i, l_i, q, q_pos, k, v, value_cache_ptr, ids, t * TILE_N, kv_end, kv_head_offset,
+                stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED,
+                DOT_PRECISION, False, False, USE_DOT, KV_EVICT,
+            )  # fmt: skip
+    for t in range(tile_mid, tile_hi):
+        block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
+            kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
+            HEAD_DIM_PADDED, DOT_PRECISION, True, LATE_V, USE_DOT, KV_EVICT,
+        )  # fmt: skip
+
+    if NUM_SEGMENTS == 1:
+        out = acc * (v_scale / l_i)[:, None]
+        out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    else:
+        seg_row = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment  # [BLOCK_M] int64
+        tl.store(seg_max_ptr + seg_row, m_i, mask=row_valid)
+        tl.store(seg_sum_ptr + seg_row, l_i, mask=row_valid)
+        seg_offs = seg_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
+        tl.store(seg_out_ptr + seg_offs, acc * v_scale, mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -144,81 +333,59 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     IS_DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (engine runs fp32 models on GPU too), else unused
+    PREFETCH: tl.constexpr,  # this and the rest: the AttentionConfig fields (issue 13 variants)
+    LOOP_STAGES: tl.constexpr,  # None: the launch's num_stages
+    UNROLL: tl.constexpr,  # None: no unrolling
+    KV_EVICT: tl.constexpr,  # eviction policy of K/V loads ("" = default)
+    BT_EVICT: tl.constexpr,  # eviction policy of block-table loads
+    LATE_V: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PERSISTENT_PROGRAMS: tl.constexpr,  # > 0 (decode-only): a grid of this many programs looping over work
 ):
-    q_block_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    segment = tl.program_id(2)
-    if IS_DECODE_ONLY:
-        seq = q_block_id
-        q_block = 0
+    if PERSISTENT_PROGRAMS > 0:
+        # Work item = (seq, kv head, segment), seq fastest: the order a plain grid would run them in.
+        num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
+        num_items = num_seqs * (num_kv_heads * NUM_SEGMENTS)
+        for item in range(tl.program_id(0), num_items, PERSISTENT_PROGRAMS):
+            seq = item % num_seqs
+            kv_head = (item // num_seqs) % num_kv_heads
+            segment = item // (num_seqs * num_kv_heads)
+            q_start = tl.load(query_start_loc_ptr + seq)
+            q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+            if q_len > 0:
+                _attend_program(
+                    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
+                    block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, seq, 0, q_start, q_len, kv_head, segment,
+                    stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_cache_block,
+                    stride_cache_slot, stride_cache_head, stride_bt_seq, NUM_HEADS, GROUP, HEAD_DIM,
+                    HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION, PREFETCH,
+                    LOOP_STAGES, UNROLL, KV_EVICT, BT_EVICT, LATE_V, USE_DOT,
+                )  # fmt: skip
     else:
-        seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
-        q_block = q_block_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
-        return
-    if not IS_DECODE_ONLY:
-        # The last query block sees the most keys: start it first so the grid ends on light work.
-        q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # keys before this step's first query token
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    q_idx = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query row within the sequence
-    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
-    d_valid = offs_d < HEAD_DIM
-    token = (q_start + q_idx).to(tl.int64)
-    q = tl.load(
-        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )  # [BLOCK_M, HEAD_DIM_PADDED]
-    q_pos = ctx_len + q_idx
-
-    # Keys [0, kv_end) are visible to some row here, keys [0, kv_full_end) to every row.
-    kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
-    kv_full_end = ctx_len + q_block * BLOCK_Q + 1
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SEGMENTS > 1:
-        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * tiles_per_segment
-        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
-    tile_mid = tl.maximum(tl.minimum(kv_full_end // TILE_N, tile_hi), tile_lo)
-
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    for t in range(tile_lo, tile_mid):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
-            t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, DOT_PRECISION, False,
+        q_block_id = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
+        if IS_DECODE_ONLY:
+            seq = q_block_id
+            q_block = 0
+        else:
+            seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+            q_block = q_block_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_block * BLOCK_Q >= q_len:
+            return
+        if not IS_DECODE_ONLY:
+            # The last query block sees the most keys: start it first so the grid ends on light work.
+            q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
+        _attend_program(
+            out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
+            block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, seq, q_block, q_start, q_len, kv_head, segment,
+            stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_cache_block,
+            stride_cache_slot, stride_cache_head, stride_bt_seq, NUM_HEADS, GROUP, HEAD_DIM,
+            HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION, PREFETCH,
+            LOOP_STAGES, UNROLL, KV_EVICT, BT_EVICT, LATE_V, USE_DOT,
         )  # fmt: skip
-    for t in range(tile_mid, tile_hi):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr,
-            t * TILE_N, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, DOT_PRECISION, True,
-        )  # fmt: skip
-
-    if NUM_SEGMENTS == 1:
-        out = acc * (v_scale / l_i)[:, None]
-        out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-    else:
-        seg_row = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment  # [BLOCK_M] int64
-        tl.store(seg_max_ptr + seg_row, m_i, mask=row_valid)
-        tl.store(seg_sum_ptr + seg_row, l_i, mask=row_valid)
-        seg_offs = seg_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
-        tl.store(seg_out_ptr + seg_offs, acc * v_scale, mask=row_valid[:, None])
 
 
 def paged_attention(
@@ -254,7 +421,12 @@ def paged_attention(
         seg_sum = torch.empty_like(seg_max)
     else:
         seg_out = seg_max = seg_sum = out  # unused by the kernel in this mode
-    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+    if config.persistent_programs > 0:
+        assert config.is_decode_only, "persistent programs walk (seq, kv head, segment) items"
+        grid: tuple[int, ...] = (min(config.persistent_programs, num_seqs * num_kv_heads * num_segments),)
+    else:
+        grid = (num_q_blocks, num_kv_heads, num_segments)
+    _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum, query, key_cache, value_cache,
         block_tables, seq_lens, query_start_loc, scale * LOG2_E * k_scale, v_scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -263,6 +435,9 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
         NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PREFETCH=config.prefetch, LOOP_STAGES=config.loop_stages or None, UNROLL=config.unroll or None,
+        KV_EVICT="evict_first" if config.evict_kv else "", BT_EVICT="evict_last" if config.evict_kv else "",
+        LATE_V=config.late_v, USE_DOT=config.use_dot, PERSISTENT_PROGRAMS=config.persistent_programs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_segments > 1:

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.launch_config import MAX_SEGMENTS, choose_config, next_power_of_2
+from kernels import launch_config
+from kernels.launch_config import MAX_SEGMENTS, AttentionConfig, choose_config, decode_rows_fixed, next_power_of_2
 
 
 def _decode(num_seqs: int, num_sms: int = 132, heads: tuple[int, int] = (32, 8), head_dim: int = 128):
@@ -60,3 +61,19 @@ def test_split_kv_matches_the_measured_best() -> None:
     assert _decode(64).num_segments == 2
     assert _decode(256).num_segments == 1
     assert _decode(32, heads=(9, 3), head_dim=64).num_segments == 8
+
+
+def test_decode_defaults_are_the_kernel_before_issue_13() -> None:
+    # Variants switch on only after a GPU sweep says so (launch_config.DECODE_VARIANT).
+    defaults = AttentionConfig(block_m=16, tile_n=64, num_segments=1, num_warps=4, num_stages=3, is_decode_only=True)
+    assert _decode(4096) == defaults
+
+
+def test_decode_variant_is_one_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_config, "DECODE_VARIANT", {"prefetch": 1, "use_dot": False})
+    monkeypatch.setattr(launch_config, "PERSISTENT_PROGRAMS_PER_SM", 2)
+    cfg = _decode(64)
+    assert cfg.prefetch == 1 and not cfg.use_dot and cfg.persistent_programs == 264
+    assert cfg.block_m == 4  # no MMA: the 4-head group is not padded to 16 rows
+    assert _decode(8, heads=(9, 3), head_dim=64).block_m == 4
+    assert decode_rows_fixed(cfg.with_(use_dot=True), group=4).block_m == 16

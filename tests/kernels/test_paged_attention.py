@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import reference
-from kernels.launch_config import AttentionConfig, choose_config
+from kernels.launch_config import AttentionConfig, choose_config, decode_rows_fixed
 from kernels.paged_attention import paged_attention
 from kernels.paged_batch import PagedBatch, make_paged_batch
 
@@ -89,6 +89,41 @@ def test_decode_only_batch(device: torch.device, num_segments: int) -> None:
     config = _default(batch).with_(num_segments=num_segments, tile_n=16)
     assert config.is_decode_only
     _run(batch, config)
+
+
+# The issue-13 key-loop variants (AttentionConfig fields), alone and in the combinations the sweep tries.
+VARIANTS = [
+    {"prefetch": 1},
+    {"prefetch": 2, "num_stages": 1},
+    {"prefetch": 1, "late_v": True, "evict_kv": True},
+    {"loop_stages": 3, "unroll": 2},
+    {"use_dot": False},
+    {"use_dot": False, "prefetch": 2, "loop_stages": 2},
+    {"persistent_programs": 7, "prefetch": 1},
+    {"persistent_programs": 3, "use_dot": False, "num_segments": 1},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+def test_decode_variants(device: torch.device, variant: dict[str, int | bool]) -> None:
+    # Block edges, a lone token, a sequence with no query this step, and segments without tiles.
+    seq_lens = [1, 15, 16, 17, 130, 64]
+    batch = make_paged_batch(
+        [1, 1, 1, 1, 1, 0], seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float16, device=device, seed=11,
+    )  # fmt: skip
+    config = decode_rows_fixed(_default(batch).with_(num_segments=4, tile_n=16).with_(**variant), group=3)
+    assert config.is_decode_only and config.block_m == (16 if config.use_dot else 4)
+    _run(batch, config)
+
+
+@pytest.mark.parametrize("variant", [{"prefetch": 1}, {"prefetch": 2, "late_v": True}, {"use_dot": False}], ids=str)
+def test_mixed_batch_variants(device: torch.device, variant: dict[str, int | bool]) -> None:
+    # Prompts have several masked (diagonal) tiles after the full ones: prefetch must stop at the right tile.
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=1, head_dim=40, block_size=16, dtype=torch.float32, device=device, seed=13,
+    )  # fmt: skip
+    _run(batch, _default(batch).with_(tile_n=16, block_m=16, **variant))
 
 
 def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
