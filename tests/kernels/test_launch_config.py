@@ -63,10 +63,14 @@ def test_split_kv_matches_the_measured_best() -> None:
     assert _decode(32, heads=(9, 3), head_dim=64).num_segments == 8
 
 
-def test_decode_defaults_are_the_kernel_before_issue_13() -> None:
-    # Variants switch on only after a GPU sweep says so (launch_config.DECODE_VARIANT).
-    defaults = AttentionConfig(block_m=16, tile_n=64, num_segments=1, num_warps=4, num_stages=3, is_decode_only=True)
-    assert _decode(4096) == defaults
+def test_decode_prefetches_block_ids_only_where_measured_faster() -> None:
+    # The H100 sweep (bench/kernels.py --sweep): prefetch at 2 stages won with one segment at head_dim 128;
+    # with split-KV, and at head_dim 64, today's kernel stayed best.
+    one_segment = AttentionConfig(block_m=16, tile_n=64, num_segments=1, num_warps=4, num_stages=2,
+                                  is_decode_only=True, prefetch=1)  # fmt: skip
+    assert _decode(4096) == one_segment
+    assert _decode(64).prefetch == 0 and _decode(64).num_stages == 3
+    assert _decode(32, heads=(9, 3), head_dim=64).prefetch == 0
 
 
 def test_decode_variant_is_one_switch(monkeypatch: pytest.MonkeyPatch) -> None:
