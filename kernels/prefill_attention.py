@@ -23,40 +23,16 @@ block that runs past its sequence never writes the next sequence's rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import next_power_of_2
+from kernels.launch_config import KV_LOADS, PrefillConfig, next_power_of_2
 from kernels.paged_attention import LOG2_E, _find_seq
 
-# How the new K/V tiles are loaded (the KV_LOAD constexpr).
-KV_LOADS = ("pointer", "host_tma", "device_tma")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillConfig:
-    """Compile-time shape of one prefill launch (each distinct value compiles one kernel variant)."""
-
-    block_m: int  # query rows per program: (block_m // heads_per_program) tokens x heads_per_program
-    block_n: int  # keys per inner-loop iteration
-    num_warps: int
-    num_stages: int
-    pack_gqa: bool  # rows hold all query heads of one KV head (else one head per program)
-    kv_load: str = "pointer"  # one of KV_LOADS; TMA needs a power-of-2 head_dim and 16-byte strides
-    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked loop (Triton's autoWS)
-
-    def heads_per_program(self, group: int) -> int:
-        return group if self.pack_gqa else 1
-
-    def block_q(self, group: int) -> int:
-        return max(1, self.block_m // self.heads_per_program(group))
-
-    def with_(self, **changes: int | bool | str) -> PrefillConfig:
-        return replace(self, **changes)  # type: ignore[arg-type]
+__all__ = ["KV_LOADS", "PrefillConfig", "prefill_attention", "tma_compatible"]
 
 
 @triton.jit

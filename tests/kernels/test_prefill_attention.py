@@ -112,7 +112,8 @@ def test_fp8_cache_scales_only_the_cached_prefix(device: torch.device, dtype: to
                              dtype=torch.float32, device=device, seed=4)  # fmt: skip
     exact = batch.kv_cache
     quantised = torch.stack([reference.to_cache(exact[0], fp8, k_scale), reference.to_cache(exact[1], fp8, v_scale)])
-    oracle_cache = torch.stack([reference.from_cache(quantised[0], k_scale), reference.from_cache(quantised[1], v_scale)])
+    oracle_cache = torch.stack([reference.from_cache(quantised[0], k_scale),
+                                reference.from_cache(quantised[1], v_scale)])  # fmt: skip
     oracle_flat, exact_flat = oracle_cache.view(2, -1, 2, 32), exact.view(2, -1, 2, 32)
     oracle_flat[:, batch.slot_mapping] = exact_flat[:, batch.slot_mapping]
     scale = 32**-0.5
