@@ -293,6 +293,7 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
             print(f"  {shape.name}: {row['config']} failed: {row['error']}", flush=True)
             return row
         row.update(us=us, rel_err=err)
+        print(f"  {shape.name}: {row['config']} {us:.1f} us (rel err {err:.1e})", flush=True)
         return row
 
     ours = measure(engine_call)

@@ -173,6 +173,7 @@ def _prefill_attention_kernel(
     stride_cache_head,
     stride_bt_seq,
     NUM_KV_HEADS: tl.constexpr,
+    NUM_HEAD_GROUPS: tl.constexpr,  # num_heads // HEADS_PER_PROGRAM
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS_PER_PROGRAM: tl.constexpr,  # GROUP (packed GQA) or 1
     HEAD_DIM: tl.constexpr,
@@ -186,9 +187,10 @@ def _prefill_attention_kernel(
     SCALE_CACHED_V: tl.constexpr,  # the cache is fp8 (cache_v_scale applies to cached values)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (engine runs fp32 models on GPU too), else unused
 ):
-    # Head groups vary fastest, so the programs running together share one query block's K/V in L2.
-    head_group = tl.program_id(0)
-    q_block_id = tl.program_id(1)
+    # One grid axis (no 65535 limit on query blocks), head groups varying fastest: the programs running
+    # together share one query block's K/V in L2.
+    head_group = tl.program_id(0) % NUM_HEAD_GROUPS
+    q_block_id = tl.program_id(0) // NUM_HEAD_GROUPS
     seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -345,12 +347,14 @@ def prefill_attention(
     num_q_blocks = num_tokens // block_q + num_seqs
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     qk_scale = scale * LOG2_E
-    _prefill_attention_kernel[(num_heads // heads_per_program, num_q_blocks)](
+    num_head_groups = num_heads // heads_per_program
+    _prefill_attention_kernel[(num_head_groups * num_q_blocks,)](
         out, query, key, value, key_desc, value_desc, key_cache, value_cache,
         block_tables, seq_lens, query_start_loc, qk_scale, qk_scale * k_scale, v_scale, num_seqs,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, NUM_HEAD_GROUPS=num_head_groups, GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=config.block_m,
         BLOCK_Q=block_q, BLOCK_N=config.block_n, KV_LOAD=kv_load, WARP_SPECIALIZE=config.warp_specialize,
         SCALE_CACHED_V=kv_cache.dtype.itemsize == 1,
