@@ -1,12 +1,18 @@
-"""Paged attention (Triton, scattered blocks) vs torch SDPA (contiguous K/V) on the same shapes.
+"""Our attention kernels vs torch SDPA (contiguous K/V) on the same shapes.
 
-    PYTHONPATH=. python3 bench/kernels.py [--sweep] [--json bench/results/kernels-h100.json]
+    PYTHONPATH=. python3 bench/kernels.py [--sweep] [--only prefill] [--json bench/results/kernels-h100.json]
+
+"ours" is what the engine runs for the shape (`kernels.triton_backend.attend` given the step's new K/V,
+as the fused rotary path calls it): the prefill kernel for prefill-heavy batches, the paged kernel
+otherwise. Rows also show the other kernel where it could run ("paged_us", "prefill_kernel_us").
 
 Times are medians of CUDA-graph replays (each graph runs the call many times, rotating over input
 copies that together exceed L2), so launch overhead is out and the data comes from HBM. TB/s counts
 the bytes a call must move at least (every K/V entry once, the queries and the output); "% copy" is
 that rate over the measured device-to-device copy rate (bytes read + written). `--sweep` also times
-alternative tilings and prints the best, which is how kernels/launch_config.py was tuned.
+alternative tilings of the kernel the engine uses for the shape (prefill kernel: tiles, GQA packing,
+pointer vs TMA loads, warp specialisation; a variant that fails to compile is recorded and skipped) and
+prints the best, which is how kernels/launch_config.py is tuned.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ import json
 import math
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +37,23 @@ import triton
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from kernels import reference  # noqa: E402
-from kernels.launch_config import AttentionConfig, choose_config  # noqa: E402
+from kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels.launch_config import (  # noqa: E402
+    KV_LOADS,
+    PREFILL_QUERY_LEN,
+    AttentionConfig,
+    PrefillConfig,
+    choose_config,
+    choose_prefill_config,
+    uses_prefill_kernel,
+)
 from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.paged_batch import PagedBatch, make_paged_batch  # noqa: E402
+from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv  # noqa: E402
+from kernels.prefill_attention import prefill_attention  # noqa: E402
+from kernels.triton_backend import attend  # noqa: E402
 
 DTYPE = torch.bfloat16
+DEVICE = "cuda"  # a CPU smoke run of the plumbing (interpreter) swaps this
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,7 @@ SHAPES = [
     Shape("decode b256 ctx1024 32/8 d128", 32, 8, 128, ((256, 1, 1024),)),
     Shape("decode b32 ctx8192 9/3 d64", 9, 3, 64, ((32, 1, 8192),)),
     Shape("prefill 8x2048 32/8 d128", 32, 8, 128, ((8, 2048, 2048),)),
+    Shape("smollm2 prefill 16x512 9/3 d64", 9, 3, 64, ((16, 512, 512),)),
     Shape("mixed 2x512 new + 2x512 after 1536 + 128 decodes ctx2048, 32/8 d128", 32, 8, 128,
           ((2, 512, 512), (2, 512, 2048), (128, 1, 2048))),
 ]  # fmt: skip
@@ -167,27 +186,55 @@ def sdpa_times(shape: Shape, copies: int) -> dict[str, float | str]:
     return times
 
 
-def paged_calls(batches: list[PagedBatch], config: AttentionConfig) -> list[Callable[[], object]]:
-    def bind(b: PagedBatch) -> Callable[[], object]:
-        scale = b.query.shape[2] ** -0.5
-        return lambda: paged_attention(
-            b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
-        )
+@dataclass(slots=True)
+class StepInputs:
+    """One input copy: the paged batch plus this step's q/k/v as views of one fused qkv buffer."""
 
-    return [bind(b) for b in batches]
+    batch: PagedBatch
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    meta: AttentionMetadata
 
 
-# Wall-clock seconds the decode sweep may spend per shape (compiles dominate): keeps
-# `--sweep --only decode` under 3 minutes on an H100; candidates past it are listed as skipped.
-DECODE_SWEEP_BUDGET_S = 35.0
+def step_inputs(batch: PagedBatch) -> StepInputs:
+    query, key, value = step_qkv(batch)
+    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                             batch.max_query_len, batch.max_seq_len)  # fmt: skip
+    return StepInputs(batch, query, key, value, meta)
+
+
+Call = Callable[[], object]
+
+
+def engine_call(x: StepInputs) -> Call:
+    scale = x.query.shape[2] ** -0.5
+    return lambda: attend(x.query, x.batch.kv_cache, x.meta, scale, key=x.key, value=x.value)
+
+
+def paged_call(config: AttentionConfig) -> Callable[[StepInputs], Call]:
+    def bind(x: StepInputs) -> Call:
+        b, scale = x.batch, x.query.shape[2] ** -0.5
+        return lambda: paged_attention(x.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale,
+                                       config)  # fmt: skip
+
+    return bind
+
+
+def prefill_call(config: PrefillConfig) -> Callable[[StepInputs], Call]:
+    def bind(x: StepInputs) -> Call:
+        b, scale = x.batch, x.query.shape[2] ** -0.5
+        return lambda: prefill_attention(x.query, x.key, x.value, b.kv_cache, b.query_start_loc, b.seq_lens,
+                                         b.block_tables, scale, config)  # fmt: skip
+
+    return bind
 
 
 def decode_sweep(
     base: AttentionConfig, num_sms: int, group: int
 ) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
     """Issue 13: each key-loop variant against today's config first, then segments and tiles around
-    the winner, then the cheap variants toggled on top of it. Most promising first: the budget may
-    cut the tail."""
+    the winner, then the cheap variants toggled on top of it."""
     rows = 1 << max(0, group - 1).bit_length()  # block_m without the 16-row MMA minimum
 
     def variants(_: AttentionConfig) -> list[AttentionConfig]:
@@ -227,30 +274,7 @@ def decode_sweep(
     return [variants, segments, tiles, toggles]
 
 
-def config_diff(base: AttentionConfig, cfg: AttentionConfig) -> str:
-    """The fields cfg changes from base, e.g. 'prefetch=1 evict_kv=True' (or 'today')."""
-    old = asdict(base)
-    return " ".join(f"{k}={v}" for k, v in asdict(cfg).items() if old[k] != v) or "today"
-
-
-def confirm(
-    base: AttentionConfig,
-    best: AttentionConfig,
-    batches: list[PagedBatch],
-    calls: Callable[[list[PagedBatch], AttentionConfig], list[Callable[[], object]]],
-) -> dict[str, object]:
-    """Re-time today's config and the sweep's best, interleaved, so drift and noise hit both alike."""
-    times: dict[str, list[float]] = {"today": [], "best": []}
-    for _ in range(3):
-        times["today"].append(time_us(calls(batches, base)))
-        times["best"].append(time_us(calls(batches, best)))
-    today, winner = statistics.median(times["today"]), statistics.median(times["best"])
-    print(f"  A/B: today {today:.1f} us, best ({config_diff(base, best)}) {winner:.1f} us, "
-          f"{today / winner:.3f}x", flush=True)  # fmt: skip
-    return {"today_us": times["today"], "best_us": times["best"], "speedup": today / winner}
-
-
-def sweep(
+def paged_sweep(
     base: AttentionConfig, num_sms: int = 132, group: int = 4
 ) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
     """Phases of alternatives; each phase varies the best config found by the phases before it."""
@@ -262,54 +286,71 @@ def sweep(
     return [lambda best: [best.with_(block_m=m, tile_n=t, num_warps=w, num_stages=st) for m, t, w, st in tiles4]]
 
 
+def prefill_sweep(base: PrefillConfig) -> list[Callable[[PrefillConfig], list[PrefillConfig]]]:
+    """Tiles first (pointer loads), then layout x K/V loads on the best tiles, then warp specialisation."""
+    # (block_m, block_n, num_warps, num_stages)
+    tiles = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+             (64, 64, 4, 3), (128, 32, 8, 4), (64, 128, 4, 2)]  # fmt: skip
+    return [
+        lambda best: [best.with_(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in tiles],
+        lambda best: [best.with_(pack_gqa=p, kv_load=k) for p in (True, False) for k in KV_LOADS],
+        lambda best: (
+            [best.with_(warp_specialize=True, kv_load=k) for k in KV_LOADS]
+            + [best.with_(warp_specialize=True, kv_load="device_tma", num_warps=4)]
+        ),
+    ]
+
+
 def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> dict[str, object]:
     nbytes, flops = traffic(shape)
     copies = num_copies(nbytes)
-    batches = [
-        make_paged_batch(shape.query_lens, shape.seq_lens, num_heads=shape.num_heads,
-                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         block_size=shape.block_size, dtype=DTYPE, device="cuda", seed=i)
+    inputs = [
+        step_inputs(make_paged_batch(shape.query_lens, shape.seq_lens, num_heads=shape.num_heads,
+                                     num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                                     block_size=shape.block_size, dtype=DTYPE, device=DEVICE, seed=i))
         for i in range(copies)
     ]  # fmt: skip
-    b0 = batches[0]
+    b0 = inputs[0].batch
     scale = shape.head_dim**-0.5
     ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
-    config = choose_config(num_seqs=len(shape.seq_lens), num_heads=shape.num_heads,
-                           num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                           max_query_len=b0.max_query_len, num_sms=num_sms)  # fmt: skip
+    num_seqs, num_tokens = len(shape.seq_lens), b0.num_tokens
+    paged_config = choose_config(num_seqs=num_seqs, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                 head_dim=shape.head_dim, max_query_len=b0.max_query_len, num_sms=num_sms)  # fmt: skip
+    prefill_config = choose_prefill_config(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                           head_dim=shape.head_dim)  # fmt: skip
+    engine_uses_prefill = uses_prefill_kernel(num_tokens=num_tokens, num_seqs=num_seqs,
+                                              max_query_len=b0.max_query_len)  # fmt: skip
 
-    def measure(cfg: AttentionConfig) -> dict[str, object]:
+    def measure(bind: Callable[[StepInputs], Call], config: object = None) -> dict[str, object]:
+        row: dict[str, object] = {"config": asdict(config) if config is not None else "engine"}  # type: ignore[call-overload]
         try:
-            out = paged_calls([b0], cfg)[0]()
+            out = bind(inputs[0])()
             assert isinstance(out, torch.Tensor)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            us = time_us(paged_calls(batches, cfg)) if err < 1e-2 else float("nan")
-        except Exception as exc:  # e.g. out of shared memory for a large tile
-            return {"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        return {"config": asdict(cfg), "us": us, "rel_err": err}
+            us = time_us([bind(x) for x in inputs]) if err < 1e-2 else float("nan")
+        except Exception as exc:  # e.g. out of shared memory for a large tile, a feature this Triton lacks
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"  {shape.name}: {row['config']} failed: {row['error']}", flush=True)
+            return row
+        row.update(us=us, rel_err=err)
+        print(f"  {shape.name}: {row['config']} {us:.1f} us (rel err {err:.1e})", flush=True)
+        return row
 
-    ours = measure(config)
-    tried = [ours]
-    best, best_us = config, float(ours.get("us", math.inf))  # type: ignore[arg-type]
-    deadline = time.monotonic() + DECODE_SWEEP_BUDGET_S if config.is_decode_only else math.inf
-    skipped: list[str] = []
-    for phase in sweep(config, num_sms, shape.num_heads // shape.num_kv_heads) if do_sweep else []:
-        for cfg in phase(best):
-            if any(t["config"] == asdict(cfg) for t in tried):
-                continue
-            if time.monotonic() > deadline:
-                skipped.append(config_diff(config, cfg))
-                continue
-            tried.append(measure(cfg))
-            us = float(tried[-1].get("us", math.inf))  # type: ignore[arg-type]
-            if config.is_decode_only:
-                print(f"    {config_diff(config, cfg):<62} {tried[-1].get('us', tried[-1].get('error'))}", flush=True)
-            if us < best_us:
-                best, best_us = cfg, us
-        print(f"  sweep {shape.name}: best so far {best} {best_us:.1f} us", flush=True)
-    if skipped:
-        print(f"  sweep {shape.name}: budget spent, skipped {skipped}", flush=True)
-    ab = confirm(config, best, batches, paged_calls) if do_sweep and config.is_decode_only and best != config else None
+    ours = measure(engine_call)
+    ours["kernel"] = "prefill" if engine_uses_prefill else "paged"
+    paged = measure(paged_call(paged_config), paged_config) if engine_uses_prefill else ours
+    prefill: dict[str, object] | None = None
+    if b0.max_query_len >= PREFILL_QUERY_LEN:
+        prefill = ours if engine_uses_prefill else measure(prefill_call(prefill_config), prefill_config)
+    tried: list[dict[str, object]] = []
+    best_swept: dict[str, object] | None = None
+    if do_sweep:
+        if engine_uses_prefill:
+            best_swept = run_sweep(shape.name, measure, prefill_call, prefill_config, prefill_sweep, ours, tried)
+        else:
+            group = shape.num_heads // shape.num_kv_heads
+            best_swept = run_sweep(shape.name, measure, paged_call, paged_config,
+                                   lambda base: paged_sweep(base, num_sms, group), ours, tried)  # fmt: skip
     sdpa = sdpa_times(shape, copies)
     sdpa_us = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
     sdpa_us = float(sdpa["default"]) if isinstance(sdpa["default"], float) else sdpa_us
@@ -320,6 +361,8 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
         "flops": flops,
         "input_copies": copies,
         "ours": ours,
+        "paged_us": paged.get("us", paged.get("error")),
+        "prefill_kernel_us": None if prefill is None else prefill.get("us", prefill.get("error")),
         "sdpa_us": sdpa,
         "ours_tbs": nbytes / ours_us / 1e6,
         "sdpa_tbs": nbytes / sdpa_us / 1e6,
@@ -330,11 +373,34 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
         "speedup_vs_sdpa": sdpa_us / ours_us,
         "sdpa_default_us": sdpa_us,
         "ours_us": ours_us,
-        "best_swept": {"config": asdict(best), "us": best_us, "change": config_diff(config, best), "ab": ab}
-        if do_sweep
-        else None,
-        "sweep": tried[1:],
+        "best_swept": best_swept,
+        "sweep": tried,
     }
+
+
+def run_sweep(
+    name: str,
+    measure: Callable[..., dict[str, object]],
+    call_for: Callable[[Any], Callable[[StepInputs], Call]],
+    base: Any,
+    phases_for: Callable[[Any], list[Callable[[Any], list[Any]]]],
+    base_row: dict[str, object],
+    tried: list[dict[str, object]],
+) -> dict[str, object]:
+    """Run the phases, each around the best config so far; every measurement goes to `tried`."""
+    best, best_us = base, float(base_row.get("us", math.inf))  # type: ignore[arg-type]
+    seen = {base}
+    for phase in phases_for(base):
+        for cfg in phase(best):
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            tried.append(measure(call_for(cfg), cfg))
+            us = float(tried[-1].get("us", math.inf))  # type: ignore[arg-type]
+            if us < best_us:
+                best, best_us = cfg, us
+        print(f"  sweep {name}: best so far {best} {best_us:.1f} us", flush=True)
+    return {"config": asdict(best), "us": best_us}
 
 
 def main() -> None:
@@ -352,7 +418,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "command": "PYTHONPATH=. python3 bench/kernels.py" + (" --sweep" if args.sweep else ""),
+        "command": "PYTHONPATH=. python3 bench/kernels.py"
+        + (" --sweep" if args.sweep else "")
+        + (f" --only '{args.only}'" if args.only else ""),
         "copy_tbs": copy_tbs,
         "bandwidth_tbs": rates,
         "rows": [],
@@ -371,18 +439,20 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))  # after every shape: a timeout keeps the rest
         torch.cuda.empty_cache()
     print(f"\n{props.name}, copy {copy_tbs:.2f} TB/s (read + write), bf16, block_size 16")
-    print(f"{'shape':<70} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'ours TB/s':>9} "
-          f"{'SDPA TB/s':>9} {'ours %cp':>8} {'SDPA %cp':>8} {'ours TF/s':>9} {'SDPA TF/s':>9}")  # fmt: skip
+    print(f"{'shape':<70} {'kernel':>7} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'paged µs':>9} "
+          f"{'prefill µs':>10} {'ours TB/s':>9} {'SDPA TB/s':>9} {'ours TF/s':>9} {'SDPA TF/s':>9}")  # fmt: skip
     for r in rows:
-        print(f"{r['shape']:<70} {r['ours_us']:>9.1f} {r['sdpa_default_us']:>9.1f} "
-              f"{r['speedup_vs_sdpa']:>9.2f} {r['ours_tbs']:>9.2f} {r['sdpa_tbs']:>9.2f} "
-              f"{r['ours_pct_copy']:>8.1f} {r['sdpa_pct_copy']:>8.1f} {r['ours_tflops']:>9.1f} "
-              f"{r['sdpa_tflops']:>9.1f}")  # fmt: skip
-    for r in rows:  # the sweep's winner per shape, against SDPA (issue 13's bar: SDPA/best >= 1.0)
-        best = r["best_swept"]
-        if isinstance(best, dict) and isinstance(best.get("us"), float):
-            print(f"sweep best {r['shape']:<55} {best['us']:>9.1f} us  SDPA/best "
-                  f"{r['sdpa_default_us'] / best['us']:.3f}  ({best['change']})")  # fmt: skip
+        print(f"{r['shape']:<70} {r['ours'].get('kernel', '?'):>7} {r['ours_us']:>9.1f} "  # type: ignore[attr-defined]
+              f"{r['sdpa_default_us']:>9.1f} {r['speedup_vs_sdpa']:>9.2f} {_us(r['paged_us']):>9} "
+              f"{_us(r['prefill_kernel_us']):>10} {r['ours_tbs']:>9.2f} {r['sdpa_tbs']:>9.2f} "
+              f"{r['ours_tflops']:>9.1f} {r['sdpa_tflops']:>9.1f}")  # fmt: skip
+    for r in rows:
+        if r["best_swept"] is not None:
+            print(f"best swept, {r['shape']}: {r['best_swept']}")
+
+
+def _us(value: object) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else "-" if value is None else "error"
 
 
 if __name__ == "__main__":

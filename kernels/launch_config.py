@@ -1,4 +1,4 @@
-"""Tile shapes and grid choices for the paged-attention kernel (pure Python: no triton import).
+"""Tile shapes and grid choices for the attention kernels (pure Python: no triton import).
 
 Everything here is a function of host integers the model runner already has, never of tensor
 contents, so a step never syncs with the GPU and a CUDA graph captured for one batch shape replays
@@ -29,6 +29,12 @@ MAX_SEGMENTS = 16
 DECODE_VARIANT: dict[str, int | bool] = {}
 # > 0: decode runs as a persistent grid of this many programs per SM (the persistent_programs field).
 PERSISTENT_PROGRAMS_PER_SM = 0
+# The prefill kernel (kernels/prefill_attention.py) takes a prefill-bucket batch only when its mean query
+# length reaches this: a mixed batch that is mostly decodes (2 x 512 + 2 x 512 chunks + 128 decodes has
+# mean 16) stays on the paged kernel, which measured 1.06x SDPA on that shape (H100).
+PREFILL_KERNEL_MIN_MEAN_QUERY_LEN = 32
+# How the prefill kernel loads this step's K/V tiles (its KV_LOAD constexpr is the index).
+KV_LOADS = ("pointer", "host_tma", "device_tma")
 
 
 def next_power_of_2(n: int) -> int:
@@ -67,6 +73,44 @@ def decode_rows_fixed(config: AttentionConfig, group: int) -> AttentionConfig:
     if config.use_dot:
         return config.with_(block_m=max(config.block_m, MIN_BLOCK_M, next_power_of_2(group)))
     return config.with_(block_m=next_power_of_2(group))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Compile-time shape of one prefill-kernel launch (each distinct value compiles one kernel variant)."""
+
+    block_m: int  # query rows per program: (block_m // heads_per_program) tokens x heads_per_program
+    block_n: int  # keys per inner-loop iteration
+    num_warps: int
+    num_stages: int
+    pack_gqa: bool  # rows hold all query heads of one KV head (else one head per program, like FA2/3)
+    kv_load: str = "pointer"  # one of KV_LOADS; TMA needs a power-of-2 head_dim and 16-byte strides
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked loop (Triton's autoWS)
+
+    def heads_per_program(self, num_queries_per_kv: int) -> int:
+        return num_queries_per_kv if self.pack_gqa else 1
+
+    def block_q(self, num_queries_per_kv: int) -> int:
+        """Query tokens per program."""
+        return max(1, self.block_m // self.heads_per_program(num_queries_per_kv))
+
+    def with_(self, **changes: int | bool | str) -> PrefillConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def uses_prefill_kernel(*, num_tokens: int, num_seqs: int, max_query_len: int) -> bool:
+    """Whether a step whose new K/V are at hand goes to the prefill kernel (host integers only)."""
+    return max_query_len >= PREFILL_QUERY_LEN and num_tokens >= PREFILL_KERNEL_MIN_MEAN_QUERY_LEN * num_seqs
+
+
+def choose_prefill_config(*, num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
+    """FlashAttention-2 tiles: 128 query rows x 64 keys, 8 warps, a 3-deep K/V pipeline (untuned guess
+    until bench/kernels.py --sweep has run on the GPU)."""
+    group = num_heads // num_kv_heads
+    if next_power_of_2(head_dim) > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, pack_gqa=group > 1)
+    return PrefillConfig(block_m=max(128, next_power_of_2(group)), block_n=64, num_warps=8, num_stages=3,
+                         pack_gqa=group > 1)  # fmt: skip
 
 
 def choose_config(

@@ -85,3 +85,26 @@ def make_paged_batch(
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
+
+
+def step_qkv(batch: PagedBatch, pad_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, key, value) of the step's tokens as the fused qkv projection hands them to attention: views
+    into one [num_tokens + pad_tokens, (num_heads + 2 * num_kv_heads) * head_dim] buffer (token stride
+    q_size + 2 * kv_size), keys/values copied from the cache at the query tokens' slots. The padding rows
+    after the last token hold NaN, as rows that no sequence owns must never reach an output."""
+    num_tokens, num_heads, head_dim = batch.query.shape
+    num_kv_heads = batch.kv_cache.shape[3]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.full(
+        (num_tokens + pad_tokens, q_size + 2 * kv_size), float("nan"), dtype=batch.query.dtype,
+        device=batch.query.device,
+    )  # fmt: skip
+    flat = batch.kv_cache.view(2, -1, num_kv_heads, head_dim)
+    query = qkv[:, :q_size].view(-1, num_heads, head_dim)
+    key = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+    query[:num_tokens] = batch.query
+    if num_tokens:
+        key[:num_tokens] = flat[0, batch.slot_mapping].to(qkv.dtype)
+        value[:num_tokens] = flat[1, batch.slot_mapping].to(qkv.dtype)
+    return query, key, value

@@ -2,7 +2,9 @@
 
 Only this module and the kernel modules import triton, so CPU machines without it never do.
 Config choice is cached per batch shape and uses host integers only (no GPU sync): see
-`kernels.launch_config` for what a CUDA graph needs to keep fixed.
+`kernels.launch_config` for what a CUDA graph needs to keep fixed. Prefill-heavy steps whose new K/V
+the caller hands over (the fused rotary path) go to the prefill kernel; everything else, decode
+graphs included, to the paged kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_write import write_kv_cache
-from kernels.launch_config import PREFILL_QUERY_LEN, AttentionConfig, choose_config
+from kernels.launch_config import (
+    PREFILL_QUERY_LEN,
+    AttentionConfig,
+    PrefillConfig,
+    choose_config,
+    choose_prefill_config,
+    uses_prefill_kernel,
+)
 from kernels.paged_attention import paged_attention
+from kernels.prefill_attention import prefill_attention
 
 __all__ = ["attend", "write_kv_cache"]
 
@@ -40,6 +50,16 @@ def _config(
     )
 
 
+@cache
+def _prefill_config(num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
+    return choose_prefill_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def _is_token_rows(x: torch.Tensor, num_tokens: int) -> bool:
+    """[num_tokens, num_kv_heads, head_dim] with each token's heads side by side (a view of qkv rows)."""
+    return x.shape[0] >= num_tokens and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def attend(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -47,12 +67,27 @@ def attend(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's keys, already in
+    value: torch.Tensor | None = None,  # the cache too; lets a prefill read them without the block table
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = meta.seq_lens.shape[0]
+    if (
+        key is not None
+        and value is not None
+        and _is_token_rows(key, num_tokens)
+        and _is_token_rows(value, num_tokens)
+        and uses_prefill_kernel(num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=meta.max_query_len)
+    ):
+        return prefill_attention(
+            query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            _prefill_config(num_heads, kv_cache.shape[3], head_dim), k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     config = _config(
-        meta.seq_lens.shape[0],
-        query.shape[1],
+        num_seqs,
+        num_heads,
         kv_cache.shape[3],
-        query.shape[2],
+        head_dim,
         min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
         _num_sms(query.device),
     )

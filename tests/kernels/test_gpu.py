@@ -21,9 +21,10 @@ if pytest is not None:
 
 from kernels import reference
 from kernels.kv_write import write_kv_cache
-from kernels.launch_config import AttentionConfig, choose_config
+from kernels.launch_config import KV_LOADS, AttentionConfig, choose_config, choose_prefill_config
 from kernels.paged_attention import paged_attention
-from kernels.paged_batch import PagedBatch, make_paged_batch
+from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
+from kernels.prefill_attention import prefill_attention
 from kernels.triton_backend import attend
 from services.engine.attention import AttentionMetadata
 
@@ -136,6 +137,71 @@ def test_cuda_graph_replay_as_contexts_grow() -> None:
             batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
         )
         assert rel_err(out, ref) < BF16_BOUND, grow
+
+
+# Prompts, a prompt after a cached prefix, chunks, a one-token prompt and decodes (prefill kernel).
+PREFILL_MIXED = ([300, 77, 513, 1, 6, 1000, 1], [300, 1000, 2100, 1, 6, 1000, 4097])
+
+
+def _check_prefill(batch: PagedBatch, **changes: int | bool | str) -> float:
+    scale = batch.query.shape[2] ** -0.5
+    ref = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    query, key, value = step_qkv(batch, pad_tokens=5)
+    base = choose_prefill_config(num_heads=query.shape[1], num_kv_heads=key.shape[1], head_dim=query.shape[2])
+    config = base.with_(**changes)
+    out = torch.full_like(query, float("nan"))
+    n = batch.num_tokens
+    prefill_attention(query[:n], key, value, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                      batch.block_tables, scale, config, out=out[:n])  # fmt: skip
+    assert out[n:].isnan().all(), "wrote past the last sequence"
+    return rel_err(out[:n], ref)
+
+
+def test_prefill_kernel_bf16_shapes_and_loads() -> None:
+    failures = []
+    for heads, kv_heads, head_dim, block_size in SHAPES:
+        batch = make_paged_batch(
+            *PREFILL_MIXED, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+            dtype=torch.bfloat16, device=DEVICE, seed=head_dim + heads,
+        )  # fmt: skip
+        for kv_load in KV_LOADS:
+            for pack_gqa in (True, False):
+                err = _check_prefill(batch, kv_load=kv_load, pack_gqa=pack_gqa)
+                if not err < BF16_BOUND:
+                    failures.append((heads, kv_heads, head_dim, block_size, kv_load, pack_gqa, err))
+    assert not failures, failures
+
+
+def test_prefill_kernel_warp_specialized() -> None:
+    """tl.range(warp_specialize=True): it may not compile on every Triton/GPU pair, but must be right if it does."""
+    batch = make_paged_batch(
+        *PREFILL_MIXED, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+        device=DEVICE,
+    )  # fmt: skip
+    errors, unsupported = {}, {}
+    for kv_load in KV_LOADS:
+        try:
+            errors[kv_load] = _check_prefill(batch, kv_load=kv_load, warp_specialize=True)
+        except Exception as exc:  # a compile error: the sweep skips such variants too
+            unsupported[kv_load] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    print("warp_specialize unsupported:", unsupported)
+    assert all(err < BF16_BOUND for err in errors.values()), errors
+
+
+def test_attend_routes_prefill_with_new_kv() -> None:
+    batch = make_paged_batch(
+        [512, 300, 200], [512, 1324, 200], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device=DEVICE,
+    )  # fmt: skip
+    query, key, value = step_qkv(batch)
+    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                             batch.max_query_len, batch.max_seq_len)  # fmt: skip
+    scale = 128**-0.5
+    ref = reference.paged_attention(query, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                    batch.block_tables, scale)  # fmt: skip
+    assert rel_err(attend(query, batch.kv_cache, meta, scale, key=key, value=value), ref) < BF16_BOUND
 
 
 if __name__ == "__main__":

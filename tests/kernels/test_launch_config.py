@@ -81,3 +81,24 @@ def test_decode_variant_is_one_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.block_m == 4  # no MMA: the 4-head group is not padded to 16 rows
     assert _decode(8, heads=(9, 3), head_dim=64).block_m == 4
     assert decode_rows_fixed(cfg.with_(use_dot=True), group=4).block_m == 16
+
+
+def test_prefill_kernel_takes_prefill_heavy_steps_only() -> None:
+    from kernels.launch_config import uses_prefill_kernel
+
+    assert uses_prefill_kernel(num_tokens=8 * 2048, num_seqs=8, max_query_len=2048)
+    assert uses_prefill_kernel(num_tokens=16 * 512, num_seqs=16, max_query_len=512)
+    # The benchmark's mixed shape (mostly decodes) stays on the paged kernel; so do decode graphs.
+    assert not uses_prefill_kernel(num_tokens=2048 + 128, num_seqs=132, max_query_len=512)
+    assert not uses_prefill_kernel(num_tokens=256, num_seqs=256, max_query_len=1)
+    assert not uses_prefill_kernel(num_tokens=8 * 40, num_seqs=8, max_query_len=40)
+
+
+def test_prefill_config_packs_gqa_rows_into_full_tiles() -> None:
+    from kernels.launch_config import choose_prefill_config
+
+    for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64), (8, 8, 64), (64, 1, 128), (8, 2, 256)):
+        config = choose_prefill_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+        group = heads // kv_heads
+        assert config.block_m >= config.heads_per_program(group) and config.block_q(group) >= 1
+        assert config.pack_gqa == (group > 1)

@@ -2,7 +2,8 @@
 
     add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py)
     silu_and_mul      silu(gate) * up on the fused gate_up output  (kernels/silu_mul.py)
-    rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py)
+    rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py;
+                      a prefill attends to the new k/v in place: kernels/prefill_attention.py)
 
 Per decoder layer this turns ~25 launches into ~9 (see bench/layer_kernels.py). The mode is a process
 setting like the attention backend: "auto" fuses on CUDA when the Triton attention backend is active,
@@ -97,4 +98,5 @@ def rotary_and_attend(
 
     cos, sin = rotary.caches_for(q)
     rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale)
+    # k (rotated in place) and v still hold this step's keys/values unquantised: a prefill reads them there.
+    return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale, key=k, value=v)

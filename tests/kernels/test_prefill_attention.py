@@ -1,0 +1,130 @@
+"""Prefill kernel (new K/V from the fused qkv rows, prefixes from the cache) vs `kernels.reference`.
+
+The cache is NaN wherever no sequence owns it, the qkv buffer has NaN padding rows after the last
+token, and the output starts as NaN: a kernel that reads a key too many, lets a padding row into a sum,
+skips a row or writes past its sequence shows it. Interpreter on CPU: fp32/fp16, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import reference
+from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
+from kernels.prefill_attention import PrefillConfig, prefill_attention
+
+# (query_lens, seq_lens): decode, prompt, prompt after a cached prefix, chunked-prefill piece,
+# a one-token prompt and a sequence with no query this step.
+MIXED = ([1, 9, 5, 20, 1, 0], [37, 9, 21, 52, 1, 12])
+# Prompts only, lengths on and off the tile edges.
+PROMPTS = ([37, 5, 32, 1, 17], [37, 5, 32, 1, 17])
+PAD_TOKENS = 3
+
+
+def _config(block_m: int = 32, block_n: int = 16, pack_gqa: bool = True, kv_load: str = "pointer") -> PrefillConfig:
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, pack_gqa=pack_gqa,
+                         kv_load=kv_load)  # fmt: skip
+
+
+def _check(batch: PagedBatch, config: PrefillConfig, tol: float | None = None) -> torch.Tensor:
+    scale = batch.query.shape[2] ** -0.5
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    query, key, value = step_qkv(batch, PAD_TOKENS)
+    out = torch.full_like(query, float("nan"))  # rows past the last token must stay untouched
+    result = prefill_attention(
+        query[: batch.num_tokens], key, value, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+        batch.block_tables, scale, config, out=out[: batch.num_tokens],
+    )  # fmt: skip
+    assert result.data_ptr() == out.data_ptr()
+    assert not out[: batch.num_tokens].isnan().any()
+    assert out[batch.num_tokens :].isnan().all()
+    if tol is None:
+        tol = 1e-4 if batch.query.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out[: batch.num_tokens].float(), expected.float(), atol=tol, rtol=tol)
+    return out[: batch.num_tokens]
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "dtype"),
+    [
+        ((4, 1), 64, torch.float32),  # group of 4
+        ((6, 2), 64, torch.float16),  # group of 3: packed rows padded inside the tile
+        ((2, 2), 80, torch.float32),  # MHA, head_dim not a power of two
+    ],
+)
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_mixed_batch(
+    device: torch.device, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, pack_gqa: bool
+) -> None:
+    batch = make_paged_batch(
+        *MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=16,
+        dtype=dtype, device=device,
+    )  # fmt: skip
+    _check(batch, _config(pack_gqa=pack_gqa))
+
+
+@pytest.mark.parametrize("kv_load", ["pointer", "host_tma", "device_tma"])
+def test_kv_loads_agree(device: torch.device, kv_load: str) -> None:
+    batch = make_paged_batch(
+        *MIXED, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float16,
+        device=device, seed=2,
+    )  # fmt: skip
+    _check(batch, _config(kv_load=kv_load))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _config(block_m=16, block_n=32, pack_gqa=False),  # a query block narrower than a key tile
+        _config(block_m=64, block_n=16, pack_gqa=False, kv_load="host_tma"),  # several diagonal tiles
+        _config(block_m=64, block_n=32, pack_gqa=True, kv_load="device_tma"),
+    ],
+)
+def test_prompts_off_the_tile_edges(device: torch.device, config: PrefillConfig) -> None:
+    batch = make_paged_batch(
+        *PROMPTS, num_heads=4, num_kv_heads=2, head_dim=128, block_size=16, dtype=torch.float16,
+        device=device, seed=3,
+    )  # fmt: skip
+    _check(batch, config)
+
+
+def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
+    batch = make_paged_batch(
+        [3, 1, 40], [50, 33, 40], num_heads=4, num_kv_heads=1, head_dim=32, block_size=16,
+        dtype=torch.float32, device=device, seed=7,
+    )  # fmt: skip
+    first = _check(batch, _config())
+    other = _check(batch, _config(block_m=16, block_n=32, pack_gqa=False))
+    torch.testing.assert_close(first, other, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_scales_only_the_cached_prefix(device: torch.device, dtype: torch.dtype) -> None:
+    """The prefix comes from an e4m3 cache (K / k_scale, V / v_scale); the new keys come unquantised from
+    qkv, so the oracle is the reference over a cache that holds the dequantised prefix and exact new K/V."""
+    fp8, k_scale, v_scale = torch.float8_e4m3fn, 0.25, 2.0
+    batch = make_paged_batch(*MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                             dtype=torch.float32, device=device, seed=4)  # fmt: skip
+    exact = batch.kv_cache
+    quantised = torch.stack([reference.to_cache(exact[0], fp8, k_scale), reference.to_cache(exact[1], fp8, v_scale)])
+    oracle_cache = torch.stack([reference.from_cache(quantised[0], k_scale),
+                                reference.from_cache(quantised[1], v_scale)])  # fmt: skip
+    oracle_flat, exact_flat = oracle_cache.view(2, -1, 2, 32), exact.view(2, -1, 2, 32)
+    oracle_flat[:, batch.slot_mapping] = exact_flat[:, batch.slot_mapping]
+    scale = 32**-0.5
+    expected = reference.paged_attention(
+        batch.query, oracle_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    query, key, value = step_qkv(batch, PAD_TOKENS)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out = prefill_attention(
+        query[: batch.num_tokens], key, value, quantised, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        scale, _config(), k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
