@@ -101,4 +101,4 @@ def test_prefill_config_packs_gqa_rows_into_full_tiles() -> None:
         config = choose_prefill_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
         group = heads // kv_heads
         assert config.block_m >= config.heads_per_program(group) and config.block_q(group) >= 1
-        assert config.pack_gqa == (group > 1)
+        assert config.pack_gqa == (group > 1 and head_dim > 64)
