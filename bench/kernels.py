@@ -45,6 +45,7 @@ class Shape:
     head_dim: int
     groups: tuple[tuple[int, int, int], ...]  # (num_seqs, query_len, seq_len)
     block_size: int = 16
+    kv_dtype: torch.dtype = DTYPE  # float8_e4m3fn: our kernel on an fp8 cache (SDPA stays bf16: it has none)
 
     @property
     def query_lens(self) -> list[int]:
@@ -59,16 +60,19 @@ SHAPES = [
     Shape("decode b64 ctx4096 32/8 d128", 32, 8, 128, ((64, 1, 4096),)),
     Shape("decode b256 ctx1024 32/8 d128", 32, 8, 128, ((256, 1, 1024),)),
     Shape("decode b32 ctx8192 9/3 d64", 9, 3, 64, ((32, 1, 8192),)),
+    Shape("decode b256 ctx1024 32/8 d128 fp8", 32, 8, 128, ((256, 1, 1024),), kv_dtype=torch.float8_e4m3fn),
+    Shape("decode b64 ctx4096 32/8 d128 fp8", 32, 8, 128, ((64, 1, 4096),), kv_dtype=torch.float8_e4m3fn),
     Shape("prefill 8x2048 32/8 d128", 32, 8, 128, ((8, 2048, 2048),)),
     Shape("mixed 2x512 new + 2x512 after 1536 + 128 decodes ctx2048, 32/8 d128", 32, 8, 128,
           ((2, 512, 512), (2, 512, 2048), (128, 1, 2048))),
 ]  # fmt: skip
 
 
-def traffic(shape: Shape) -> tuple[int, float]:
-    """(minimum bytes moved, attention FLOPs) of one call."""
+def traffic(shape: Shape, kv_dtype: torch.dtype | None = None) -> tuple[int, float]:
+    """(minimum bytes moved, attention FLOPs) of one call, with the shape's KV dtype unless given."""
     elem = torch.tensor([], dtype=DTYPE).element_size()
-    kv = sum(shape.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * elem
+    kv_elem = (kv_dtype or shape.kv_dtype).itemsize
+    kv = sum(shape.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * kv_elem
     qo = 2 * sum(shape.query_lens) * shape.num_heads * shape.head_dim * elem
     pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(shape.query_lens, shape.seq_lens))
     return kv + qo, 4.0 * shape.num_heads * shape.head_dim * pairs
@@ -176,12 +180,19 @@ def paged_calls(batches: list[PagedBatch], config: AttentionConfig) -> list[Call
     return [bind(b) for b in batches]
 
 
-def sweep(base: AttentionConfig) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
+# An fp8 cache moves half the bytes per key: also try tiles of twice the keys (the same bytes per load
+# as bf16's 64), more warps for the e4m3 -> bf16 conversion, and deeper pipelines.
+FP8_DECODE_TILES = [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (128, 8, 4), (256, 8, 2),
+                    (256, 8, 3), (64, 8, 3), (64, 4, 5)]  # fmt: skip
+
+
+def sweep(base: AttentionConfig, kv_bytes: int = 2) -> list[Callable[[AttentionConfig], list[AttentionConfig]]]:
     """Phases of alternatives; each phase varies the best config found by the phases before it."""
     if base.is_decode_only:
         # (tile_n, num_warps, num_stages): 1 = no cp.async pipeline, >= 5 double-buffers K/V.
         tiles = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 1), (32, 4, 1), (64, 2, 1), (128, 4, 1),
                  (64, 2, 3), (64, 2, 5), (32, 4, 5), (128, 4, 5)]  # fmt: skip
+        tiles += FP8_DECODE_TILES if kv_bytes == 1 else []
         return [
             lambda best: [best.with_(num_segments=s) for s in (1, 2, 4, 8, 16, 32)],
             lambda best: [best.with_(tile_n=t, num_warps=w, num_stages=st) for t, w, st in tiles],
@@ -198,7 +209,8 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     batches = [
         make_paged_batch(shape.query_lens, shape.seq_lens, num_heads=shape.num_heads,
                          num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         block_size=shape.block_size, dtype=DTYPE, device="cuda", seed=i)
+                         block_size=shape.block_size, dtype=DTYPE, device="cuda", seed=i,
+                         kv_dtype=shape.kv_dtype)
         for i in range(copies)
     ]  # fmt: skip
     b0 = batches[0]
@@ -206,7 +218,8 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
     config = choose_config(num_seqs=len(shape.seq_lens), num_heads=shape.num_heads,
                            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                           max_query_len=b0.max_query_len, num_sms=num_sms)  # fmt: skip
+                           max_query_len=b0.max_query_len, num_sms=num_sms,
+                           kv_dtype_bytes=shape.kv_dtype.itemsize)  # fmt: skip
 
     def measure(cfg: AttentionConfig) -> dict[str, object]:
         try:
@@ -221,7 +234,7 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     ours = measure(config)
     tried = [ours]
     best, best_us = config, float(ours.get("us", math.inf))  # type: ignore[arg-type]
-    for phase in sweep(config) if do_sweep else []:
+    for phase in sweep(config, shape.kv_dtype.itemsize) if do_sweep else []:
         for cfg in phase(best):
             tried.append(measure(cfg))
             us = float(tried[-1].get("us", math.inf))  # type: ignore[arg-type]
@@ -231,6 +244,7 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     sdpa = sdpa_times(shape, copies)
     sdpa_us = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
     sdpa_us = float(sdpa["default"]) if isinstance(sdpa["default"], float) else sdpa_us
+    sdpa_bytes = traffic(shape, DTYPE)[0]  # SDPA reads a bf16 K/V even beside an fp8 row
     ours_us = float(ours.get("us", math.nan))  # type: ignore[arg-type]
     return {
         "shape": shape.name,
@@ -240,9 +254,9 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
         "ours": ours,
         "sdpa_us": sdpa,
         "ours_tbs": nbytes / ours_us / 1e6,
-        "sdpa_tbs": nbytes / sdpa_us / 1e6,
+        "sdpa_tbs": sdpa_bytes / sdpa_us / 1e6,
         "ours_pct_copy": 100 * nbytes / ours_us / 1e6 / copy_tbs,
-        "sdpa_pct_copy": 100 * nbytes / sdpa_us / 1e6 / copy_tbs,
+        "sdpa_pct_copy": 100 * sdpa_bytes / sdpa_us / 1e6 / copy_tbs,
         "ours_tflops": flops / ours_us / 1e6,
         "sdpa_tflops": flops / sdpa_us / 1e6,
         "speedup_vs_sdpa": sdpa_us / ours_us,
@@ -286,7 +300,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "sweep"}), flush=True)
         args.json.write_text(json.dumps(result, indent=1))  # after every shape: a timeout keeps the rest
         torch.cuda.empty_cache()
-    print(f"\n{props.name}, copy {copy_tbs:.2f} TB/s (read + write), bf16, block_size 16")
+    print(f"\n{props.name}, copy {copy_tbs:.2f} TB/s (read + write), bf16 (K/V fp8 where the shape says so, "
+          "SDPA always bf16), block_size 16")  # fmt: skip
     print(f"{'shape':<70} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'ours TB/s':>9} "
           f"{'SDPA TB/s':>9} {'ours %cp':>8} {'SDPA %cp':>8} {'ours TF/s':>9} {'SDPA TF/s':>9}")  # fmt: skip
     for r in rows:

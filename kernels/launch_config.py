@@ -23,6 +23,9 @@ PREFILL_QUERY_LEN = 64
 # on an H200 that picked the fastest split measured for 64 x 8, 256 x 8 and 32 x 3 programs.
 TARGET_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 16
+# Keys per decode tile on a 1-byte (fp8) cache: twice bf16's 64, so each tile load moves the same bytes
+# as the tuned bf16 tile. Not yet measured: bench/kernels.py --sweep --only fp8 times it against 64.
+FP8_DECODE_TILE_N = 128
 
 
 def next_power_of_2(n: int) -> int:
@@ -56,6 +59,7 @@ def choose_config(
     head_dim: int,
     max_query_len: int,
     num_sms: int,
+    kv_dtype_bytes: int = 2,
 ) -> AttentionConfig:
     """Pick tiles for one step; decode-only batches may split the KV range (flash-decoding).
 
@@ -69,9 +73,12 @@ def choose_config(
         num_segments = 1
         while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
             num_segments *= 2
+        tile_n = 64 if head_dim_padded <= 128 else 32
+        if kv_dtype_bytes == 1 and head_dim_padded <= 128:
+            tile_n = FP8_DECODE_TILE_N
         return AttentionConfig(
             block_m=group_rows,
-            tile_n=64 if head_dim_padded <= 128 else 32,
+            tile_n=tile_n,
             num_segments=num_segments,
             num_warps=4,
             num_stages=2 if head_dim_padded <= 64 else 3,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.launch_config import MAX_SEGMENTS, choose_config, next_power_of_2
+from kernels.launch_config import FP8_DECODE_TILE_N, MAX_SEGMENTS, choose_config, next_power_of_2
 
 
 def _decode(num_seqs: int, num_sms: int = 132, heads: tuple[int, int] = (32, 8), head_dim: int = 128):
@@ -60,3 +60,12 @@ def test_split_kv_matches_the_measured_best() -> None:
     assert _decode(64).num_segments == 2
     assert _decode(256).num_segments == 1
     assert _decode(32, heads=(9, 3), head_dim=64).num_segments == 8
+
+
+def test_fp8_cache_decode_tile_moves_the_same_bytes_per_load() -> None:
+    bf16, fp8 = _decode(256), choose_config(num_seqs=256, num_heads=32, num_kv_heads=8, head_dim=128,
+                                            max_query_len=1, num_sms=132, kv_dtype_bytes=1)  # fmt: skip
+    assert fp8.tile_n == FP8_DECODE_TILE_N and fp8.tile_n % 16 == 0
+    assert fp8.with_(tile_n=bf16.tile_n) == bf16  # only the tile differs
+    prefill = dict(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
+    assert choose_config(**prefill, kv_dtype_bytes=1) == choose_config(**prefill)  # prefill tiles unchanged
