@@ -130,12 +130,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def check_greedy(hf: Any, model: Any, model_dir: Path, dtype: str, num_tokens: int) -> list[dict[str, Any]]:
+def check_greedy(hf: Any, model: Any, model_dir: Path, dtype: str, num_tokens: int,
+                 kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
     """Our engine (CUDA graphs, overlap) vs HF generate, greedy, on prompts of mixed lengths."""
     base = make_prompts(1, 512, model.spec.vocab_size, seed=7)[0]
     prompts = [base[:n] for n in (5, 77, 300, 512)]
     config = EngineConfig(model_dir=model_dir, dtype=dtype, device=DEVICE, num_kv_blocks=256, max_num_seqs=8,
-                          max_num_batched_tokens=256, max_model_len=1024, cuda_graph_max_batch=8)  # fmt: skip
+                          max_num_batched_tokens=256, max_model_len=1024, cuda_graph_max_batch=8,
+                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     engine = Engine(config, model=model)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
     results = engine.generate(prompts, params)
@@ -145,10 +147,12 @@ def check_greedy(hf: Any, model: Any, model_dir: Path, dtype: str, num_tokens: i
             for prompt, r in zip(prompts, results)]  # fmt: skip
 
 
-def correctness(hf: Any, ours: Any, model_dir: Path, num_tokens: int, with_fp32: bool) -> dict[str, Any]:
+def correctness(hf: Any, ours: Any, model_dir: Path, num_tokens: int, with_fp32: bool,
+                kv_cache_dtype: str = "auto") -> dict[str, Any]:  # fmt: skip
     """bf16: where greedy tokens first differ from HF bf16, and the error of our sampled tokens'
-    logprobs against HF fp32 on the same tokens (HF bf16's own error beside it). fp32: identical."""
-    rows = check_greedy(hf, ours, model_dir, "bfloat16", num_tokens)
+    logprobs against HF fp32 on the same tokens (HF bf16's own error beside it). fp32: identical.
+    The bf16 check runs with the variant's KV cache dtype (an fp8 cache's error shows here)."""
+    rows = check_greedy(hf, ours, model_dir, "bfloat16", num_tokens, kv_cache_dtype)
     hf32 = copy.deepcopy(hf).float()
     ours_err, hf_err = [], []
     for row in rows:
@@ -305,7 +309,8 @@ def bench_variant(
                            "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
     if not args.skip_correctness and variant in args.check_variants.split(","):
         row["correctness"] = correctness(hf, ours, model_dir, args.check_tokens,
-                                         with_fp32=name != "llama-3.1-8b" and variant == "bf16")  # fmt: skip
+                                         with_fp32=name != "llama-3.1-8b" and variant == "bf16",
+                                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         print(json.dumps(row["correctness"]), flush=True)
     if hf_row is not None:
         row["hf"] = hf_row

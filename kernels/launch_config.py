@@ -35,6 +35,9 @@ PERSISTENT_PROGRAMS_PER_SM = 0
 PREFILL_KERNEL_MIN_MEAN_QUERY_LEN = 32
 # How the prefill kernel loads this step's K/V tiles (its KV_LOAD constexpr is the index).
 KV_LOADS = ("pointer", "host_tma", "device_tma")
+# Keys per decode tile on a 1-byte (fp8) cache: twice bf16's 64, so each tile load moves the same bytes
+# as the tuned bf16 tile. Not yet measured: bench/kernels.py --sweep --only fp8 times it against 64.
+FP8_DECODE_TILE_N = 128
 
 
 def next_power_of_2(n: int) -> int:
@@ -106,9 +109,10 @@ def uses_prefill_kernel(*, num_tokens: int, num_seqs: int, max_query_len: int) -
 def choose_prefill_config(*, num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
     """The tilings the H100 sweep (bench/kernels.py --sweep --only prefill) found fastest: K/V tiles through
     a host TMA descriptor in 32-key tiles, 4 stages deep (648 µs; 759 with 64-key pointer loads, on 8 x 2048,
-    32/8 d128; Triton's warp specialisation measured 636 but stays off until it has run on more than one GPU); at head_dim 64 one head
-    per program and 64-row tiles (31 µs vs 36 with 128 packed rows on 16 x 512, 9/3). The kernel falls back
-    to pointer loads where TMA cannot take the layout (a head_dim that is not a power of 2)."""
+    32/8 d128; Triton's warp specialisation measured 636 but stays off until it has run on more than one
+    GPU); at head_dim 64 one head per program and 64-row tiles (31 µs vs 36 with 128 packed rows on
+    16 x 512, 9/3). The kernel falls back to pointer loads where TMA cannot take the layout (a head_dim
+    that is not a power of 2)."""
     group = num_heads // num_kv_heads
     head_dim_padded = next_power_of_2(head_dim)
     if head_dim_padded > 128:
@@ -127,6 +131,7 @@ def choose_config(
     head_dim: int,
     max_query_len: int,
     num_sms: int,
+    kv_dtype_bytes: int = 2,
 ) -> AttentionConfig:
     """Pick tiles for one step; decode-only batches may split the KV range (flash-decoding).
 
@@ -141,15 +146,18 @@ def choose_config(
         num_segments = 1
         while num_segments < MAX_SEGMENTS and num_programs * num_segments < TARGET_PROGRAMS_PER_SM * num_sms:
             num_segments *= 2
+        tile_n = 64 if head_dim_padded <= 128 else 32
+        if kv_dtype_bytes == 1 and head_dim_padded <= 128:
+            tile_n = FP8_DECODE_TILE_N
         config = AttentionConfig(
             block_m=group_rows,
-            tile_n=64 if head_dim_padded <= 128 else 32,
+            tile_n=tile_n,
             num_segments=num_segments,
             num_warps=4,
             num_stages=2 if head_dim_padded <= 64 else 3,
             is_decode_only=True,
         ).with_(**DECODE_VARIANT)
-        if num_segments == 1 and head_dim_padded == 128 and not DECODE_VARIANT:
+        if num_segments == 1 and head_dim_padded == 128 and kv_dtype_bytes == 2 and not DECODE_VARIANT:
             # One segment per sequence (long loops): prefetching the next tile's block ids lets the K/V loads
             # issue without waiting on the block table; 2 stages then suffice. H100, decode b256 x 1024 32/8:
             # 361.6 vs 376.6 µs. With split-KV (short loops) it measured 1-2% slower, so only here.

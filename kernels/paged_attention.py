@@ -212,6 +212,10 @@ def _attend_program(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PADDED]
+    if key_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        # e4m3 -> fp16 is one exact conversion instruction, e4m3 -> bf16 takes three: on an fp8 cache the
+        # dots run in fp16 (q and the probabilities fit it), or the conversions bound the kernel.
+        q = q.to(tl.float16)
     q_pos = ctx_len + q_idx
 
     # Keys [0, kv_end) are visible to some row here, keys [0, kv_full_end) to every row.

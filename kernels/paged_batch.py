@@ -42,8 +42,12 @@ def make_paged_batch(
     device: torch.device | str = "cpu",
     num_blocks: int | None = None,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Sequence i has context seq_lens[i]; its last query_lens[i] tokens are this step's queries."""
+    """Sequence i has context seq_lens[i]; its last query_lens[i] tokens are this step's queries.
+
+    `kv_dtype` (default `dtype`) may be float8_e4m3fn: the cache then holds the same random K/V rounded
+    to e4m3 (scale 1: read it with k_scale = v_scale = 1), and its unowned entries e4m3's NaN."""
     assert len(query_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(query_lens, seq_lens))
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -57,7 +61,9 @@ def make_paged_batch(
     perm = torch.randperm(pool, generator=gen, device=device)[:num_used] + (num_blocks - pool)
     max_blocks = max(1, *blocks_per_seq)
     block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32, device=device)
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    kv_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.full(kv_shape, float("nan"), dtype=kv_dtype, device=device)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slot_chunks: list[torch.Tensor] = []
     start = 0
@@ -68,7 +74,7 @@ def make_paged_batch(
         positions = torch.arange(seq_len, device=device)
         slots = ids[positions // block_size].long() * block_size + positions % block_size
         values = torch.randn((2, seq_len, num_kv_heads, head_dim), generator=gen, device=device)
-        flat[:, slots] = values.to(dtype)
+        flat[:, slots] = values.to(kv_dtype)
         slot_chunks.append(slots[seq_len - num_q :])
     query_lens_t = torch.tensor(list(query_lens), dtype=torch.int32, device=device)
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32, device=device)

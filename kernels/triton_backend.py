@@ -38,7 +38,13 @@ def _num_sms(device: torch.device) -> int:
 
 @cache
 def _config(
-    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, num_sms: int
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    num_sms: int,
+    kv_dtype_bytes: int = 2,
 ) -> AttentionConfig:
     return choose_config(
         num_seqs=num_seqs,
@@ -47,6 +53,7 @@ def _config(
         head_dim=head_dim,
         max_query_len=max_query_len,
         num_sms=num_sms,
+        kv_dtype_bytes=kv_dtype_bytes,
     )
 
 
@@ -90,6 +97,7 @@ def attend(
         head_dim,
         min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
         _num_sms(query.device),
+        kv_cache.element_size(),
     )
     return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config,
                            k_scale=k_scale, v_scale=v_scale)  # fmt: skip

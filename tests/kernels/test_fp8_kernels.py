@@ -51,7 +51,7 @@ def _fp8_batch(dtype: torch.dtype, device: torch.device) -> tuple[PagedBatch, to
     return batch, full, fp8, batch.query.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # bf16: the dots run in fp16
 @pytest.mark.parametrize("num_segments", [1, 4])
 def test_paged_attention_reads_fp8_cache_like_reference(
     device: torch.device, dtype: torch.dtype, num_segments: int
@@ -64,7 +64,7 @@ def test_paged_attention_reads_fp8_cache_like_reference(
     out = torch.full_like(query, float("nan"))
     paged_attention(query, fp8, *args, config, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
     assert not out.isnan().any()
-    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}[dtype]  # bf16: the output's rounding
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     # And the fp8 cache is a close stand-in for the full-precision one (e4m3: 3 mantissa bits).
     exact = reference.paged_attention(query.float(), full, *args)
@@ -134,3 +134,22 @@ def test_per_token_activation_quantisation_matches_torch(device: torch.device, d
     torch.testing.assert_close(scale, want_scale, atol=0, rtol=1e-6)
     assert_fp8_equal(q, want_q, exact_on_gpu=False)  # x * (1/scale) vs x / scale: one rounding apart
     assert not q.float().isnan().any() and float(q.float().abs().max()) <= 448
+
+
+def test_decode_on_fp8_cache_with_the_chosen_tile(device: torch.device) -> None:
+    """Decode-only batches on a 1-byte cache get their own tile (launch_config.FP8_DECODE_TILE_N): it must
+    still match the reference on a poisoned cache (make_paged_batch builds it in e4m3, NaN where unowned)."""
+    from kernels.launch_config import choose_config
+
+    seq_lens = [1, 130, 257, 64]
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=16, dtype=torch.float16, device=device, seed=5, kv_dtype=FP8)  # fmt: skip
+    assert batch.kv_cache.dtype == FP8 and batch.kv_cache.float().isnan().any()  # the poison survives e4m3
+    config = choose_config(num_seqs=len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, max_query_len=1,
+                           num_sms=4, kv_dtype_bytes=1)  # fmt: skip
+    assert config.is_decode_only and config.num_segments > 1
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 64**-0.5)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, *args, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = paged_attention(batch.query, batch.kv_cache, *args, config, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-3, rtol=3e-3)

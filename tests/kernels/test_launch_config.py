@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from kernels import launch_config
-from kernels.launch_config import MAX_SEGMENTS, AttentionConfig, choose_config, decode_rows_fixed, next_power_of_2
+from kernels.launch_config import (
+    FP8_DECODE_TILE_N,
+    MAX_SEGMENTS,
+    AttentionConfig,
+    choose_config,
+    decode_rows_fixed,
+    next_power_of_2,
+)
 
 
 def _decode(num_seqs: int, num_sms: int = 132, heads: tuple[int, int] = (32, 8), head_dim: int = 128):
@@ -102,3 +109,17 @@ def test_prefill_config_packs_gqa_rows_into_full_tiles() -> None:
         group = heads // kv_heads
         assert config.block_m >= config.heads_per_program(group) and config.block_q(group) >= 1
         assert config.pack_gqa == (group > 1 and head_dim > 64)
+
+
+def test_fp8_cache_decode_tile_moves_the_same_bytes_per_load() -> None:
+    # Split-KV (64 sequences): only the tile differs. One segment: bf16's block-id prefetch (measured on bf16
+    # only) stays off on an fp8 cache.
+    bf16, fp8 = _decode(64), choose_config(num_seqs=64, num_heads=32, num_kv_heads=8, head_dim=128,
+                                           max_query_len=1, num_sms=132, kv_dtype_bytes=1)  # fmt: skip
+    assert fp8.tile_n == FP8_DECODE_TILE_N and fp8.tile_n % 16 == 0
+    assert fp8.with_(tile_n=bf16.tile_n) == bf16
+    one_segment = choose_config(num_seqs=256, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=1,
+                                num_sms=132, kv_dtype_bytes=1)  # fmt: skip
+    assert one_segment.tile_n == FP8_DECODE_TILE_N and one_segment.prefetch == 0
+    prefill = dict(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
+    assert choose_config(**prefill, kv_dtype_bytes=1) == choose_config(**prefill)  # prefill tiles unchanged
