@@ -49,6 +49,14 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         return self._blocks.get(request.seq_id, [])
 
+    def fits_in_place(self, request: Request, num_tokens: int) -> bool:
+        """Whether `allocate(request, num_tokens)` would take no block and publish nothing."""
+        seq_id = request.seq_id
+        block_ids = self._blocks.get(seq_id)
+        if not block_ids or num_tokens > len(block_ids) * self.block_size:
+            return False
+        return not self.enable_prefix_caching or num_tokens // self.block_size <= self._num_published.get(seq_id, 0)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
