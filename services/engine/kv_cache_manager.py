@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from services.engine.block_pool import BlockPool
 from services.engine.request import Request
@@ -48,6 +48,11 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return self._blocks.get(request.seq_id, [])
+
+    def block_tables(self, requests: Iterable[Request]) -> list[list[int]]:
+        """`block_ids` of each request (one step's block tables)."""
+        get, no_blocks = self._blocks.get, list[int]()  # shared: the caller only reads them
+        return [get(request.seq_id, no_blocks) for request in requests]
 
     def fits_in_place(self, request: Request, num_tokens: int) -> bool:
         """Whether `allocate(request, num_tokens)` would take no block and publish nothing."""
