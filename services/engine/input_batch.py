@@ -12,7 +12,8 @@ copies the token from that step's device tensor (row `patch_src`) before the for
 
 On CUDA, `InputBuffers` holds persistent device tensors (CUDA graphs read them in place) and two sets
 of pinned staging arrays, used in turn: a step's host->device copies may still be pending while the
-next step is prepared.
+next step is prepared. The int64 fields share one tensor, the int32 ones another, so a step loads
+with three copies (those two and the block tables) instead of one per field.
 """
 
 from __future__ import annotations
