@@ -19,6 +19,7 @@ all its tokens are known, and `publish_known` catches up when they are.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,55 +33,68 @@ __all__ = ["PLACEHOLDER_TOKEN_ID", "InflightStep", "KnownTokensKVCacheManager", 
 
 
 @dataclass(slots=True)
-class SampledRow:
-    request: Request
-    position: int  # of the placeholder in request.all_token_ids
-
-
-@dataclass(slots=True)
 class InflightStep:
     scheduled: SchedulerOutput
     handle: StepHandle
-    rows: list[SampledRow]  # sampling sequences, in the order of the step's sampled ids
+    requests: list[Request]  # sampling sequences, in the order of the step's sampled ids
+    positions: list[int]  # of each one's placeholder in its all_token_ids
     needs_tokens: bool  # a sequence reads its output tokens on the host (penalties): do not overlap
+    has_grammar_rows: bool
     result: StepResult | None = None  # once waited for
     grammar_ends: list[bool] | None = None  # per row, once its grammar rows took their tokens
 
-    @property
-    def has_grammar_rows(self) -> bool:
-        return any(row.request.grammar is not None for row in self.rows)
-
     def pending_rows(self) -> dict[Request, int]:
         """Sequences whose last token is this step's placeholder -> its row in the sampled ids."""
-        return {row.request: i for i, row in enumerate(self.rows)}
+        return dict(zip(self.requests, itertools.count()))
 
 
 class Placeholders:
-    """Positions of the tokens each sequence is still waiting for (at most two: steps N and N+1)."""
+    """Positions of the tokens each sequence is still waiting for (kept on the request itself:
+    `Request.placeholder_positions`, so that a step costs no dict or list churn per row)."""
 
     def __init__(self) -> None:
-        self._positions: dict[Request, list[int]] = {}
+        self._num_waiting = 0  # sequences with at least one placeholder
+
+    def add_last(self, requests: list[Request]) -> list[int]:
+        """Each request's last token is a new placeholder; returns their positions."""
+        positions = []
+        num_new = 0
+        for request in requests:
+            pending = request.placeholder_positions
+            position = len(request.all_token_ids) - 1
+            if not pending:
+                num_new += 1
+            pending.append(position)
+            positions.append(position)
+        self._num_waiting += num_new
+        return positions
 
     def add(self, request: Request, position: int) -> None:
-        self._positions.setdefault(request, []).append(position)
+        pending = request.placeholder_positions
+        if not pending:
+            self._num_waiting += 1
+        pending.append(position)
 
     def resolve(self, request: Request, position: int) -> None:
-        positions = self._positions[request]
-        positions.remove(position)
-        if not positions:
-            del self._positions[request]
+        pending = request.placeholder_positions
+        if pending[0] == position:  # the usual order: step N before N+1
+            del pending[0]
+        else:
+            pending.remove(position)
+        if not pending:
+            self._num_waiting -= 1
 
     def num_known_tokens(self, request: Request) -> int:
-        positions = self._positions.get(request)
-        return positions[0] if positions else request.num_tokens
+        pending = request.placeholder_positions
+        return pending[0] if pending else len(request.all_token_ids)
 
     def has_unreported(self, request: Request) -> bool:
         """Whether a token of the sequence is still to be reported (not one dropped after a stop)."""
-        positions = self._positions.get(request)
-        return positions is not None and positions[0] < request.num_tokens
+        pending = request.placeholder_positions
+        return bool(pending) and pending[0] < len(request.all_token_ids)
 
     def __len__(self) -> int:
-        return len(self._positions)
+        return self._num_waiting
 
 
 class KnownTokensKVCacheManager(KVCacheManager):

@@ -18,6 +18,8 @@ which has launched the following step before waiting for them (see async_steps.p
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -32,7 +34,6 @@ from services.engine.async_steps import (
     InflightStep,
     KnownTokensKVCacheManager,
     Placeholders,
-    SampledRow,
     is_stop_token,
 )
 from services.engine.config import EngineConfig
@@ -50,6 +51,7 @@ from services.engine.step_profile import StepProfile
 from services.engine.structured.admission import GrammarAdmission
 
 log = logging.getLogger(__name__)
+atexit.register(gc.unfreeze)  # Engine freezes the start-up heap (see __init__); shutdown collects it as usual
 _WAITING_WHEN_FULL = 8  # requests an engine with every sequence slot busy still takes (the next to start)
 
 
@@ -75,6 +77,9 @@ class Engine:
             num_blocks = self.parallel.ctx.agree_min(num_blocks)
         self.max_model_len = _fit_max_model_len(config, spec.max_model_len, num_blocks)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
+        # Every id that may end some sequence (EOS, any request's stop ids; only grows): a sampled token
+        # outside it skips the per-request stop check.
+        self._stop_token_ids: set[int] = set(self.eos_token_ids)
         self.vocab_size = spec.vocab_size
         self.placeholders = Placeholders()
         self.kv_cache = KnownTokensKVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -99,6 +104,9 @@ class Engine:
                                          sorted(self.eos_token_ids))
         if self.device.type == "cuda" and config.warm_up:
             self._warm_up()
+        # Everything alive now (torch, the model, tokenizers: ~400k objects) lives as long as the engine:
+        # move it out of the collector's view, or each full collection walks it all (~0.1-0.5 s, mid-step).
+        gc.freeze()
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, config.block_size,
                  self.max_model_len)
 
@@ -135,6 +143,7 @@ class Engine:
             raise ValueError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the "
                              f"context of {self.max_model_len}")
         arrival = next(self._arrival)
+        self._stop_token_ids.update(params.stop_token_ids)
         choices = [
             Request.create(request_id, index, prompt, outputs, params.for_choice(index), max_tokens,
                            self.eos_token_ids, arrival, self.device)
@@ -209,7 +218,7 @@ class Engine:
     def _launch(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> InflightStep:
         """Enqueue a step on the device, then tell the scheduler its sampling sequences got a
         (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
-        block_tables = [self.kv_cache.block_ids(s.request) for s in scheduled.scheduled]
+        block_tables = self.kv_cache.block_tables(s.request for s in scheduled.scheduled)
         before_sampling = None
         if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
             def before_sampling() -> None:
@@ -225,42 +234,45 @@ class Engine:
             raise
         num_sampling = sum(1 for s in scheduled.scheduled if s.is_sampling)
         updated = self.scheduler.update(scheduled, [PLACEHOLDER_TOKEN_ID] * num_sampling)
-        rows = [SampledRow(r, r.num_tokens - 1) for r in updated]
-        for row in rows:
-            self.placeholders.add(row.request, row.position)
+        positions = self.placeholders.add_last(updated)
         self.profile.mark("update")
-        needs_tokens = any(row.request.params.has_penalties for row in rows)
-        return InflightStep(scheduled, handle, rows, needs_tokens)
+        needs_tokens = any(r.params.has_penalties for r in updated)
+        has_grammar_rows = any(r.grammar is not None for r in updated)
+        return InflightStep(scheduled, handle, updated, positions, needs_tokens, has_grammar_rows)
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a step's tokens, put them in place of its placeholders, apply stop tokens."""
         result = self._result(step)
         self.profile.mark("wait")
-        grammar_ends = self._advance_grammars(step)
+        grammar_ends = self._advance_grammars(step) if step.has_grammar_rows else itertools.repeat(False)
         self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
         for part in result.prompt_logprobs:
             accumulate(part.request.prompt_logprobs, part)
+        assert len(result.sampled_token_ids) == len(result.logprobs) == len(step.requests)
         outputs = []
-        for row, token_id, logprob, ends in zip(step.rows, result.sampled_token_ids, result.logprobs, grammar_ends,
-                                                strict=True):
-            request, position = row.request, row.position
-            self.placeholders.resolve(request, position)
+        resolve, block_size, maybe_stops = self.placeholders.resolve, self.config.block_size, self._stop_token_ids
+        for request, position, token_id, logprob, ends in zip(step.requests, step.positions, result.sampled_token_ids,
+                                                              result.logprobs, grammar_ends):  # fmt: skip
+            resolve(request, position)
             tokens = request.all_token_ids
             if request.finish_reason == "abort" or position >= len(tokens):
                 continue  # aborted, or a stop token one step earlier ended it: drop the token
             tokens[position] = token_id
-            if is_stop_token(request, token_id, position) or ends:
+            if (token_id in maybe_stops and is_stop_token(request, token_id, position)) or ends:
                 del tokens[position + 1 :]  # a placeholder scheduled after it
                 if request.is_finished:  # by a length limit found at a later launch
                     request.finish_reason = "stop"
                 else:
                     self.scheduler.finish([request], "stop")
-            elif not request.is_finished and (position + 1) % self.config.block_size == 0:
+            elif (position + 1) % block_size == 0 and not request.is_finished:
                 self.kv_cache.publish_known(request)  # the token completed a block: it can be shared now
             is_last = request.is_finished and position == len(tokens) - 1
-            output = _output(request, [token_id], None if logprob is None else [logprob],
-                             position + 1 - request.num_prompt_tokens, is_last)
-            if position == request.num_prompt_tokens and request.params.prompt_logprobs is not None:
+            num_prompt = len(request.prompt_token_ids)
+            new_logprobs = [logprob] if logprob is not None else [] if request.params.logprobs is not None else None
+            output = RequestOutput(request.request_id, request.index, [token_id], new_logprobs,
+                                   request.finish_reason if is_last else None, num_prompt, position + 1 - num_prompt,
+                                   max(request.num_cached_tokens, 0))  # fmt: skip
+            if position == num_prompt and request.params.prompt_logprobs is not None:
                 output.prompt_logprobs = list(request.prompt_logprobs)  # with the first output token
             outputs.append(output)
             if is_last:
@@ -294,10 +306,10 @@ class Engine:
         if step.grammar_ends is None:
             tokens = self._result(step).sampled_token_ids
             step.grammar_ends = [
-                _grammar_ends(row.request, token_id)
-                if row.request.grammar is not None and row.request.finish_reason != "abort"
-                and row.position < len(row.request.all_token_ids) else False  # dropped tokens never reach it
-                for row, token_id in zip(step.rows, tokens, strict=True)
+                _grammar_ends(request, token_id)
+                if request.grammar is not None and request.finish_reason != "abort"
+                and position < len(request.all_token_ids) else False  # dropped tokens never reach it
+                for request, position, token_id in zip(step.requests, step.positions, tokens, strict=True)
             ]
         return step.grammar_ends
 

@@ -12,11 +12,13 @@ copies the token from that step's device tensor (row `patch_src`) before the for
 
 On CUDA, `InputBuffers` holds persistent device tensors (CUDA graphs read them in place) and two sets
 of pinned staging arrays, used in turn: a step's host->device copies may still be pending while the
-next step is prepared.
+next step is prepared. The int64 fields share one tensor, the int32 ones another, so a step loads
+with three copies (those two and the block tables) instead of one per field.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,28 +79,25 @@ def build_host_batch(
     num_tokens = int(query_start_loc[-1])
     seq_lens = starts + num_new
 
-    token_ids: list[int] = []
-    patch_rows: list[int] = []
-    patch_src: list[int] = []
-    for i, s in enumerate(scheduled):
-        all_ids = s.request.all_token_ids
-        end = s.num_computed_tokens + s.num_new_tokens
-        token_ids.extend(all_ids[s.num_computed_tokens : end])
-        if pending_rows and end == len(all_ids) and s.request in pending_rows:
-            patch_rows.append(int(query_start_loc[i + 1]) - 1)
-            patch_src.append(pending_rows[s.request])
-    input_ids = np.array(token_ids, dtype=np.int64)
-    is_placeholder = input_ids < 0
-    assert int(is_placeholder.sum()) == len(patch_rows), "a placeholder token without its source"
-    input_ids[is_placeholder] = 0  # overwritten on the device; a valid id meanwhile
+    max_query_len = int(num_new.max())
+    if max_query_len == 1:  # decode rows only: one token each, no slicing
+        input_ids = np.fromiter((s.request.all_token_ids[s.num_computed_tokens] for s in scheduled), dtype=np.int64,
+                                count=num_seqs)  # fmt: skip
+    else:
+        token_ids: list[int] = []
+        for s in scheduled:
+            token_ids.extend(s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+        input_ids = np.array(token_ids, dtype=np.int64)
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
+    # A placeholder is always a sequence's last token, so its row is that sequence's last row.
+    patch_rows = np.flatnonzero(input_ids < 0)
+    patched_seqs = seq_of_token[patch_rows].tolist()
+    patch_src = np.array([_patch_source(pending_rows, scheduled[seq].request) for seq in patched_seqs], dtype=np.int64)
+    input_ids[patch_rows] = 0  # overwritten on the device; a valid id meanwhile
     positions = np.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + starts[seq_of_token]
 
     num_table_blocks = int(-(-seq_lens.max() // block_size))
-    tables = np.zeros((num_seqs, num_table_blocks), dtype=np.int32)
-    for row, block_ids in enumerate(block_tables):
-        used = block_ids[:num_table_blocks]
-        tables[row, : len(used)] = used
+    tables = _block_table_array(block_tables, num_seqs, num_table_blocks)
     slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     sampling = np.fromiter((s.is_sampling for s in scheduled), dtype=bool, count=num_seqs)
@@ -110,11 +109,31 @@ def build_host_batch(
         seq_lens=seq_lens.astype(np.int32),
         block_tables=tables,
         logits_rows=query_start_loc[1:][sampling] - 1,
-        patch_rows=np.array(patch_rows, dtype=np.int64),
-        patch_src=np.array(patch_src, dtype=np.int64),
-        max_query_len=int(num_new.max()),
+        patch_rows=patch_rows.astype(np.int64, copy=False),
+        patch_src=patch_src,
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
     )
+
+
+def _patch_source(pending_rows: Mapping[Request, int] | None, request: Request) -> int:
+    row = pending_rows.get(request) if pending_rows else None
+    assert row is not None, "a placeholder token without its source"
+    return row
+
+
+def _block_table_array(block_tables: Sequence[Sequence[int]], num_seqs: int, num_cols: int) -> np.ndarray:
+    """[num_seqs, num_cols] int32, each row its sequence's block ids then zeros (filled in one masked write)."""
+    tables = np.zeros((num_seqs, num_cols), dtype=np.int32)
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+    if num_seqs and int(lengths.max()) > num_cols:  # more blocks than this step reads: keep the first ones
+        for row, block_ids in enumerate(block_tables):
+            used = block_ids[:num_cols]
+            tables[row, : len(used)] = used
+        return tables
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
+    tables[np.arange(num_cols) < lengths[:, None]] = flat
+    return tables
 
 
 def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
@@ -194,12 +213,15 @@ def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
     )
 
 
-_FIELDS_1D = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_rows",
-              "patch_rows", "patch_src")
+# Device layout: each dtype's fields back to back in one tensor, per-sequence fields first, so that
+# one copy of a prefix of the staging tensor (up to the last field's used part) loads them all.
+_INT64_FIELDS = ("logits_rows", "patch_rows", "patch_src", "input_ids", "positions", "slot_mapping")
+_INT32_FIELDS = ("seq_lens", "query_start_loc")
 
 
 class InputBuffers:
-    """Persistent device inputs, filled from pinned staging arrays with asynchronous copies."""
+    """Persistent device inputs, filled from pinned staging arrays with asynchronous copies: one per
+    dtype and one for the block tables, three per step."""
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.device = device
@@ -207,33 +229,59 @@ class InputBuffers:
         lengths = {"input_ids": max_num_tokens, "positions": max_num_tokens, "slot_mapping": max_num_tokens,
                    "query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs, "logits_rows": max_num_seqs,
                    "patch_rows": max_num_seqs, "patch_src": max_num_seqs}  # fmt: skip
-        int32 = ("query_start_loc", "seq_lens")
-        self.device_1d = {name: torch.zeros(n, dtype=torch.int32 if name in int32 else torch.int64, device=device)
-                          for name, n in lengths.items()}  # fmt: skip
+        self._offsets: dict[str, int] = {}
+        for names in (_INT64_FIELDS, _INT32_FIELDS):
+            offset = 0
+            for name in names:
+                self._offsets[name] = offset
+                offset += lengths[name]
+        self._lengths = lengths
+        size64 = sum(lengths[n] for n in _INT64_FIELDS)
+        size32 = sum(lengths[n] for n in _INT32_FIELDS)
+        self._device64 = torch.zeros(size64, dtype=torch.int64, device=device)
+        self._device32 = torch.zeros(size32, dtype=torch.int32, device=device)
+        self.device_1d = {name: self._field(self._device64 if name in _INT64_FIELDS else self._device32, name)
+                          for name in lengths}  # fmt: skip
         self.device_1d["seq_lens"].fill_(1)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
+        num_table_entries = max_num_seqs * max_blocks_per_seq
         self._staging = [
-            ({name: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for name, t in self.device_1d.items()},
-             torch.empty(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+            (
+                torch.zeros(size64, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(size32, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(num_table_entries, dtype=torch.int32, pin_memory=pin),
+            )
             for _ in range(2)
-        ]  # fmt: skip
+        ]
         self._turn = 0
+
+    def _stage(self, batch: HostBatch, names: tuple[str, ...], staging: torch.Tensor, device_flat: torch.Tensor,
+               views: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        """Write the fields into the staging tensor at their offsets; one copy of the used prefix."""
+        staged = staging.numpy()
+        end = 0
+        for name in names:
+            array: np.ndarray = getattr(batch, name)
+            start, n = self._offsets[name], array.shape[0]
+            staged[start : start + n] = array
+            views[name] = device_flat[start : start + n]
+            if n:
+                end = start + n
+        device_flat[:end].copy_(staging[:end], non_blocking=True)
+
+    def _field(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        offset = self._offsets[name]
+        return flat[offset : offset + self._lengths[name]]
 
     def load(self, batch: HostBatch) -> ModelInput:
         """Copy `batch` into the persistent tensors; the returned tensors are views of them."""
         assert batch.num_tokens <= self.max_num_tokens and batch.num_seqs <= self.max_num_seqs
-        staging_1d, staging_tables = self._staging[self._turn]
+        staging64, staging32, staging_tables = self._staging[self._turn]
         self._turn ^= 1
         views: dict[str, torch.Tensor] = {}
-        for name in _FIELDS_1D:
-            array: np.ndarray = getattr(batch, name)
-            n = array.shape[0]
-            staged = staging_1d[name][:n]
-            staged.numpy()[:] = array
-            views[name] = self.device_1d[name][:n]
-            if n:
-                views[name].copy_(staged, non_blocking=True)
+        self._stage(batch, _INT64_FIELDS, staging64, self._device64, views)
+        self._stage(batch, _INT32_FIELDS, staging32, self._device32, views)
         num_seqs, num_cols = batch.block_tables.shape
         staged_tables = staging_tables[: num_seqs * num_cols].view(num_seqs, num_cols)
         staged_tables.numpy()[:] = batch.block_tables

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from services.engine.block_pool import BlockPool
 from services.engine.request import Request
@@ -48,6 +48,19 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return self._blocks.get(request.seq_id, [])
+
+    def block_tables(self, requests: Iterable[Request]) -> list[list[int]]:
+        """`block_ids` of each request (one step's block tables)."""
+        get, no_blocks = self._blocks.get, list[int]()  # shared: the caller only reads them
+        return [get(request.seq_id, no_blocks) for request in requests]
+
+    def fits_in_place(self, request: Request, num_tokens: int) -> bool:
+        """Whether `allocate(request, num_tokens)` would take no block and publish nothing."""
+        seq_id = request.seq_id
+        block_ids = self._blocks.get(seq_id)
+        if not block_ids or num_tokens > len(block_ids) * self.block_size:
+            return False
+        return not self.enable_prefix_caching or num_tokens // self.block_size <= self._num_published.get(seq_id, 0)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.engine import attention, prompt_logprobs
@@ -67,7 +68,7 @@ class StepHandle:
         if self.ready is not None:
             self.ready.synchronize()
         result = StepResult([], []) if self.packed is None else _unpack(
-            self.packed.tolist(), self.num_logprobs, self.logprob_width)
+            self.packed, self.num_logprobs, self.logprob_width)
         if self.prompt_chunks:  # only requests that asked for prompt logprobs pay this copy
             result.prompt_logprobs = prompt_logprobs.to_host(self.prompt_chunks)
         return result
@@ -203,13 +204,15 @@ def _pack(output: SamplerOutput) -> torch.Tensor:
     return torch.cat(tensors)
 
 
-def _unpack(host: list[float], num_logprobs: list[int | None], width: int) -> StepResult:
+def _unpack(host: torch.Tensor, num_logprobs: list[int | None], width: int) -> StepResult:
+    packed = host.numpy()
     num_rows = len(num_logprobs)
-    sampled = [int(t) for t in host[:num_rows]]
+    sampled: list[int] = packed[:num_rows].astype(np.int64).tolist()
     logprobs: list[TokenLogprob | None] = [None] * num_rows
     if width:
-        num_entries = (len(host) - num_rows) // 2
-        ids, values = host[num_rows : num_rows + num_entries], host[num_rows + num_entries :]
+        rest = packed[num_rows:].tolist()
+        num_entries = len(rest) // 2
+        ids, values = rest[:num_entries], rest[num_entries:]
         lp_rows = (row for row, k in enumerate(num_logprobs) if k is not None)
         for i, row in enumerate(lp_rows):
             k = num_logprobs[row] or 0

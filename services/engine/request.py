@@ -5,6 +5,7 @@ Ownership, so that no two classes update the same counter:
   all_token_ids (appends)          -> Scheduler update step (the sampled token)
   block_hashes, num_hashed_blocks  -> KVCacheManager
   finish_reason                    -> Scheduler (stop checks) / Engine (abort)
+  placeholder_positions            -> async_steps.Placeholders (overlapped steps)
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class Request:
     generator: torch.Generator | None = None  # only with a seed
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # [None, pos 1, ...] when asked
     grammar: GrammarState | None = None  # only with structured output (set by the engine)
+    # Positions of sampled tokens the host has not seen yet (at most two: steps N and N+1).
+    placeholder_positions: list[int] = field(default_factory=list)
+    seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
+
+    def __post_init__(self) -> None:
+        self.seq_id = f"{self.request_id}#{self.index}"
 
     @classmethod
     def create(
@@ -75,10 +82,6 @@ class Request:
             num_initial_output_tokens=len(output_token_ids),
             generator=generator,
         )
-
-    @property
-    def seq_id(self) -> str:
-        return f"{self.request_id}#{self.index}"
 
     @property
     def num_tokens(self) -> int:

@@ -79,14 +79,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        scheduled, running, kv_cache = output.scheduled, self.running, self.kv_cache
         budget = self.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - num_computed
+            if num_new == 1 and kv_cache.fits_in_place(request, num_computed + 1):
+                # The common decode row: no block to take, nothing to publish (allocate would be a no-op).
+                scheduled.append(ScheduledRequest(request, num_computed, 1, True))
+                budget -= 1
+                index += 1
+                continue
+            num_new = min(num_new, budget)
             if not self._allocate_or_preempt(request, num_new, output.preempted):
                 break  # `request` itself was the newest and got preempted: nobody is left after it
-            output.scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
         if not output.preempted:  # admitting now would only evict what a running sequence needs
@@ -101,20 +110,30 @@ class Scheduler:
             raise ValueError("sampled_token_ids do not match the sampling sequences")
         sampled = iter(sampled_token_ids)
         updated = []
+        max_model_len = self.max_model_len
+        num_computed = 0
+        has_finished = False
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            self.counters.num_computed_tokens += item.num_new_tokens
+            num_computed += item.num_new_tokens
             if not item.is_sampling:
                 continue
             token_id = next(sampled)
-            request.all_token_ids.append(token_id)
-            self.counters.num_generated_tokens += 1
-            reason = request.stop_reason_after(token_id, self.max_model_len)
-            if reason is not None:
-                self._release(request, reason)
+            tokens = request.all_token_ids
+            tokens.append(token_id)
+            # A cheap superset of stop_reason_after's conditions (min_tokens aside) keeps most rows off it.
+            if (len(tokens) - len(request.prompt_token_ids) >= request.max_tokens or len(tokens) >= max_model_len
+                    or token_id in request.eos_token_ids or token_id in request.params.stop_token_ids):  # fmt: skip
+                reason = request.stop_reason_after(token_id, max_model_len)
+                if reason is not None:
+                    self._release(request, reason)
+                    has_finished = True
             updated.append(request)
-        self.running = [r for r in self.running if not r.is_finished]
+        self.counters.num_computed_tokens += num_computed
+        self.counters.num_generated_tokens += len(updated)
+        if has_finished:
+            self.running = [r for r in self.running if not r.is_finished]
         return updated
 
     def finish(self, requests: Sequence[Request], reason: str) -> None:
