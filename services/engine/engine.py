@@ -377,8 +377,12 @@ class Engine:
         start = time.perf_counter()
         self.runner.capture_graphs()
         longest = min(100, self.max_model_len - 3)
-        for lengths in ((longest, 1), (min(8, longest), 1)):  # a prefill-sized and a short-query mix
-            prompts = [[i % self.vocab_size for i in range(n)] for n in lengths]
+        # A prefill-sized and a short-query mix, and a long query among decodes (the paged kernel's prefill
+        # tiles: the prefill kernel takes only steps of long queries on average). Offsets keep the prompts
+        # from sharing cached blocks, which would shorten their steps.
+        mixes = ((longest, 1), (min(8, longest), 1), (min(64, longest), 1, 1, 1, 1))
+        for offset, lengths in enumerate(mixes):
+            prompts = [[(17 * offset + i) % self.vocab_size for i in range(n)] for n in lengths]
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         # Every eager token bucket up to 2,048 once, so that a first prompt of any usual length finds cuBLAS's
         # algorithm choices cached (input_batch.eager_token_bucket); bigger steps come under load.
