@@ -54,8 +54,8 @@ if has throughput; then
   RC[throughput_smollm2]=$?
   # fp8 first after bf16: the fp8-vs-bf16 pair matters most. Correctness (logprob error vs HF fp32, with
   # HF bf16's own beside it) only for fp8 weights: it needs an fp32 copy of the 8B model (~40 s).
-  timeout "$(budget "${LLAMA_TIMEOUT:-200}")" python3 -m bench.throughput --models llama-3.1-8b --hf-requests 0 \
-    --variants bf16,fp8,fp8kv --check-variants fp8 --check-tokens 16 --out-dir "$OUT" --tag _8b \
+  timeout "$(budget "${LLAMA_TIMEOUT:-260}")" python3 -m bench.throughput --models llama-3.1-8b --hf-requests 0 \
+    --variants bf16,fp8,fp8kv,fp8+fp8kv --check-variants fp8 --check-tokens 16 --out-dir "$OUT" --tag _8b \
     > "$OUT/throughput_8b.log" 2>&1
   RC[throughput_8b]=$?
 fi
@@ -68,7 +68,7 @@ if has decodeheavy; then
 fi
 
 if has tests; then
-  timeout "$(budget "${TEST_TIMEOUT:-150}")" "${PYTEST[@]}" --confcutdir=tests/kernels tests/kernels > "$OUT/tests_kernels.log" 2>&1
+  timeout "$(budget "${TEST_TIMEOUT:-300}")" "${PYTEST[@]}" --confcutdir=tests/kernels tests/kernels > "$OUT/tests_kernels.log" 2>&1
   RC[tests_kernels]=$?
   # fp32 fused path vs HF on every family (Triton backend), then fp8 weights / KV on the GPU.
   timeout "$(budget "${MODEL_TEST_TIMEOUT:-90}")" "${PYTEST[@]}" -s --confcutdir=tests/models tests/models/test_gpu_fp8.py \
