@@ -412,6 +412,9 @@ def paged_attention(
     assert num_heads == group * num_kv_heads and kv_cache.shape[4] == head_dim
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert config.block_m >= group, "a program must hold all query heads of its KV head"
+    # The no-dot path (CUDA-core FMAs for a few rows) is checked on decode batches only; on a mixed batch it
+    # missed the reference on an H100.
+    assert config.use_dot or config.is_decode_only, "use_dot=False is for decode-only batches"
     if out is None:
         out = torch.empty_like(query)
     head_dim_padded = next_power_of_2(head_dim)
