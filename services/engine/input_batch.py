@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -145,20 +145,10 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
     assert batch.max_query_len == 1 and num_pad >= 0
     if num_pad == 0:
         return batch
-    zeros = np.zeros(num_pad, dtype=np.int64)
-    return HostBatch(
-        input_ids=np.concatenate([batch.input_ids, zeros]),
-        positions=np.concatenate([batch.positions, zeros]),
-        slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]),
-        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
-        seq_lens=np.concatenate([batch.seq_lens, np.ones(num_pad, dtype=np.int32)]),
-        block_tables=batch.block_tables,  # rows past the real ones keep their stale (valid) ids
-        logits_rows=batch.logits_rows,
-        patch_rows=batch.patch_rows,
-        patch_src=batch.patch_src,
-        max_query_len=1,
-        max_seq_len=batch.max_seq_len,
-    )
+    padded = pad_eager_batch(batch, batch.num_tokens + num_pad)  # one token per padding sequence
+    # Rows past the real ones in the block table keep their stale (valid) ids.
+    return replace(padded, query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+                   seq_lens=np.concatenate([batch.seq_lens, np.ones(num_pad, dtype=np.int32)]))  # fmt: skip
 
 
 def eager_token_bucket(num_tokens: int) -> int:
@@ -180,19 +170,9 @@ def pad_eager_batch(batch: HostBatch, num_tokens: int) -> HostBatch:
     if num_pad == 0:
         return batch
     zeros = np.zeros(num_pad, dtype=np.int64)
-    return HostBatch(
-        input_ids=np.concatenate([batch.input_ids, zeros]),
-        positions=np.concatenate([batch.positions, zeros]),
-        slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]),
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        logits_rows=batch.logits_rows,
-        patch_rows=batch.patch_rows,
-        patch_src=batch.patch_src,
-        max_query_len=batch.max_query_len,
-        max_seq_len=batch.max_seq_len,
-    )
+    return replace(batch, input_ids=np.concatenate([batch.input_ids, zeros]),
+                   positions=np.concatenate([batch.positions, zeros]),
+                   slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]))  # fmt: skip
 
 
 def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
