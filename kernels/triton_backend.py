@@ -17,8 +17,6 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_write import write_kv_cache
 from kernels.launch_config import (
     PREFILL_QUERY_LEN,
-    AttentionConfig,
-    PrefillConfig,
     choose_config,
     choose_prefill_config,
     uses_prefill_kernel,
@@ -36,30 +34,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@cache
-def _config(
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_query_len: int,
-    num_sms: int,
-    kv_dtype_bytes: int = 2,
-) -> AttentionConfig:
-    return choose_config(
-        num_seqs=num_seqs,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_query_len=max_query_len,
-        num_sms=num_sms,
-        kv_dtype_bytes=kv_dtype_bytes,
-    )
-
-
-@cache
-def _prefill_config(num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
-    return choose_prefill_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+# Config choice depends on host integers only, so it is cached per batch shape.
+_config = cache(choose_config)
+_prefill_config = cache(choose_prefill_config)
 
 
 def _is_token_rows(x: torch.Tensor, num_tokens: int) -> bool:
@@ -88,16 +65,17 @@ def attend(
     ):
         return prefill_attention(
             query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            _prefill_config(num_heads, kv_cache.shape[3], head_dim), k_scale=k_scale, v_scale=v_scale,
+            _prefill_config(num_heads=num_heads, num_kv_heads=kv_cache.shape[3], head_dim=head_dim),
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     config = _config(
-        num_seqs,
-        num_heads,
-        kv_cache.shape[3],
-        head_dim,
-        min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
-        _num_sms(query.device),
-        kv_cache.element_size(),
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        num_kv_heads=kv_cache.shape[3],
+        head_dim=head_dim,
+        max_query_len=min(meta.max_query_len, PREFILL_QUERY_LEN),  # the choice only looks at this bucket
+        num_sms=_num_sms(query.device),
+        kv_dtype_bytes=kv_cache.element_size(),
     )
     return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config,
                            k_scale=k_scale, v_scale=v_scale)  # fmt: skip
