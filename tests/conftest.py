@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +88,37 @@ def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
+@contextmanager
+def running_stack(
+    env: dict[str, str],
+    log_dir: Path,
+    engine_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
+) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
+    """Tokenizer, engine (CPU, fp32, one torch thread: it shares the cores with the gateway, the tokenizer
+    and the client) and gateway for the default model, as separate processes: (base URL, processes) once
+    ready; stopped on exit, with each log's tail printed (shown on failure by pytest's -ra summary)."""
+    from shared.redis_server import free_port
+
+    port = free_port()
+    length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
+    engine = ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", *engine_args, *length]
+    gateway = ["gateway", "--host", "127.0.0.1", "--port", str(port), *gateway_args]
+    processes = {
+        "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
+        "engine": start_service("engine", engine, env, log_dir),
+        "gateway": start_service("gateway", gateway, env, log_dir),
+    }
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, processes)
+        yield base_url, processes
+    finally:
+        stop_all(processes)
+        for name in processes:
+            print(f"----- {name} log (tail) -----\n" + (log_dir / f"{name}.log").read_text()[-3000:])
+
+
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[OTLPReceiver]:
     from tests.otlp_receiver import OTLPReceiver
@@ -106,27 +138,11 @@ def services(
     from shared.redis_server import free_port
 
     log_dir = tmp_path_factory.mktemp("service-logs")
-    port = free_port()
     metrics_ports = {"tokenizer": free_port(), "engine": free_port()}
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO",
            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
            "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(metrics_ports["tokenizer"]),
            "PAGEDSERVE_ENGINE_METRICS_PORT": str(metrics_ports["engine"])}
-    length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
-    processes = {
-        "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
-        # One torch thread: the engine shares the cores with the gateway, the tokenizer and the client.
-        "engine": start_service(
-            "engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", *length], env, log_dir
-        ),
-        "gateway": start_service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_dir),
-    }
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base_url, processes)
+    with running_stack(env, log_dir) as (base_url, processes):
         yield RunningServices(base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir, metrics_ports,
                               otlp_receiver)
-    finally:
-        stop_all(processes)
-        for name in processes:  # shown on failure by pytest's -ra summary via captured output
-            print(f"----- {name} log (tail) -----\n" + (log_dir / f"{name}.log").read_text()[-3000:])

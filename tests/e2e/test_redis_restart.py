@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from shared.model_source import DEFAULT_MODEL
-from shared.redis_server import PrivateRedis, free_port
-from tests.conftest import E2E_MAX_MODEL_LEN, start_service, stop_all, wait_ready
+from shared.redis_server import PrivateRedis
+from tests.conftest import running_stack
 from tests.e2e.checks import answer_normally, wait_nothing_pending
 
 NUM_STREAMS = 4
@@ -49,25 +49,12 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     redis = PrivateRedis().start()
     log_dir = tmp_path_factory.mktemp("redis-restart-logs")
-    port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
-    length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
-    processes = {
-        "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
-        "engine": start_service(
-            "engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", *length], env, log_dir
-        ),
-        "gateway": start_service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_dir),
-    }
-    base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base_url, processes)
-        yield Stack(redis, base_url, processes, log_dir)
+        with running_stack(env, log_dir) as (base_url, processes):
+            yield Stack(redis, base_url, processes, log_dir)
     finally:
-        stop_all(processes)
         redis.stop()
-        for name in processes:
-            print(f"----- {name} log (tail) -----\n" + (log_dir / f"{name}.log").read_text()[-3000:])
 
 
 async def stream_until_done(client: httpx.AsyncClient, prompt: str, first_token: asyncio.Event) -> list[Any]:

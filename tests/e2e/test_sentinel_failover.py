@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from shared.model_source import DEFAULT_MODEL
-from shared.redis_server import free_port
-from tests.conftest import E2E_MAX_MODEL_LEN, start_service, stop_all, wait_ready
+from tests.conftest import running_stack
 from tests.sentinel_cluster import SentinelCluster
 
 RECOVERY_S = 15.0
@@ -26,24 +25,12 @@ RECOVERY_S = 15.0
 def sentinel_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SentinelCluster, str]]:
     cluster = SentinelCluster().start()
     log_dir: Path = tmp_path_factory.mktemp("sentinel-logs")
-    port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": cluster.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
-    length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
-    processes = {
-        "tokenizer": start_service("tokenizer", ["tokenizer", *length], env, log_dir),
-        "engine": start_service("engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1",
-                                           "--heartbeat-ttl-s", "3", *length], env, log_dir),
-        "gateway": start_service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port),
-                                             "--accept-timeout-s", "10", "--engine-silence-timeout-s", "20"],
-                                 env, log_dir),
-    }
     try:
-        wait_ready(f"http://127.0.0.1:{port}", processes)
-        yield cluster, f"http://127.0.0.1:{port}"
+        gateway_args = ["--accept-timeout-s", "10", "--engine-silence-timeout-s", "20"]
+        with running_stack(env, log_dir, ["--heartbeat-ttl-s", "3"], gateway_args) as (base_url, _):
+            yield cluster, base_url
     finally:
-        stop_all(processes)
-        for name in processes:
-            print(f"----- {name} log (tail) -----\n" + (log_dir / f"{name}.log").read_text()[-3000:])
         cluster.stop()
 
 
