@@ -64,12 +64,16 @@ def show(title: str, table: dict[str, tuple[int, float]], steps: int, top: int) 
     return {"ms_per_step": total / steps / 1e3, "kernels": kernels}
 
 
+def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> EngineConfig:
+    """The throughput workload's engine on the GPU (bf16, 256 sequences, 8,192-token steps by default)."""
+    return EngineConfig(model_dir=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=args.num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
+                        gpu_memory_utilization=0.85, **changes)  # fmt: skip
+
+
 def host_profile(model: Any, model_dir: Path, args: argparse.Namespace, top: int) -> dict[str, Any]:
     """The full workload with graphs and async steps, per-step phase times and a cProfile of it."""
-    config = EngineConfig(model_dir=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=args.num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
-                          gpu_memory_utilization=0.85, profile_steps=True)  # fmt: skip
-    engine = Engine(config, model=model)
+    engine = Engine(engine_config(model_dir, args, profile_steps=True), model=model)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(args.num_seqs, args.prompt_len, model.spec.vocab_size, seed=2)):
         engine.add_request(f"h{i}", prompt, params)
@@ -119,10 +123,7 @@ def main() -> None:
     for name in args.models.split(","):
         hf, model, model_dir = build_models(name, 4096)
         del hf
-        config = EngineConfig(model_dir=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=args.num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
-                              cuda_graph_max_batch=0, gpu_memory_utilization=0.85)  # fmt: skip
-        engine = Engine(config, model=model)
+        engine = Engine(engine_config(model_dir, args, cuda_graph_max_batch=0), model=model)
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         for i, prompt in enumerate(make_prompts(args.num_seqs, args.prompt_len, model.spec.vocab_size, seed=1)):
             engine.add_request(f"r{i}", prompt, params)
