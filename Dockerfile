@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY services ./services
 COPY kernels ./kernels
 COPY shared ./shared
+COPY pagedserve ./pagedserve
 RUN pip install ".[otlp]"
 # A named volume mounted here starts with this directory's owner: the unprivileged user below.
 RUN mkdir -p /cache && chown 1000:1000 /cache

@@ -25,8 +25,8 @@ from triton.compiler import ASTSource
 # This script sits next to bench/kernels.py, which shares its name with the `kernels` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from kernels import paged_attention as pa  # noqa: E402
-from kernels.launch_config import AttentionConfig, choose_config  # noqa: E402
+from pagedserve.kernels import paged_attention as pa  # noqa: E402
+from pagedserve.kernels.launch_config import AttentionConfig, choose_config  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
 assert _spec is not None and _spec.loader is not None
@@ -34,28 +34,51 @@ bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_kernels"] = bench  # dataclasses look their module up while the class is built
 _spec.loader.exec_module(bench)
 
-TYPES = {"seg_out_ptr": "*fp32", "seg_max_ptr": "*fp32", "seg_sum_ptr": "*fp32", "block_tables_ptr": "*i32",
-         "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}  # fmt: skip
+TYPES = {
+    "seg_out_ptr": "*fp32",
+    "seg_max_ptr": "*fp32",
+    "seg_sum_ptr": "*fp32",
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "qk_scale": "fp32",
+    "v_scale": "fp32",
+}
 
 
 def resources(cfg: AttentionConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
     constexprs = dict(
-        NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim,
-        BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n, NUM_SEGMENTS=cfg.num_segments,
-        IS_DECODE_ONLY=True, DOT_PRECISION="tf32", PREFETCH=cfg.prefetch, LOOP_STAGES=cfg.loop_stages or None,
-        UNROLL=cfg.unroll or None, KV_EVICT="evict_first" if cfg.evict_kv else "",
-        BT_EVICT="evict_last" if cfg.evict_kv else "", LATE_V=cfg.late_v, USE_DOT=cfg.use_dot,
+        NUM_HEADS=num_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim,
+        BLOCK_SIZE=16,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=1,
+        TILE_N=cfg.tile_n,
+        NUM_SEGMENTS=cfg.num_segments,
+        IS_DECODE_ONLY=True,
+        DOT_PRECISION="tf32",
+        PREFETCH=cfg.prefetch,
+        LOOP_STAGES=cfg.loop_stages or None,
+        UNROLL=cfg.unroll or None,
+        KV_EVICT="evict_first" if cfg.evict_kv else "",
+        BT_EVICT="evict_last" if cfg.evict_kv else "",
+        LATE_V=cfg.late_v,
+        USE_DOT=cfg.use_dot,
         PERSISTENT_PROGRAMS=cfg.persistent_programs,
-    )  # fmt: skip
+    )
     names = pa._paged_attention_kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-                 for n in names}  # fmt: skip
+    signature = {
+        n: "constexpr" if n in constexprs else TYPES.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names
+    }
     aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_")]
     src = ASTSource(
-        pa._paged_attention_kernel, signature,
+        pa._paged_attention_kernel,
+        signature,
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
-    )  # fmt: skip
+    )
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     )
@@ -63,21 +86,29 @@ def resources(cfg: AttentionConfig, num_heads: int, num_kv_heads: int, head_dim:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+        log = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True
+        ).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
-    return (f"{regs.group(1) if regs else '?':>4} regs {spills.group(1) if spills else '?':>5} B spilled "
-            f"{compiled.metadata.shared / 1024:6.1f} KiB smem")  # fmt: skip
+    return (
+        f"{regs.group(1) if regs else '?':>4} regs {spills.group(1) if spills else '?':>5} B spilled "
+        f"{compiled.metadata.shared / 1024:6.1f} KiB smem"
+    )
 
 
 def main() -> None:
     for shape in bench.SHAPES:
         if not shape.name.startswith("decode"):
             continue
-        base = choose_config(num_seqs=len(shape.seq_lens), num_heads=shape.num_heads,
-                             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_query_len=1,
-                             num_sms=132)  # fmt: skip
+        base = choose_config(
+            num_seqs=len(shape.seq_lens),
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_query_len=1,
+            num_sms=132,
+        )
         print(shape.name, flush=True)
         seen: list[AttentionConfig] = []
         for phase in bench.decode_sweep(base, 132, shape.num_heads // shape.num_kv_heads):

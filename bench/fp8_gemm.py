@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from kernels.fp8_quant import quantize_rows_fp8
+from pagedserve.kernels.fp8_quant import quantize_rows_fp8
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 

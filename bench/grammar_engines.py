@@ -17,17 +17,40 @@ from pathlib import Path
 from typing import Any
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-             "required": ["name", "age"]},
-    "nested": {"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0},
-                                                   "tags": {"type": "array", "items": {"type": "string"}}},
-                 "required": ["id", "tags"]},
-        "kind": {"enum": ["a", "b", "c"]}, "score": {"type": "number"}}, "required": ["user", "kind", "score"]},
-    "array_of_objects": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"},
-                                         "label": {"type": "string", "maxLength": 20}},
-        "required": ["x", "y", "label"]}},
+    "flat": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["id", "tags"],
+            },
+            "kind": {"enum": ["a", "b", "c"]},
+            "score": {"type": "number"},
+        },
+        "required": ["user", "kind", "score"],
+    },
+    "array_of_objects": {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "number"},
+                "y": {"type": "number"},
+                "label": {"type": "string", "maxLength": 20},
+            },
+            "required": ["x", "y", "label"],
+        },
+    },
     "json_object": {"type": "object"},
 }
 OUTPUTS = {
@@ -65,8 +88,12 @@ def bench_xgrammar(tokenizer: Any, vocab_size: int, schema: dict[str, Any], toke
     for _ in range(20):
         xgr.apply_token_bitmask_inplace(logits, masks)
     apply_us = (time.perf_counter() - start) / 20 * 1e6
-    return {"compile_ms": compile_ms, "mask_us_median": statistics.median(times), "mask_us_max": max(times),
-            "apply_64_rows_cpu_us": apply_us}
+    return {
+        "compile_ms": compile_ms,
+        "mask_us_median": statistics.median(times),
+        "mask_us_max": max(times),
+        "apply_64_rows_cpu_us": apply_us,
+    }
 
 
 def bench_llguidance(tokenizer: Any, vocab_size: int, schema: dict[str, Any], tokens: list[int]) -> dict[str, float]:
@@ -76,8 +103,7 @@ def bench_llguidance(tokenizer: Any, vocab_size: int, schema: dict[str, Any], to
     import numpy as np
 
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                            defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
     start = time.perf_counter()
     matcher = llguidance.LLMatcher(ll_tokenizer, grammar)  # compiles lazily; the first masks pay the rest
     err = matcher.get_error()
@@ -112,8 +138,10 @@ def main() -> None:
             rows.append({"schema": name, "engine": engine, "num_tokens": len(tokens) + 1, **result})
     print(f"{'schema':<18}{'engine':<12}{'tokens':>7}{'compile ms':>12}{'mask us p50':>13}{'mask us max':>13}")
     for r in rows:
-        print(f"{r['schema']:<18}{r['engine']:<12}{r['num_tokens']:>7}{r['compile_ms']:>12.1f}"
-              f"{r['mask_us_median']:>13.1f}{r['mask_us_max']:>13.1f}")
+        print(
+            f"{r['schema']:<18}{r['engine']:<12}{r['num_tokens']:>7}{r['compile_ms']:>12.1f}"
+            f"{r['mask_us_median']:>13.1f}{r['mask_us_max']:>13.1f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"vocab_size": vocab_size, "rows": rows}, indent=2) + "\n")
 

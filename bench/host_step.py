@@ -22,17 +22,26 @@ from typing import Any
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 
 def tiny_model_dir() -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     path = Path(tempfile.mkdtemp(prefix="host-step-"))
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
@@ -42,13 +51,18 @@ def tiny_model_dir() -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = tiny_model_dir()
-    config = EngineConfig(model_dir=model_dir, device=args.device, max_num_seqs=args.num_seqs,
-                          max_num_batched_tokens=max(2048, args.num_seqs * args.prompt_len),
-                          num_kv_blocks=args.num_seqs * 8, profile_steps=True)  # fmt: skip
+    config = Config.of(
+        model=str(model_dir),
+        device=args.device,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=max(2048, args.num_seqs * args.prompt_len),
+        num_kv_blocks=args.num_seqs * 8,
+        profile_steps=True,
+    )
     engine = Engine(config)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.steps * args.repeats + 8,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.steps * args.repeats + 8, ignore_eos=True
+    )
     for i in range(args.num_seqs):
         engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(args.prompt_len)], params)
     while engine.stats().num_running < args.num_seqs or engine.profile.num_steps.get("eager", 0) < 2:
@@ -72,10 +86,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats(args.sort).print_stats(45)
         args.cprofile.write_text(out.getvalue())
-    return {"num_seqs": args.num_seqs, "steps": args.steps, "repeats": args.repeats,
-            "wall_ms_per_step": round(seconds * 1e3 / args.steps, 3), "profile": summary,
-            "all_chunks_ms_without_forward": [round(c[0], 3) for c in chunks],
-            "device": args.device, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "num_seqs": args.num_seqs,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "wall_ms_per_step": round(seconds * 1e3 / args.steps, 3),
+        "profile": summary,
+        "all_chunks_ms_without_forward": [round(c[0], 3) for c in chunks],
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _without_forward(summary: dict[str, Any]) -> float:
@@ -100,9 +120,11 @@ def main() -> None:
     result = run(args)
     for kind, stats in result["profile"].items():
         host = stats["host_ms"]
-        print(f"{kind}: {stats['steps']} steps, {stats['tokens_per_step']} tokens/step, host ms/step: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
-              + f" | total {stats['host_total_ms']:.3f}, without forward {_without_forward({kind: stats}):.3f}")
+        print(
+            f"{kind}: {stats['steps']} steps, {stats['tokens_per_step']} tokens/step, host ms/step: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
+            + f" | total {stats['host_total_ms']:.3f}, without forward {_without_forward({kind: stats}):.3f}"
+        )
     print(f"wall {result['wall_ms_per_step']} ms/step; chunks w/o forward {result['all_chunks_ms_without_forward']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/kernels.py [--sweep] [--only prefill] [--json bench/results/kernels-h100.json]
 
-"ours" is what the engine runs for the shape (`kernels.triton_backend.attend` given the step's new K/V,
+"ours" is what the engine runs for the shape (`pagedserve.kernels.triton_backend.attend` given the step's new K/V,
 as the fused rotary path calls it): the prefill kernel for prefill-heavy batches, the paged kernel
 otherwise. Rows also show the other kernel where it could run ("paged_us", "prefill_kernel_us").
 
@@ -36,9 +36,9 @@ import triton
 # This script shares its name with the `kernels` package: keep its own folder off the import path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from kernels import reference  # noqa: E402
-from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.launch_config import (  # noqa: E402
+from pagedserve.kernels import reference  # noqa: E402
+from pagedserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from pagedserve.kernels.launch_config import (  # noqa: E402
     KV_LOADS,
     PREFILL_QUERY_LEN,
     AttentionConfig,
@@ -47,10 +47,10 @@ from kernels.launch_config import (  # noqa: E402
     choose_prefill_config,
     uses_prefill_kernel,
 )
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv  # noqa: E402
-from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.triton_backend import attend  # noqa: E402
+from pagedserve.kernels.paged_attention import paged_attention  # noqa: E402
+from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv  # noqa: E402
+from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+from pagedserve.kernels.triton_backend import attend  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a CPU smoke run of the plumbing (interpreter) swaps this
@@ -83,9 +83,14 @@ SHAPES = [
     Shape("decode b64 ctx4096 32/8 d128 fp8", 32, 8, 128, ((64, 1, 4096),), kv_dtype=torch.float8_e4m3fn),
     Shape("prefill 8x2048 32/8 d128", 32, 8, 128, ((8, 2048, 2048),)),
     Shape("smollm2 prefill 16x512 9/3 d64", 9, 3, 64, ((16, 512, 512),)),
-    Shape("mixed 2x512 new + 2x512 after 1536 + 128 decodes ctx2048, 32/8 d128", 32, 8, 128,
-          ((2, 512, 512), (2, 512, 2048), (128, 1, 2048))),
-]  # fmt: skip
+    Shape(
+        "mixed 2x512 new + 2x512 after 1536 + 128 decodes ctx2048, 32/8 d128",
+        32,
+        8,
+        128,
+        ((2, 512, 512), (2, 512, 2048), (128, 1, 2048)),
+    ),
+]
 
 
 def traffic(shape: Shape, kv_dtype: torch.dtype | None = None) -> tuple[int, float]:
@@ -203,8 +208,14 @@ class StepInputs:
 
 def step_inputs(batch: PagedBatch) -> StepInputs:
     query, key, value = step_qkv(batch)
-    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                             batch.max_query_len, batch.max_seq_len)  # fmt: skip
+    meta = AttentionMetadata(
+        batch.slot_mapping,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
     return StepInputs(batch, query, key, value, meta)
 
 
@@ -219,8 +230,9 @@ def engine_call(x: StepInputs) -> Call:
 def paged_call(config: AttentionConfig) -> Callable[[StepInputs], Call]:
     def bind(x: StepInputs) -> Call:
         b, scale = x.batch, x.query.shape[2] ** -0.5
-        return lambda: paged_attention(x.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale,
-                                       config)  # fmt: skip
+        return lambda: paged_attention(
+            x.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
+        )
 
     return bind
 
@@ -228,16 +240,27 @@ def paged_call(config: AttentionConfig) -> Callable[[StepInputs], Call]:
 def prefill_call(config: PrefillConfig) -> Callable[[StepInputs], Call]:
     def bind(x: StepInputs) -> Call:
         b, scale = x.batch, x.query.shape[2] ** -0.5
-        return lambda: prefill_attention(x.query, x.key, x.value, b.kv_cache, b.query_start_loc, b.seq_lens,
-                                         b.block_tables, scale, config)  # fmt: skip
+        return lambda: prefill_attention(
+            x.query, x.key, x.value, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
+        )
 
     return bind
 
 
 # An fp8 cache moves half the bytes per key: also try tiles of twice the keys (the same bytes per load
 # as bf16's 64), more warps for the e4m3 -> bf16 conversion, and deeper pipelines.
-FP8_DECODE_TILES = [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (128, 8, 4), (256, 8, 2),
-                    (256, 8, 3), (64, 8, 3), (64, 4, 5)]  # fmt: skip
+FP8_DECODE_TILES = [
+    (128, 4, 2),
+    (128, 4, 3),
+    (128, 4, 4),
+    (128, 8, 2),
+    (128, 8, 3),
+    (128, 8, 4),
+    (256, 8, 2),
+    (256, 8, 3),
+    (64, 8, 3),
+    (64, 4, 5),
+]
 
 
 def decode_sweep(
@@ -279,8 +302,11 @@ def decode_sweep(
         return [c for c in cands if c != best]
 
     def toggles(best: AttentionConfig) -> list[AttentionConfig]:
-        return [best.with_(evict_kv=not best.evict_kv), best.with_(prefetch=0 if best.prefetch else 1),
-                best.with_(late_v=not best.late_v)]  # fmt: skip
+        return [
+            best.with_(evict_kv=not best.evict_kv),
+            best.with_(prefetch=0 if best.prefetch else 1),
+            best.with_(late_v=not best.late_v),
+        ]
 
     return [variants, segments, tiles, toggles]
 
@@ -292,16 +318,33 @@ def paged_sweep(
     if base.is_decode_only:
         return decode_sweep(base, num_sms, group, kv_bytes)
     # (block_m, tile_n, num_warps, num_stages)
-    tiles4 = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 8, 3),
-              (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3)]  # fmt: skip
+    tiles4 = [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (64, 64, 4, 2),
+        (64, 64, 4, 4),
+        (64, 64, 8, 3),
+        (64, 128, 4, 3),
+        (128, 128, 8, 3),
+        (64, 32, 4, 3),
+        (32, 64, 4, 3),
+    ]
     return [lambda best: [best.with_(block_m=m, tile_n=t, num_warps=w, num_stages=st) for m, t, w, st in tiles4]]
 
 
 def prefill_sweep(base: PrefillConfig) -> list[Callable[[PrefillConfig], list[PrefillConfig]]]:
     """Tiles first (pointer loads), then layout x K/V loads on the best tiles, then warp specialisation."""
     # (block_m, block_n, num_warps, num_stages)
-    tiles = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
-             (64, 64, 4, 3), (128, 32, 8, 4), (64, 128, 4, 2)]  # fmt: skip
+    tiles = [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (128, 64, 4, 3),
+        (64, 64, 4, 3),
+        (128, 32, 8, 4),
+        (64, 128, 4, 2),
+    ]
     return [
         lambda best: [best.with_(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in tiles],
         lambda best: [best.with_(pack_gqa=p, kv_load=k) for p in (True, False) for k in KV_LOADS],
@@ -316,23 +359,39 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     nbytes, flops = traffic(shape)
     copies = num_copies(nbytes)
     inputs = [
-        step_inputs(make_paged_batch(shape.query_lens, shape.seq_lens, num_heads=shape.num_heads,
-                                     num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                                     block_size=shape.block_size, dtype=DTYPE, device=DEVICE, seed=i,
-                                     kv_dtype=shape.kv_dtype))
+        step_inputs(
+            make_paged_batch(
+                shape.query_lens,
+                shape.seq_lens,
+                num_heads=shape.num_heads,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                block_size=shape.block_size,
+                dtype=DTYPE,
+                device=DEVICE,
+                seed=i,
+                kv_dtype=shape.kv_dtype,
+            )
+        )
         for i in range(copies)
-    ]  # fmt: skip
+    ]
     b0 = inputs[0].batch
     scale = shape.head_dim**-0.5
     ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
     num_seqs, num_tokens = len(shape.seq_lens), b0.num_tokens
-    paged_config = choose_config(num_seqs=num_seqs, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                 head_dim=shape.head_dim, max_query_len=b0.max_query_len, num_sms=num_sms,
-                                 kv_dtype_bytes=shape.kv_dtype.itemsize)  # fmt: skip
-    prefill_config = choose_prefill_config(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                           head_dim=shape.head_dim)  # fmt: skip
-    engine_uses_prefill = uses_prefill_kernel(num_tokens=num_tokens, num_seqs=num_seqs,
-                                              max_query_len=b0.max_query_len)  # fmt: skip
+    paged_config = choose_config(
+        num_seqs=num_seqs,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_query_len=b0.max_query_len,
+        num_sms=num_sms,
+        kv_dtype_bytes=shape.kv_dtype.itemsize,
+    )
+    prefill_config = choose_prefill_config(
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim
+    )
+    engine_uses_prefill = uses_prefill_kernel(num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=b0.max_query_len)
 
     def measure(bind: Callable[[StepInputs], Call], config: object = None) -> dict[str, object]:
         row: dict[str, object] = {"config": asdict(config) if config is not None else "engine"}  # type: ignore[call-overload]
@@ -362,9 +421,15 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
             best_swept = run_sweep(shape.name, measure, prefill_call, prefill_config, prefill_sweep, ours, tried)
         else:
             group = shape.num_heads // shape.num_kv_heads
-            best_swept = run_sweep(shape.name, measure, paged_call, paged_config,
-                                   lambda base: paged_sweep(base, num_sms, group, shape.kv_dtype.itemsize), ours,
-                                   tried)  # fmt: skip
+            best_swept = run_sweep(
+                shape.name,
+                measure,
+                paged_call,
+                paged_config,
+                lambda base: paged_sweep(base, num_sms, group, shape.kv_dtype.itemsize),
+                ours,
+                tried,
+            )
     sdpa = sdpa_times(shape, copies)
     sdpa_us = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
     sdpa_us = float(sdpa["default"]) if isinstance(sdpa["default"], float) else sdpa_us
@@ -454,13 +519,17 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))  # after every shape: a timeout keeps the rest
         torch.cuda.empty_cache()
     print(f"\n{props.name}, copy {copy_tbs:.2f} TB/s (read + write), bf16, block_size 16")
-    print(f"{'shape':<70} {'kernel':>7} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'paged µs':>9} "
-          f"{'prefill µs':>10} {'ours TB/s':>9} {'SDPA TB/s':>9} {'ours TF/s':>9} {'SDPA TF/s':>9}")  # fmt: skip
+    print(
+        f"{'shape':<70} {'kernel':>7} {'ours µs':>9} {'SDPA µs':>9} {'SDPA/ours':>9} {'paged µs':>9} "
+        f"{'prefill µs':>10} {'ours TB/s':>9} {'SDPA TB/s':>9} {'ours TF/s':>9} {'SDPA TF/s':>9}"
+    )
     for r in rows:
-        print(f"{r['shape']:<70} {r['ours'].get('kernel', '?'):>7} {r['ours_us']:>9.1f} "  # type: ignore[attr-defined]
-              f"{r['sdpa_default_us']:>9.1f} {r['speedup_vs_sdpa']:>9.2f} {_us(r['paged_us']):>9} "
-              f"{_us(r['prefill_kernel_us']):>10} {r['ours_tbs']:>9.2f} {r['sdpa_tbs']:>9.2f} "
-              f"{r['ours_tflops']:>9.1f} {r['sdpa_tflops']:>9.1f}")  # fmt: skip
+        print(
+            f"{r['shape']:<70} {r['ours'].get('kernel', '?'):>7} {r['ours_us']:>9.1f} "  # type: ignore[attr-defined]
+            f"{r['sdpa_default_us']:>9.1f} {r['speedup_vs_sdpa']:>9.2f} {_us(r['paged_us']):>9} "
+            f"{_us(r['prefill_kernel_us']):>10} {r['ours_tbs']:>9.2f} {r['sdpa_tbs']:>9.2f} "
+            f"{r['ours_tflops']:>9.1f} {r['sdpa_tflops']:>9.1f}"
+        )
     for r in rows:
         if r["best_swept"] is not None:
             print(f"best swept, {r['shape']}: {r['best_swept']}")

@@ -15,12 +15,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_norm import add_rms_norm_
-from kernels.launch_config import choose_config, choose_prefill_config
-from kernels.paged_attention import paged_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.rotary_kv_write import rotary_write_kv_cache
-from kernels.silu_mul import silu_mul
+from pagedserve.kernels.fused_norm import add_rms_norm_
+from pagedserve.kernels.launch_config import choose_config, choose_prefill_config
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.prefill_attention import prefill_attention
+from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
+from pagedserve.kernels.silu_mul import silu_mul
 
 
 def host_us(fn: Callable[[], object], calls: int = 30) -> float:
@@ -56,8 +56,9 @@ def main() -> None:
     tables = torch.arange(16 * 32, device=dev, dtype=torch.int32).view(16, 32)
     prefill = choose_prefill_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    paged = choose_config(num_seqs=16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                          max_query_len=512, num_sms=num_sms)  # fmt: skip
+    paged = choose_config(
+        num_seqs=16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_query_len=512, num_sms=num_sms
+    )
     ops: dict[str, Callable[[], object]] = {
         "linear (qkv projection)": lambda: F.linear(x, qkv_weight),
         "add + RMSNorm": lambda: add_rms_norm_(x, None, norm_weight, 1e-5),

@@ -20,33 +20,56 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from services.engine import attention
-from services.engine.attention import AttentionMetadata
-from services.engine.models import fused_ops, load_model
-from services.engine.models.llama import LlamaDecoderLayer
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models import fused_ops, load_model
+from pagedserve.services.engine.models.llama import LlamaDecoderLayer
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
-}  # fmt: skip
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, num_layers: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[name], num_hidden_layers=num_layers, max_position_embeddings=4096,
-                         architectures=["LlamaForCausalLM"])  # fmt: skip
+    config = LlamaConfig(
+        **SHAPES[name], num_hidden_layers=num_layers, max_position_embeddings=4096, architectures=["LlamaForCausalLM"]
+    )
     model_dir = Path(tempfile.mkdtemp(prefix=f"layer-kernels-{name}-"))
     config.save_pretrained(model_dir)
     with device:
         hf = LlamaForCausalLM._from_config(config, dtype=dtype).eval().requires_grad_(False)
-    return load_model(model_dir, dtype, device, max_model_len=4096, show_progress=False,
-                      tensors=hf.state_dict().items())  # fmt: skip
+    return load_model(
+        model_dir, dtype, device, max_model_len=4096, show_progress=False, tensors=hf.state_dict().items()
+    )
 
 
 def decode_batch(model: Any, num_seqs: int, ctx: int, block_size: int, device: torch.device) -> tuple[Any, ...]:
@@ -59,10 +82,13 @@ def decode_batch(model: Any, num_seqs: int, ctx: int, block_size: int, device: t
     positions = torch.full((num_seqs,), ctx - 1, device=device, dtype=torch.int64)
     slots = tables[:, (ctx - 1) // block_size].long() * block_size + (ctx - 1) % block_size
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.arange(num_seqs + 1, device=device, dtype=torch.int32),
-        seq_lens=torch.full((num_seqs,), ctx, device=device, dtype=torch.int32), block_tables=tables,
-        max_query_len=1, max_seq_len=ctx,
-    )  # fmt: skip
+        slot_mapping=slots,
+        query_start_loc=torch.arange(num_seqs + 1, device=device, dtype=torch.int32),
+        seq_lens=torch.full((num_seqs,), ctx, device=device, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=ctx,
+    )
     x = torch.randn((num_seqs, spec.hidden_size), device=device).to(spec.dtype)
     return positions, x, kv_cache, meta
 
@@ -106,8 +132,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention.use_backend("triton")
     report: dict[str, Any] = {}
-    print(f"{'shape':14s} {'unfused':>8s} {'fused':>6s}   (CUDA kernels per decoder layer, decode b{args.num_seqs}"
-          f" x {args.ctx} ctx)")  # fmt: skip
+    print(
+        f"{'shape':14s} {'unfused':>8s} {'fused':>6s}   (CUDA kernels per decoder layer, decode b{args.num_seqs}"
+        f" x {args.ctx} ctx)"
+    )
     for name in SHAPES:
         model = build(name, device, dtype, num_layers=2)
         batch = decode_batch(model, args.num_seqs, args.ctx, 16, device)

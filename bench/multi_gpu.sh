@@ -7,7 +7,7 @@
 #   OUT=/tmp/out PART=scaling bash bench/multi_gpu.sh  # one gateway over 1 and 2 engine replicas (8B shape)
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
-# engines generate their weights (PAGEDSERVE_ENGINE_LOAD_FORMAT=random), so nothing large is written.
+# engines generate their weights (PAGEDSERVE_LOAD_FORMAT=random), so nothing large is written.
 # Needs the service dependencies importable (carry cp312 wheels; see bench/serve_gpu.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ serve_and_bench() {  # model dir, name, serve flags..., then bench.serve flags a
   while [[ $# -gt 0 && $1 != "--" ]]; do serve_args+=("$1"); shift; done
   shift
   bench_args=("$@")
-  PAGEDSERVE_ENGINE_LOAD_FORMAT=random python3 -m services.cli serve --model "$dir" --host 127.0.0.1 --port 8000 \
+  PAGEDSERVE_LOAD_FORMAT=random python3 -m pagedserve.services.cli serve --model "$dir" --host 127.0.0.1 --port 8000 \
     --max-model-len 2048 "${serve_args[@]}" > "$OUT/server_$name.log" 2>&1 &
   local server=$!
   python3 - "$server" << 'EOF'
@@ -86,7 +86,7 @@ case "${PART:-tp8b}" in
   scaling)
     dir=$(config_dir 8b)
     [[ $NUM_GPUS -ge 4 ]] && engines="1,2,$NUM_GPUS" || engines="1,$NUM_GPUS"
-    PAGEDSERVE_ENGINE_LOAD_FORMAT=random timeout 560 python3 -m bench.scaling --model-dir "$dir" --engines "$engines" \
+    PAGEDSERVE_LOAD_FORMAT=random timeout 560 python3 -m bench.scaling --model-dir "$dir" --engines "$engines" \
       --out "$OUT" > "$OUT/scaling.log" 2>&1
     echo "scaling rc=$?"
     tail -n 12 "$OUT/scaling.log"

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import load_model
-from services.engine.sampling_params import SamplingParams
-from shared.model_source import resolve_model_dir
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
+from pagedserve.shared.model_source import resolve_model_dir
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -52,10 +52,15 @@ def run_scenario(name: str, model: Any, args: argparse.Namespace, model_dir: Pat
         needed = sum(-(-(len(p) + args.output_len) // args.block_size) for p in prompts)
         longest = max(len(p) for p in prompts) + args.output_len
         num_kv_blocks = max(needed // 4, -(-longest // args.block_size))
-    config = EngineConfig(
-        model_dir=model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+    config = Config.of(
+        model=str(model_dir),
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
     )
     engine = Engine(config, model=model)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
@@ -94,16 +99,26 @@ def run_hf_generate_batch(model_dir: Path, prompts: list[list[int]], args: argpa
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    config = GenerationConfig(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     _sync(args.device)
     start = time.perf_counter()
     outputs = hf.generate_batch(inputs=prompts, generation_config=config, warmup=args.device != "cpu")
     _sync(args.device)
     elapsed = time.perf_counter() - start
     num_output = sum(len(o.generated_tokens) for o in outputs.values())
-    return {"scenario": "hf-generate_batch", "requests": len(prompts), "output_tokens": num_output,
-            "seconds": round(elapsed, 3), "output_tokens_per_s": round(num_output / elapsed, 2)}
+    return {
+        "scenario": "hf-generate_batch",
+        "requests": len(prompts),
+        "output_tokens": num_output,
+        "seconds": round(elapsed, 3),
+        "output_tokens_per_s": round(num_output / elapsed, 2),
+    }
 
 
 def random_weights_dir(model_dir: Path) -> Path:
@@ -126,8 +141,19 @@ def _sync(device: str) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    columns = ["scenario", "requests", "prompt_tokens", "output_tokens", "seconds", "requests_per_s",
-               "output_tokens_per_s", "total_tokens_per_s", "prefix_cache_hit_rate", "preemptions", "steps"]
+    columns = [
+        "scenario",
+        "requests",
+        "prompt_tokens",
+        "output_tokens",
+        "seconds",
+        "requests_per_s",
+        "output_tokens_per_s",
+        "total_tokens_per_s",
+        "prefix_cache_hit_rate",
+        "preemptions",
+        "steps",
+    ]
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
     print(" | ".join(c.ljust(widths[c]) for c in columns))
     print("-|-".join("-" * widths[c] for c in columns))
@@ -175,14 +201,20 @@ def main() -> None:
     environment = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-        "torch": torch.__version__, "num_threads": torch.get_num_threads(), "model": str(args.model or "SmolLM2"),
-        "random_weights": args.random_weights, "dtype": str(model.spec.dtype),
+        "torch": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "model": str(args.model or "SmolLM2"),
+        "random_weights": args.random_weights,
+        "dtype": str(model.spec.dtype),
         "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared CPU box skews timings
     }
     out = args.out or RESULTS_DIR / f"offline_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": environment, "args": {k: str(v) for k, v in vars(args).items()},
-                               "results": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"environment": environment, "args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 

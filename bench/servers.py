@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.redis_server import PrivateRedis, free_port
+from pagedserve.shared.redis_server import PrivateRedis, free_port
 
 
 @dataclass
@@ -58,10 +58,13 @@ def start_servers(engine_args: list[str]) -> Servers:
     redis = PrivateRedis().start()
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis.url}
-    me = [sys.executable, "-m", "services.cli"]
+    me = [sys.executable, "-m", "pagedserve.services.cli"]
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
-    commands = {"tokenizer": [*me, "tokenizer"], "engine": [*me, "engine", *engine_args],
-                "gateway": [*me, "gateway", "--host", "127.0.0.1", "--port", str(port)]}
+    commands = {
+        "tokenizer": [*me, "tokenizer"],
+        "engine": [*me, "engine", *engine_args],
+        "gateway": [*me, "gateway", "--host", "127.0.0.1", "--port", str(port)],
+    }
     servers = Servers(f"http://127.0.0.1:{port}", redis, log_dir=log_dir)
     for name, command in commands.items():
         log = (log_dir / f"{name}.log").open("wb")

@@ -28,9 +28,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.throughput import build_models, make_prompts
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 
 def kernel_times(prof: Any) -> dict[str, tuple[int, float]]:
@@ -55,8 +55,10 @@ def profiled(engine: Engine, steps: int) -> dict[str, tuple[int, float]]:
 
 def show(title: str, table: dict[str, tuple[int, float]], steps: int, top: int) -> dict[str, Any]:
     total = sum(us for _, us in table.values())
-    print(f"--- {title}: {total / steps / 1e3:.2f} ms GPU per step, {sum(n for n, _ in table.values()) / steps:.0f} "
-          f"kernels per step")  # fmt: skip
+    print(
+        f"--- {title}: {total / steps / 1e3:.2f} ms GPU per step, {sum(n for n, _ in table.values()) / steps:.0f} "
+        f"kernels per step"
+    )
     rows = sorted(table.items(), key=lambda kv: -kv[1][1])
     for name, (n, us) in rows[:top]:
         print(f"  {us / steps:9.1f} µs/step {100 * us / total:5.1f}%  {n // steps:4d} x  {name}")
@@ -64,11 +66,18 @@ def show(title: str, table: dict[str, tuple[int, float]], steps: int, top: int) 
     return {"ms_per_step": total / steps / 1e3, "kernels": kernels}
 
 
-def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> EngineConfig:
+def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> Config:
     """The throughput workload's engine on the GPU (bf16, 256 sequences, 8,192-token steps by default)."""
-    return EngineConfig(model_dir=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=args.num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
-                        gpu_memory_utilization=0.85, **changes)  # fmt: skip
+    return Config.of(
+        model=str(model_dir),
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=4096,
+        gpu_memory_utilization=0.85,
+        **changes,
+    )
 
 
 def host_profile(model: Any, model_dir: Path, args: argparse.Namespace, top: int) -> dict[str, Any]:
@@ -96,11 +105,15 @@ def host_profile(model: Any, model_dir: Path, args: argparse.Namespace, top: int
                 steps.append({"kind": kind, "wall_ms": wall * 1e3, "host_ms": host, "gpu_ms": gpu})
     seconds = time.perf_counter() - start
     eager = [s for s in steps if s["kind"] == "eager"]
-    print(f"--- host: {len(steps)} engine calls in {seconds:.2f} s ({args.num_seqs * 256 / seconds:,.0f} out tok/s"
-          f" under cProfile); eager calls (host forward / GPU forward so far / wall ms):")  # fmt: skip
+    print(
+        f"--- host: {len(steps)} engine calls in {seconds:.2f} s ({args.num_seqs * 256 / seconds:,.0f} out tok/s"
+        f" under cProfile); eager calls (host forward / GPU forward so far / wall ms):"
+    )
     for s in eager[:24]:
-        print(f"  {s['host_ms'].get('forward', 0):8.2f} {s['gpu_ms'].get('forward', 0):8.2f} {s['wall_ms']:8.2f}"
-              f"   {' '.join(f'{k} {v:.2f}' for k, v in s['host_ms'].items())}")  # fmt: skip
+        print(
+            f"  {s['host_ms'].get('forward', 0):8.2f} {s['gpu_ms'].get('forward', 0):8.2f} {s['wall_ms']:8.2f}"
+            f"   {' '.join(f'{k} {v:.2f}' for k, v in s['host_ms'].items())}"
+        )
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top * 2)
     print(out.getvalue()[-6000:])
@@ -127,14 +140,21 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         for i, prompt in enumerate(make_prompts(args.num_seqs, args.prompt_len, model.spec.vocab_size, seed=1)):
             engine.add_request(f"r{i}", prompt, params)
-        report[name] = {"prefill": show(f"{name} prefill step ({args.max_num_batched_tokens} tokens)",
-                                        profiled(engine, 1), 1, args.top)}  # fmt: skip
+        report[name] = {
+            "prefill": show(
+                f"{name} prefill step ({args.max_num_batched_tokens} tokens)", profiled(engine, 1), 1, args.top
+            )
+        }
         while engine.stats().num_waiting or engine.scheduler.running[-1].num_computed_tokens < args.prompt_len:
             engine.step()
         for _ in range(3):
             engine.step()
-        report[name]["decode"] = show(f"{name} decode step ({args.num_seqs} sequences, eager)",
-                                      profiled(engine, args.decode_steps), args.decode_steps, args.top)  # fmt: skip
+        report[name]["decode"] = show(
+            f"{name} decode step ({args.num_seqs} sequences, eager)",
+            profiled(engine, args.decode_steps),
+            args.decode_steps,
+            args.top,
+        )
         del engine
         torch.cuda.empty_cache()
         if args.host:

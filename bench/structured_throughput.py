@@ -32,18 +32,30 @@ from typing import Any
 import torch
 
 from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_memory, make_prompts
-from services.engine import engine as engine_module
-from services.engine import sampling_metadata
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
-from shared.grammar_spec import GrammarSpec
+from pagedserve.services.engine import engine as engine_module
+from pagedserve.services.engine import sampling_metadata
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
+from pagedserve.shared.grammar_spec import GrammarSpec
 
-ROW = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                                        "score": {"type": "number"}, "tag": {"enum": ["alpha", "beta", "gamma"]}},
-       "required": ["id", "name", "score", "tag"], "additionalProperties": False}  # fmt: skip
-SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "items": ROW, "minItems": 64}},
-          "required": ["rows"], "additionalProperties": False}  # fmt: skip
+ROW = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "score": {"type": "number"},
+        "tag": {"enum": ["alpha", "beta", "gamma"]},
+    },
+    "required": ["id", "name", "score", "tag"],
+    "additionalProperties": False,
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"rows": {"type": "array", "items": ROW, "minItems": 64}},
+    "required": ["rows"],
+    "additionalProperties": False,
+}
 TARGET_RATIO = 0.95
 
 
@@ -78,8 +90,9 @@ class FillTimer:
 
 def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int) -> dict[str, Any]:
     plain = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                 structured_output=GrammarSpec.json_schema(SCHEMA))
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_output=GrammarSpec.json_schema(SCHEMA)
+    )
     is_json = {f"r{i}": i % 2 == 1 and i // 2 < num_json for i in range(len(prompts))}  # interleaved
     counts = dict.fromkeys(is_json, 0)
     done_at: dict[str, float] = {}
@@ -97,12 +110,16 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int
     plain_seconds = max(done_at[r] for r in plain_ids)
     assert all(counts[r] == output_len for r in counts), "every sequence runs to output_len"
     return {
-        "requests": len(prompts), "json_requests": sum(is_json.values()), "seconds": round(seconds, 3),
+        "requests": len(prompts),
+        "json_requests": sum(is_json.values()),
+        "seconds": round(seconds, 3),
         "output_tokens_per_s": round(sum(counts.values()) / seconds, 1),
-        "plain_output_tokens": plain_tokens, "plain_seconds": round(plain_seconds, 3),
+        "plain_output_tokens": plain_tokens,
+        "plain_seconds": round(plain_seconds, 3),
         "plain_tokens_per_s": round(plain_tokens / plain_seconds, 1),
         "plain_tokens_per_s_per_request": round(statistics.mean(output_len / done_at[r] for r in plain_ids), 2),
-        "steps": engine.stats().num_steps, "profile_per_step": engine.profile.summary(),
+        "steps": engine.stats().num_steps,
+        "profile_per_step": engine.profile.summary(),
     }
 
 
@@ -113,8 +130,9 @@ def apply_cost_ms(vocab_size: int, rows: int) -> float:
 
     generator = torch.Generator().manual_seed(0)
     host_logits = torch.randn(rows, vocab_size, generator=generator)
-    host_bits = torch.randint(-(2**31), 2**31 - 1, xgr.get_bitmask_shape(rows, vocab_size), generator=generator,
-                              dtype=torch.int64).to(torch.int32)
+    host_bits = torch.randint(
+        -(2**31), 2**31 - 1, xgr.get_bitmask_shape(rows, vocab_size), generator=generator, dtype=torch.int64
+    ).to(torch.int32)
     indices = list(range(0, rows, 2))
     expected = host_logits.clone()
     apply_token_bitmask(expected, TokenBitmask(host_bits, indices))
@@ -156,18 +174,20 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             sampling_metadata.build_token_bitmask = timer.real
             engine_module._grammar_ends = accept.real
         if timer.times_ms:
-            row[label]["fill_ms_per_step"] = {"median": round(statistics.median(timer.times_ms), 3),
-                                              "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
-                                              "steps": len(timer.times_ms)}  # fmt: skip
+            row[label]["fill_ms_per_step"] = {
+                "median": round(statistics.median(timer.times_ms), 3),
+                "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
+                "steps": len(timer.times_ms),
+            }
             row[label]["accept_ms_per_step"] = round(1e3 * accept.total_s / len(timer.times_ms), 3)
-        print(f"   {label}: {json.dumps({k: v for k, v in row[label].items() if k != 'profile_per_step'})}",
-              flush=True)
+        print(f"   {label}: {json.dumps({k: v for k, v in row[label].items() if k != 'profile_per_step'})}", flush=True)
         del engine
         free_memory()
     row["apply_ms_per_step"] = round(apply_cost_ms(vocab, args.max_num_seqs), 4)
     row["plain_ratio"] = round(row["mixed"]["plain_tokens_per_s"] / row["all_plain"]["plain_tokens_per_s"], 4)
-    row["plain_per_request_ratio"] = round(row["mixed"]["plain_tokens_per_s_per_request"]
-                                           / row["all_plain"]["plain_tokens_per_s_per_request"], 4)
+    row["plain_per_request_ratio"] = round(
+        row["mixed"]["plain_tokens_per_s_per_request"] / row["all_plain"]["plain_tokens_per_s_per_request"], 4
+    )
     row["step_ms"] = {k: round(1e3 * row[k]["seconds"] / row[k]["steps"], 3) for k in ("all_plain", "mixed")}
     del ours
     free_memory()
@@ -175,17 +195,21 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | all-plain tok/s | mixed: plain tok/s (x2 for 50%) | plain per-request ratio | "
-             "step ms plain / mixed | accept + fill ms/step (median fill) | apply ms/step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | all-plain tok/s | mixed: plain tok/s (x2 for 50%) | plain per-request ratio | "
+        "step ms plain / mixed | accept + fill ms/step (median fill) | apply ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         fill = r["mixed"].get("fill_ms_per_step", {}).get("median", float("nan"))
         accept = r["mixed"].get("accept_ms_per_step", float("nan"))
-        lines.append(f"| {r['model']} | {r['all_plain']['plain_tokens_per_s']:.0f} | "
-                     f"{r['mixed']['plain_tokens_per_s']:.0f} | {r['plain_per_request_ratio']:.3f} "
-                     f"({'ok' if r['plain_per_request_ratio'] >= TARGET_RATIO else 'MISS'} vs {TARGET_RATIO}) | "
-                     f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {accept:.3f} + {fill:.3f} | "
-                     f"{r['apply_ms_per_step']:.4f} |")
+        lines.append(
+            f"| {r['model']} | {r['all_plain']['plain_tokens_per_s']:.0f} | "
+            f"{r['mixed']['plain_tokens_per_s']:.0f} | {r['plain_per_request_ratio']:.3f} "
+            f"({'ok' if r['plain_per_request_ratio'] >= TARGET_RATIO else 'MISS'} vs {TARGET_RATIO}) | "
+            f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {accept:.3f} + {fill:.3f} | "
+            f"{r['apply_ms_per_step']:.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -213,13 +237,21 @@ def main() -> None:
     args = parse_args()
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
-        "environment": {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
-                        "torch": torch.__version__,
-                        "command": "python -m bench.structured_throughput " + " ".join(sys.argv[1:])},
-        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "max_num_seqs": args.max_num_seqs, "schema": SCHEMA},
+        "environment": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": device,
+            "torch": torch.__version__,
+            "command": "python -m bench.structured_throughput " + " ".join(sys.argv[1:]),
+        },
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "max_num_seqs": args.max_num_seqs,
+            "schema": SCHEMA,
+        },
         "models": [],
-    }  # fmt: skip
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "structured_throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "")
     for name in args.models.split(","):

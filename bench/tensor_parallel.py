@@ -38,29 +38,65 @@ from typing import Any
 
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192, "factor": 8.0}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "factor": 8.0,
+}
 SHAPES: dict[str, dict[str, Any]] = {
-    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, head_dim=128),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # the CPU smoke run
-}  # fmt: skip
+    "8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "70b": dict(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),  # the CPU smoke run
+}
 PHASES = ("8b-tp1", "8b-tp2", "8b-fp32", "70b-tp2")  # the default run; also 8b-tp4, 70b-tp4, ... (N GPUs)
 ITL_TARGET = 0.6  # TP=2 single-stream ITL <= 0.6x TP=1's (the issue's target)
 
 
 def write_model_dir(shape: str, max_position: int) -> Path:
-    cfg = {**SHAPES[shape], "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "max_position_embeddings": max_position, "rope_parameters": LLAMA3_ROPE, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}  # fmt: skip
+    cfg = {
+        **SHAPES[shape],
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "max_position_embeddings": max_position,
+        "rope_parameters": LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
     model_dir = Path(tempfile.mkdtemp(prefix=f"pagedserve-tp-{shape}-"))
     (model_dir / "config.json").write_text(json.dumps(cfg))
     return model_dir
@@ -82,13 +118,21 @@ def sync(device: str) -> float:
     return time.perf_counter()
 
 
-def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str = "bfloat16") -> EngineConfig:
-    return EngineConfig(model_dir=model_dir, dtype=dtype, device=args.device, load_format="random", seed=0,
-                        tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        num_kv_blocks=None if args.device == "cuda" else 256)  # fmt: skip
+def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str = "bfloat16") -> Config:
+    return Config.of(
+        model=str(model_dir),
+        dtype=dtype,
+        device=args.device,
+        load_format="random",
+        seed=0,
+        tensor_parallel_size=tp,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        num_kv_blocks=None if args.device == "cuda" else 256,
+    )
 
 
 def greedy_with_logprobs(engine: Engine, prompts: list[list[int]], num_tokens: int) -> list[dict[str, Any]]:
@@ -109,10 +153,16 @@ def throughput(engine: Engine, args: argparse.Namespace, vocab_size: int) -> dic
     num_output = sum(len(r.token_ids) for r in results)
     assert num_output == args.num_requests * args.output_len
     stats = engine.stats()
-    return {"requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "output_tokens": num_output, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(num_output / seconds, 1), "preemptions": stats.num_preemptions,
-            "kv_blocks": stats.num_total_blocks}  # fmt: skip
+    return {
+        "requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "output_tokens": num_output,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(num_output / seconds, 1),
+        "preemptions": stats.num_preemptions,
+        "kv_blocks": stats.num_total_blocks,
+    }
 
 
 def single_stream_itl(engine: Engine, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
@@ -125,8 +175,12 @@ def single_stream_itl(engine: Engine, args: argparse.Namespace, vocab_size: int)
             stamps += [time.perf_counter()] * len(out.new_token_ids)
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps[1:]))  # from the 2nd token: no prefill
     p50, p90 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.9)]
-    return {"tokens": len(stamps), "itl_ms_p50": round(1e3 * p50, 3), "itl_ms_p90": round(1e3 * p90, 3),
-            "itl_ms_mean": round(1e3 * sum(gaps) / len(gaps), 3)}
+    return {
+        "tokens": len(stamps),
+        "itl_ms_p50": round(1e3 * p50, 3),
+        "itl_ms_p90": round(1e3 * p90, 3),
+        "itl_ms_mean": round(1e3 * sum(gaps) / len(gaps), 3),
+    }
 
 
 @torch.inference_mode()
@@ -134,12 +188,17 @@ def teacher_forced_logprobs(engine: Engine, prompt: list[int], tokens: list[int]
     """Logprobs of `tokens` after `prompt` under the engine's model: one prefill, its own block table."""
     runner, device = engine.runner, engine.device
     ids = prompt + tokens
-    n, block_size = len(ids), engine.config.block_size
+    n, block_size = len(ids), engine.config.cache.block_size
     num_blocks = -(-n // block_size)
     assert num_blocks <= runner.kv_caches[0].shape[1]
-    meta = AttentionMetadata(torch.arange(n, device=device), torch.tensor([0, n], dtype=torch.int32, device=device),
-                             torch.tensor([n], dtype=torch.int32, device=device),
-                             torch.arange(num_blocks, dtype=torch.int32, device=device)[None], n, n)  # fmt: skip
+    meta = AttentionMetadata(
+        torch.arange(n, device=device),
+        torch.tensor([0, n], dtype=torch.int32, device=device),
+        torch.tensor([n], dtype=torch.int32, device=device),
+        torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        n,
+        n,
+    )
     hidden = runner.model(torch.tensor(ids, device=device), torch.arange(n, device=device), runner.kv_caches, meta)
     logits = runner.model.compute_logits(hidden[len(prompt) - 1 : n - 1])
     chosen = torch.tensor(tokens, device=device)[:, None]
@@ -168,8 +227,13 @@ def floor_seconds(shape: dict[str, Any], args: argparse.Namespace, num_gpus: int
     live_kv_tokens = args.num_requests * (args.prompt_len * out_len + out_len * (out_len - 1) // 2)
     decode = (out_len * weight_bytes + live_kv_tokens * kv_bytes) / (num_gpus * hw["copy_bytes_per_s"])
     prefill = 2 * params * args.num_requests * args.prompt_len / (num_gpus * hw["bf16_flops_per_s"])
-    return {"params": params, "weight_bytes": weight_bytes, "prefill_s": round(prefill, 3),
-            "decode_s": round(decode, 3), "total_s": round(prefill + decode, 3)}  # fmt: skip
+    return {
+        "params": params,
+        "weight_bytes": weight_bytes,
+        "prefill_s": round(prefill, 3),
+        "decode_s": round(decode, 3),
+        "total_s": round(prefill + decode, 3),
+    }
 
 
 def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -179,8 +243,13 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
     tp, dtype = (1, "float32") if variant == "fp32" else (int(variant[2:]), "bfloat16")
     start = sync(args.device)
     engine = Engine(engine_config(model_dir, args, tp, dtype))
-    result: dict[str, Any] = {"phase": phase, "shape": shape_name, "tensor_parallel_size": tp, "dtype": dtype,
-                              "startup_s": round(sync(args.device) - start, 1)}  # fmt: skip
+    result: dict[str, Any] = {
+        "phase": phase,
+        "shape": shape_name,
+        "tensor_parallel_size": tp,
+        "dtype": dtype,
+        "startup_s": round(sync(args.device) - start, 1),
+    }
     vocab = SHAPES[shape_name]["vocab_size"]
     prompts = correctness_prompts(vocab, args.quick)
     try:
@@ -190,8 +259,9 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
                 path = args.work_dir / f"{other}.json"
                 if path.exists():
                     runs = json.loads(path.read_text())["greedy"]
-                    result[f"fp32_logprobs_of_{other}"] = [teacher_forced_logprobs(engine, p, r["tokens"])
-                                                           for p, r in zip(prompts, runs)]  # fmt: skip
+                    result[f"fp32_logprobs_of_{other}"] = [
+                        teacher_forced_logprobs(engine, p, r["tokens"]) for p, r in zip(prompts, runs)
+                    ]
         else:
             if shape_name != "70b" or args.quick:
                 result["greedy"] = greedy_with_logprobs(engine, prompts, args.correctness_tokens)
@@ -217,25 +287,34 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     tp1, tp2, ref = results.get("8b-tp1"), results.get("8b-tp2"), results.get("8b-fp32")
     if tp1 and tp2 and "greedy" in tp1 and "greedy" in tp2:
-        summary["tp2_vs_tp1_first_divergence"] = [first_divergence(a["tokens"], b["tokens"])
-                                                  for a, b in zip(tp1["greedy"], tp2["greedy"])]  # fmt: skip
+        summary["tp2_vs_tp1_first_divergence"] = [
+            first_divergence(a["tokens"], b["tokens"]) for a, b in zip(tp1["greedy"], tp2["greedy"])
+        ]
     for name, run in (("tp1", tp1), ("tp2", tp2)):
         if ref and run and f"fp32_logprobs_of_8b-{name}" in ref:
-            errors = [abs(x - y) for r, fp32 in zip(run["greedy"], ref[f"fp32_logprobs_of_8b-{name}"])
-                      for x, y in zip(r["logprobs"], fp32)]  # fmt: skip
-            summary[f"{name}_vs_fp32_first_divergence"] = [first_divergence(r["tokens"], f["tokens"])
-                                                           for r, f in zip(run["greedy"], ref["greedy"])]  # fmt: skip
-            summary[f"{name}_logprob_abs_error_vs_fp32"] = {"max": round(max(errors), 4),
-                                                            "mean": round(sum(errors) / len(errors), 5)}  # fmt: skip
+            errors = [
+                abs(x - y)
+                for r, fp32 in zip(run["greedy"], ref[f"fp32_logprobs_of_8b-{name}"])
+                for x, y in zip(r["logprobs"], fp32)
+            ]
+            summary[f"{name}_vs_fp32_first_divergence"] = [
+                first_divergence(r["tokens"], f["tokens"]) for r, f in zip(run["greedy"], ref["greedy"])
+            ]
+            summary[f"{name}_logprob_abs_error_vs_fp32"] = {
+                "max": round(max(errors), 4),
+                "mean": round(sum(errors) / len(errors), 5),
+            }
     for name, run in results.items():  # other sizes (4 GPUs, ...) against one GPU
         if tp1 and name.startswith("8b-tp") and name not in ("8b-tp1", "8b-tp2") and "throughput" in run:
             size = name.removeprefix("8b-")
-            summary[f"{size}_over_tp1_throughput"] = round(run["throughput"]["output_tokens_per_s"]
-                                                           / tp1["throughput"]["output_tokens_per_s"], 3)  # fmt: skip
+            summary[f"{size}_over_tp1_throughput"] = round(
+                run["throughput"]["output_tokens_per_s"] / tp1["throughput"]["output_tokens_per_s"], 3
+            )
             summary[f"{size}_over_tp1_itl_p50"] = round(run["itl"]["itl_ms_p50"] / tp1["itl"]["itl_ms_p50"], 3)
     if tp1 and tp2:
-        summary["tp2_over_tp1_throughput"] = round(tp2["throughput"]["output_tokens_per_s"]
-                                                   / tp1["throughput"]["output_tokens_per_s"], 3)  # fmt: skip
+        summary["tp2_over_tp1_throughput"] = round(
+            tp2["throughput"]["output_tokens_per_s"] / tp1["throughput"]["output_tokens_per_s"], 3
+        )
         ratio = tp2["itl"]["itl_ms_p50"] / tp1["itl"]["itl_ms_p50"]
         summary["tp2_over_tp1_itl_p50"] = round(ratio, 3)
         summary["itl_target_met"] = ratio <= ITL_TARGET
@@ -243,13 +322,17 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
-    lines = ["| phase | TP | dtype | out tok/s | ITL p50 ms | ITL mean ms | floor fraction | startup s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| phase | TP | dtype | out tok/s | ITL p50 ms | ITL mean ms | floor fraction | startup s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for phase, r in results.items():
         tput, itl = r.get("throughput", {}), r.get("itl", {})
-        lines.append(f"| {phase} | {r['tensor_parallel_size']} | {r['dtype']} | {tput.get('output_tokens_per_s', '-')} "
-                     f"| {itl.get('itl_ms_p50', '-')} | {itl.get('itl_ms_mean', '-')} "
-                     f"| {r.get('floor', {}).get('fraction', '-')} | {r['startup_s']} |")  # fmt: skip
+        lines.append(
+            f"| {phase} | {r['tensor_parallel_size']} | {r['dtype']} | {tput.get('output_tokens_per_s', '-')} "
+            f"| {itl.get('itl_ms_p50', '-')} | {itl.get('itl_ms_mean', '-')} "
+            f"| {r.get('floor', {}).get('fraction', '-')} | {r['startup_s']} |"
+        )
     lines += ["", *(f"- {k}: {v}" for k, v in summary.items())]
     return "\n".join(lines)
 
@@ -298,8 +381,16 @@ def main() -> None:
             sys.exit(f"unknown phase {phase!r}: <8b|70b>-tp<N> or 8b-fp32")
         print(f"== {phase}", flush=True)
         start = time.perf_counter()
-        command = [sys.executable, "-m", "bench.tensor_parallel", *sys.argv[1:], "--phase", phase,
-                   "--work-dir", str(work_dir)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "bench.tensor_parallel",
+            *sys.argv[1:],
+            "--phase",
+            phase,
+            "--work-dir",
+            str(work_dir),
+        ]
         try:
             returncode = subprocess.run(command, env=os.environ.copy(), timeout=args.phase_timeout_s).returncode
         except subprocess.TimeoutExpired:
@@ -308,18 +399,23 @@ def main() -> None:
         print(f"   {phase} {status} in {time.perf_counter() - start:.0f} s", flush=True)
     results = {p.stem: json.loads(p.read_text()) for p in sorted(work_dir.glob("*b-*.json"))}
     summary = summarize(results)
-    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "command": "python -m bench.tensor_parallel " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-              "num_gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
-              "torch": torch.__version__, "results": results, "summary": summary}  # fmt: skip
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python -m bench.tensor_parallel " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "num_gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
+        "torch": torch.__version__,
+        "results": results,
+        "summary": summary,
+    }
     text = table(results, summary)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"tensor_parallel_{args.device}{'_quick' if args.quick else ''}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (args.out_dir / f"{stem}.md").write_text(f"# {report['command']}\n{report['date']} on {report['device']}\n\n"
-                                             f"{text}\n")  # fmt: skip
+    (args.out_dir / f"{stem}.md").write_text(
+        f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"
+    )
     print(f"wrote {args.out_dir / stem}.json and .md")
 
 

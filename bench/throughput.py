@@ -33,27 +33,65 @@ from typing import Any
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import load_model
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                         rope_parameters={**LLAMA3_ROPE, "factor": 32.0}, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
-    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                         rope_parameters={**LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
-}  # fmt: skip
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters={**LLAMA3_ROPE, "factor": 32.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={**LLAMA3_ROPE, "factor": 8.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+}
 HF_REFERENCE = {"smollm2-135m": 1126.0, "llama-3.2-1b": 1291.0, "llama-3.1-8b": 613.0}  # performance.md, H200
 HF_REQUESTS = {"smollm2-135m": 256, "llama-3.2-1b": 256, "llama-3.1-8b": 128}  # 8B: HF alone takes ~2 min
 TARGETS = {"smollm2-135m": {"vs_hf": 25.0}, "llama-3.1-8b": {"vs_hf": 15.0, "floor_fraction": 0.70}}
@@ -87,8 +125,10 @@ def measure_hardware() -> dict[str, float]:
     copy_ms = median_ms(lambda: dst.copy_(src), 20)
     a, b = (torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
     matmul_ms = median_ms(lambda: a @ b, 20)
-    return {"copy_bytes_per_s": 2 * 2 * (1 << 30) / (copy_ms / 1e3),
-            "bf16_flops_per_s": 2 * 8192**3 / (matmul_ms / 1e3)}  # fmt: skip
+    return {
+        "copy_bytes_per_s": 2 * 2 * (1 << 30) / (copy_ms / 1e3),
+        "bf16_flops_per_s": 2 * 8192**3 / (matmul_ms / 1e3),
+    }
 
 
 def build_models(name: str, max_model_len: int, quantization: str | None = None) -> tuple[Any, Any, Path]:
@@ -102,8 +142,15 @@ def build_models(name: str, max_model_len: int, quantization: str | None = None)
     torch.manual_seed(0)
     with CUDA:  # initialised on the GPU, in bf16: seconds even for 8B
         hf = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
-    ours = load_model(model_dir, "bf16", CUDA, max_model_len=max_model_len, show_progress=False,
-                      tensors=hf.state_dict().items(), quantization=quantization)  # fmt: skip
+    ours = load_model(
+        model_dir,
+        "bf16",
+        CUDA,
+        max_model_len=max_model_len,
+        show_progress=False,
+        tensors=hf.state_dict().items(),
+        quantization=quantization,
+    )
     return hf, ours, model_dir
 
 
@@ -114,8 +161,9 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list
 
 def hf_greedy(hf: Any, prompt: list[int], num_tokens: int) -> list[int]:
     ids = torch.tensor([prompt], device=CUDA)
-    out = hf.generate(ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out = hf.generate(
+        ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -130,25 +178,41 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def check_greedy(hf: Any, model: Any, model_dir: Path, dtype: str, num_tokens: int,
-                 kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
+def check_greedy(
+    hf: Any, model: Any, model_dir: Path, dtype: str, num_tokens: int, kv_cache_dtype: str = "auto"
+) -> list[dict[str, Any]]:
     """Our engine (CUDA graphs, overlap) vs HF generate, greedy, on prompts of mixed lengths."""
     base = make_prompts(1, 512, model.spec.vocab_size, seed=7)[0]
     prompts = [base[:n] for n in (5, 77, 300, 512)]
-    config = EngineConfig(model_dir=model_dir, dtype=dtype, device=DEVICE, num_kv_blocks=256, max_num_seqs=8,
-                          max_num_batched_tokens=256, max_model_len=1024, cuda_graph_max_batch=8,
-                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    config = Config.of(
+        model=str(model_dir),
+        dtype=dtype,
+        device=DEVICE,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        cuda_graph_max_batch=8,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     engine = Engine(config, model=model)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
     results = engine.generate(prompts, params)
     del engine
-    return [{"prompt": prompt, "tokens": r.token_ids, "logprobs": [lp.logprob for lp in r.logprobs or []],
-             "first_divergence": first_divergence(r.token_ids, hf_greedy(hf, prompt, num_tokens))}
-            for prompt, r in zip(prompts, results)]  # fmt: skip
+    return [
+        {
+            "prompt": prompt,
+            "tokens": r.token_ids,
+            "logprobs": [lp.logprob for lp in r.logprobs or []],
+            "first_divergence": first_divergence(r.token_ids, hf_greedy(hf, prompt, num_tokens)),
+        }
+        for prompt, r in zip(prompts, results)
+    ]
 
 
-def correctness(hf: Any, ours: Any, model_dir: Path, num_tokens: int, with_fp32: bool,
-                kv_cache_dtype: str = "auto") -> dict[str, Any]:  # fmt: skip
+def correctness(
+    hf: Any, ours: Any, model_dir: Path, num_tokens: int, with_fp32: bool, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     """bf16: where greedy tokens first differ from HF bf16, and the error of our sampled tokens'
     logprobs against HF fp32 on the same tokens (HF bf16's own error beside it). fp32: identical.
     The bf16 check runs with the variant's KV cache dtype (an fp8 cache's error shows here)."""
@@ -160,15 +224,23 @@ def correctness(hf: Any, ours: Any, model_dir: Path, num_tokens: int, with_fp32:
         ours_err.append((torch.tensor(row["logprobs"], device=CUDA) - ref).abs())
         hf_err.append((hf_token_logprobs(hf, row["prompt"], row["tokens"]) - ref).abs())
     ours_all, hf_all = torch.cat(ours_err), torch.cat(hf_err)
-    out: dict[str, Any] = {"bf16": {
-        "prompt_lens": [len(r["prompt"]) for r in rows], "num_tokens": num_tokens,
-        "first_divergence_vs_hf_bf16": [r["first_divergence"] for r in rows],
-        "logprob_abs_err_vs_hf_fp32": {"ours_max": float(ours_all.max()), "ours_mean": float(ours_all.mean()),
-                                       "hf_bf16_max": float(hf_all.max()), "hf_bf16_mean": float(hf_all.mean())},
-    }}  # fmt: skip
+    out: dict[str, Any] = {
+        "bf16": {
+            "prompt_lens": [len(r["prompt"]) for r in rows],
+            "num_tokens": num_tokens,
+            "first_divergence_vs_hf_bf16": [r["first_divergence"] for r in rows],
+            "logprob_abs_err_vs_hf_fp32": {
+                "ours_max": float(ours_all.max()),
+                "ours_mean": float(ours_all.mean()),
+                "hf_bf16_max": float(hf_all.max()),
+                "hf_bf16_mean": float(hf_all.mean()),
+            },
+        }
+    }
     if with_fp32:
-        ours32 = load_model(model_dir, "fp32", CUDA, max_model_len=1024, show_progress=False,
-                            tensors=hf32.state_dict().items())  # fmt: skip
+        ours32 = load_model(
+            model_dir, "fp32", CUDA, max_model_len=1024, show_progress=False, tensors=hf32.state_dict().items()
+        )
         rows32 = check_greedy(hf32, ours32, model_dir, "float32", num_tokens)
         divergence = [r["first_divergence"] for r in rows32]
         out["fp32"] = {"first_divergence_vs_hf_fp32": divergence, "identical": all(d is None for d in divergence)}
@@ -186,23 +258,35 @@ def free_memory() -> None:
 def run_hf(hf: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     start = now()
     outputs = hf.generate_batch(inputs=prompts, generation_config=config, warmup=True)
     seconds = now() - start
     num_output = sum(len(o.generated_tokens) for o in outputs.values())
     free_memory()
-    return {"requests": len(prompts), "output_tokens": num_output, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(num_output / seconds, 1)}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "output_tokens": num_output,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(num_output / seconds, 1),
+    }
 
 
-def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> EngineConfig:
-    settings = dict(model_dir=model_dir, dtype="bfloat16", device=DEVICE, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    gpu_memory_utilization=args.gpu_memory_utilization, profile_steps=True,
-                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))  # fmt: skip
-    return EngineConfig(**{**settings, **changes})
+def engine_config(model_dir: Path, args: argparse.Namespace, **changes: Any) -> Config:
+    settings = dict(
+        model=str(model_dir),
+        dtype="bfloat16",
+        device=DEVICE,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        profile_steps=True,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+    )
+    return Config.of(**{**settings, **changes})
 
 
 def run_ours(model: Any, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -216,17 +300,25 @@ def run_ours(model: Any, model_dir: Path, prompts: list[list[int]], args: argpar
     num_output = sum(len(r.token_ids) for r in results)
     assert num_output == len(prompts) * args.output_len
     stats = engine.stats()
-    out = {"requests": len(prompts), "output_tokens": num_output, "seconds": round(seconds, 3),
-           "output_tokens_per_s": round(num_output / seconds, 1), "startup_seconds": round(startup, 2),
-           "steps": stats.num_steps, "preemptions": stats.num_preemptions, "kv_blocks": stats.num_total_blocks,
-           "profile_per_step": engine.profile.summary()}  # fmt: skip
+    out = {
+        "requests": len(prompts),
+        "output_tokens": num_output,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(num_output / seconds, 1),
+        "startup_seconds": round(startup, 2),
+        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions,
+        "kv_blocks": stats.num_total_blocks,
+        "profile_per_step": engine.profile.summary(),
+    }
     del engine, results
     free_memory()
     return out
 
 
-def floor_seconds(model: Any, prompts: list[list[int]], output_len: int, hw: dict[str, float],
-                  kv_cache_dtype: str = "auto") -> dict[str, float]:  # fmt: skip
+def floor_seconds(
+    model: Any, prompts: list[list[int]], output_len: int, hw: dict[str, float], kv_cache_dtype: str = "auto"
+) -> dict[str, float]:
     """performance.md's limit: every decode step reads all weights and every live KV entry (all
     requests in one batch); prefill is 2 * params FLOPs per prompt token."""
     params = sum(p.numel() for p in model.parameters())
@@ -235,8 +327,13 @@ def floor_seconds(model: Any, prompts: list[list[int]], output_len: int, hw: dic
     live_kv_tokens = sum(len(p) * output_len + output_len * (output_len - 1) // 2 for p in prompts)
     decode = (output_len * weight_bytes + live_kv_tokens * kv_bytes) / hw["copy_bytes_per_s"]
     prefill = 2 * params * sum(len(p) for p in prompts) / hw["bf16_flops_per_s"]
-    return {"prefill_s": round(prefill, 3), "decode_s": round(decode, 3), "total_s": round(prefill + decode, 3),
-            "params": params, "weight_bytes": weight_bytes}  # fmt: skip
+    return {
+        "prefill_s": round(prefill, 3),
+        "decode_s": round(decode, 3),
+        "total_s": round(prefill + decode, 3),
+        "params": params,
+        "weight_bytes": weight_bytes,
+    }
 
 
 def run_concurrency(model: Any, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -256,11 +353,18 @@ def run_concurrency(model: Any, model_dir: Path, args: argparse.Namespace) -> di
         max_running = max(max_running, engine.stats().num_running)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    out = {"requests": num, "prompt_len": prompt_len, "output_len": output_len, "max_running": max_running,
-           "output_tokens": num_tokens, "seconds": round(seconds, 2), "preemptions": stats.num_preemptions,
-           "kv_blocks": stats.num_total_blocks,
-           "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "profile_per_step": engine.profile.summary()}  # fmt: skip
+    out = {
+        "requests": num,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "max_running": max_running,
+        "output_tokens": num_tokens,
+        "seconds": round(seconds, 2),
+        "preemptions": stats.num_preemptions,
+        "kv_blocks": stats.num_total_blocks,
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "profile_per_step": engine.profile.summary(),
+    }
     assert num_tokens == num * output_len
     del engine
     free_memory()
@@ -289,8 +393,15 @@ def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> It
             loaded = quantization
             del ours
             free_memory()
-            ours = load_model(model_dir, "bf16", CUDA, max_model_len=args.max_model_len, show_progress=False,
-                              tensors=hf.state_dict().items(), quantization=quantization)  # fmt: skip
+            ours = load_model(
+                model_dir,
+                "bf16",
+                CUDA,
+                max_model_len=args.max_model_len,
+                show_progress=False,
+                tensors=hf.state_dict().items(),
+                quantization=quantization,
+            )
         row = bench_variant(name, variant, hf, ours, model_dir, prompts, hf_row, args, hw)
         row["build_seconds"] = round(build_s, 1)
         yield row  # the caller saves each row as it comes: a later variant's failure or timeout loses only it
@@ -299,18 +410,34 @@ def bench_model(name: str, args: argparse.Namespace, hw: dict[str, float]) -> It
 
 
 def bench_variant(
-    name: str, variant: str, hf: Any, ours: Any, model_dir: Path, prompts: list[list[int]],
-    hf_row: dict[str, Any] | None, args: argparse.Namespace, hw: dict[str, float],
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    variant: str,
+    hf: Any,
+    ours: Any,
+    model_dir: Path,
+    prompts: list[list[int]],
+    hf_row: dict[str, Any] | None,
+    args: argparse.Namespace,
+    hw: dict[str, float],
+) -> dict[str, Any]:
     print(f"-- {name} {variant}", flush=True)
     quantization, kv_cache_dtype = VARIANTS[variant]
     args.kv_cache_dtype = kv_cache_dtype  # read by engine_config
-    row: dict[str, Any] = {"model": name, "variant": variant, "quantization": quantization or "none",
-                           "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
+    row: dict[str, Any] = {
+        "model": name,
+        "variant": variant,
+        "quantization": quantization or "none",
+        "kv_cache_dtype": kv_cache_dtype,
+    }
     if not args.skip_correctness and variant in args.check_variants.split(","):
-        row["correctness"] = correctness(hf, ours, model_dir, args.check_tokens,
-                                         with_fp32=name != "llama-3.1-8b" and variant == "bf16",
-                                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        row["correctness"] = correctness(
+            hf,
+            ours,
+            model_dir,
+            args.check_tokens,
+            with_fp32=name != "llama-3.1-8b" and variant == "bf16",
+            kv_cache_dtype=kv_cache_dtype,
+        )
         print(json.dumps(row["correctness"]), flush=True)
     if hf_row is not None:
         row["hf"] = hf_row
@@ -351,24 +478,34 @@ def _logprob_error(row: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     env, wl = report["environment"], report["workload"]
-    lines = [f"# Offline throughput: {env['device']}, {env['date']}", "",
-             f"`{env['command']}`", "",
-             f"Workload: {wl['num_requests']} requests x {wl['prompt_len']} random prompt tokens x "
-             f"{wl['output_len']} output tokens (ignore_eos, greedy), random bf16 weights. Measured copy rate "
-             f"{report['hardware']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-             f"{report['hardware']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.", "",
-             "| model | ours out tok/s | HF generate_batch tok/s (requests) | ours / HF | ours / HF ref. "
-             "| floor tok/s | of floor | decode step host / GPU ms | logprob err vs HF fp32 (HF bf16) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"# Offline throughput: {env['device']}, {env['date']}",
+        "",
+        f"`{env['command']}`",
+        "",
+        f"Workload: {wl['num_requests']} requests x {wl['prompt_len']} random prompt tokens x "
+        f"{wl['output_len']} output tokens (ignore_eos, greedy), random bf16 weights. Measured copy rate "
+        f"{report['hardware']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{report['hardware']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.",
+        "",
+        "| model | ours out tok/s | HF generate_batch tok/s (requests) | ours / HF | ours / HF ref. "
+        "| floor tok/s | of floor | decode step host / GPU ms | logprob err vs HF fp32 (HF bf16) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in report["models"]:
         hf = row.get("hf", {})
-        lines.append(f"| {row['model']} {row.get('variant', '')} | {row['ours']['output_tokens_per_s']:,.0f} | "
-                     f"{hf.get('output_tokens_per_s', float('nan')):,.0f} ({hf.get('requests', 0)}) | "
-                     f"{row.get('speedup_vs_hf', float('nan'))}x | {row['speedup_vs_hf_reference']}x | "
-                     f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} | "
-                     f"{_decode_step(row)} | {_logprob_error(row)} |")  # fmt: skip
-    lines += ["", "HF ref.: performance.md's HF generate_batch on the full workload, H200 (1,126 / 1,291 / 613 tok/s).",
-              "Step profiles (mean ms per step), correctness and the 1,024-sequence run are in the JSON."]  # fmt: skip
+        lines.append(
+            f"| {row['model']} {row.get('variant', '')} | {row['ours']['output_tokens_per_s']:,.0f} | "
+            f"{hf.get('output_tokens_per_s', float('nan')):,.0f} ({hf.get('requests', 0)}) | "
+            f"{row.get('speedup_vs_hf', float('nan'))}x | {row['speedup_vs_hf_reference']}x | "
+            f"{row['floor']['output_tokens_per_s']:,.0f} | {row['floor']['fraction']:.0%} | "
+            f"{_decode_step(row)} | {_logprob_error(row)} |"
+        )
+    lines += [
+        "",
+        "HF ref.: performance.md's HF generate_batch on the full workload, H200 (1,126 / 1,291 / 613 tok/s).",
+        "Step profiles (mean ms per step), correctness and the 1,024-sequence run are in the JSON.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -379,8 +516,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--hf-requests", type=int, default=None,
-                        help=f"HF on the first N prompts (default {HF_REQUESTS})")  # fmt: skip
+    parser.add_argument(
+        "--hf-requests", type=int, default=None, help=f"HF on the first N prompts (default {HF_REQUESTS})"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -389,11 +527,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-concurrency", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--variants", default="bf16",
-                        help=f"comma-separated, of {', '.join(VARIANTS)} (fp8 = FP8 weights quantised at load, "
-                             "fp8kv = e4m3 KV cache)")  # fmt: skip
-    parser.add_argument("--check-variants", default="bf16,fp8,fp8kv,fp8+fp8kv",
-                        help="variants that get the correctness check (unless --skip-correctness)")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default="bf16",
+        help=f"comma-separated, of {', '.join(VARIANTS)} (fp8 = FP8 weights quantised at load, fp8kv = e4m3 KV cache)",
+    )
+    parser.add_argument(
+        "--check-variants",
+        default="bf16,fp8,fp8kv,fp8+fp8kv",
+        help="variants that get the correctness check (unless --skip-correctness)",
+    )
     parser.add_argument("--tag", default="", help="appended to the output file names (e.g. _fp8)")
     args = parser.parse_args()
     args.kv_cache_dtype = "auto"
@@ -409,19 +552,31 @@ def main() -> None:
     import triton
 
     hw = measure_hardware()
-    print(f"copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {hw['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
-          flush=True)  # fmt: skip
+    print(
+        f"copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {hw['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
-        "environment": {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
-                        "torch": torch.__version__, "triton": triton.__version__,
-                        "transformers": transformers.__version__,
-                        "command": "python -m bench.throughput " + " ".join(sys.argv[1:])},
-        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "variants": args.variants},
-        "hardware": hw, "models": [],
-    }  # fmt: skip
+        "environment": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": device,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "command": "python -m bench.throughput " + " ".join(sys.argv[1:]),
+        },
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "variants": args.variants,
+        },
+        "hardware": hw,
+        "models": [],
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "") + args.tag
     for name in args.models.split(","):

@@ -1,7 +1,7 @@
 """The per-step description of a flattened, ragged batch that every attention backend reads.
 
 It lives in kernels/ (the bottom layer) so the Triton backend needs nothing from the engine above it;
-`services.engine.attention` re-exports it for the models.
+`pagedserve.services.engine.attention` re-exports it for the models.
 """
 
 from __future__ import annotations

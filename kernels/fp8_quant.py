@@ -52,7 +52,15 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # 
         return out, scale
     block = min(2048, triton.next_power_of_2(k))
     _quantize_rows_kernel[(num_rows,)](
-        x, out, scale, x.stride(0), out.stride(0), k,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=4 if block >= 1024 else 2,
-    )  # fmt: skip
+        x,
+        out,
+        scale,
+        x.stride(0),
+        out.stride(0),
+        k,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE,
+        BLOCK=block,
+        num_warps=4 if block >= 1024 else 2,
+    )
     return out, scale

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import next_power_of_2
+from pagedserve.kernels.launch_config import next_power_of_2
 
 
 @triton.jit
@@ -64,8 +64,15 @@ def add_rms_norm_(
         return x, residual
     block = next_power_of_2(hidden)
     _add_rms_norm_kernel[(num_tokens,)](
-        x, residual, weight, x.stride(0), residual.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual,
+        x,
+        residual,
+        weight,
+        x.stride(0),
+        residual.stride(0),
+        eps,
+        HIDDEN=hidden,
+        BLOCK=block,
+        HAS_RESIDUAL=has_residual,
         num_warps=min(16, max(1, block // 256)),
-    )  # fmt: skip
+    )
     return x, residual

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import next_power_of_2
+from pagedserve.kernels.launch_config import next_power_of_2
 
 
 @triton.jit
@@ -85,11 +85,25 @@ def write_kv_cache(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_elements = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
-        NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, IS_FP8=kv_cache.dtype.itemsize == 1,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        1.0 / k_scale,
+        1.0 / v_scale,
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        IS_FP8=kv_cache.dtype.itemsize == 1,
         num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
-    )  # fmt: skip
+    )

@@ -119,8 +119,14 @@ def choose_prefill_config(*, num_heads: int, num_kv_heads: int, head_dim: int) -
         return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, pack_gqa=group > 1)
     if head_dim_padded <= 64:
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=False, kv_load="host_tma")
-    return PrefillConfig(block_m=max(128, next_power_of_2(group)), block_n=32, num_warps=8, num_stages=4,
-                         pack_gqa=group > 1, kv_load="host_tma")  # fmt: skip
+    return PrefillConfig(
+        block_m=max(128, next_power_of_2(group)),
+        block_n=32,
+        num_warps=8,
+        num_stages=4,
+        pack_gqa=group > 1,
+        kv_load="host_tma",
+    )
 
 
 def choose_config(

@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import AttentionConfig, next_power_of_2
-from kernels.split_kv_reduce import reduce_segments
+from pagedserve.kernels.launch_config import AttentionConfig, next_power_of_2
+from pagedserve.kernels.split_kv_reduce import reduce_segments
 
 LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
+def find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence i owns the q blocks [qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1): a
     # host-free upper bound on cdiv(query_len, BLOCK_Q); surplus programs exit at once.
     lo: tl.int32 = 0
@@ -45,13 +45,19 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _load_block_ids(
-    block_table_ptr, tile_start, kv_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IS_MASKED: tl.constexpr,
+    block_table_ptr,
+    tile_start,
+    kv_end,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IS_MASKED: tl.constexpr,
     BT_EVICT: tl.constexpr,
-):  # fmt: skip
+):
     offs_n = tile_start + tl.arange(0, TILE_N)
     if IS_MASKED:
-        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0,
-                            eviction_policy=BT_EVICT)  # fmt: skip
+        block_ids = tl.load(
+            block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0, eviction_policy=BT_EVICT
+        )
     else:
         block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, eviction_policy=BT_EVICT)
     return block_ids
@@ -145,9 +151,21 @@ def _update(
     l_i = l_i * alpha + tl.sum(p, 1)
     if LATE_V:
         v = _load_kv_tile(
-            value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
-        )  # fmt: skip
+            value_cache_ptr,
+            block_ids,
+            tile_start,
+            kv_end,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            IS_MASKED,
+            False,
+            KV_EVICT,
+        )
         if USE_DOT:
             v = v.to(q.dtype)
     if USE_DOT:
@@ -159,43 +177,138 @@ def _update(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset,
-    stride_cache_block, stride_cache_slot, qk_scale,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, IS_MASKED: tl.constexpr, LATE_V: tl.constexpr, USE_DOT: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_ids,
+    tile_start,
+    kv_end,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr,
+    LATE_V: tl.constexpr,
+    USE_DOT: tl.constexpr,
     KV_EVICT: tl.constexpr,
-):  # fmt: skip
+):
     """One key tile whose block ids are known: load K (and V), then the online-softmax update."""
     k = _load_kv_tile(
-        key_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
-    )  # fmt: skip
+        key_cache_ptr,
+        block_ids,
+        tile_start,
+        kv_end,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        BLOCK_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        HEAD_DIM_PADDED,
+        IS_MASKED,
+        False,
+        KV_EVICT,
+    )
     v = None
     if not LATE_V:
         v = _load_kv_tile(
-            value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset, stride_cache_block, stride_cache_slot,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, IS_MASKED, False, KV_EVICT,
-        )  # fmt: skip
+            value_cache_ptr,
+            block_ids,
+            tile_start,
+            kv_end,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            IS_MASKED,
+            False,
+            KV_EVICT,
+        )
     return _update(
-        acc, m_i, l_i, q, q_pos, k, v, value_cache_ptr, block_ids, tile_start, kv_end, kv_head_offset,
-        stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED,
-        DOT_PRECISION, IS_MASKED, LATE_V, USE_DOT, KV_EVICT,
-    )  # fmt: skip
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k,
+        v,
+        value_cache_ptr,
+        block_ids,
+        tile_start,
+        kv_end,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        qk_scale,
+        BLOCK_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        HEAD_DIM_PADDED,
+        DOT_PRECISION,
+        IS_MASKED,
+        LATE_V,
+        USE_DOT,
+        KV_EVICT,
+    )
 
 
 @triton.jit
 def _attend_program(
-    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, qk_scale, v_scale,
-    seq, q_block, q_start, q_len, kv_head, segment,
-    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt_seq,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, UNROLL: tl.constexpr, KV_EVICT: tl.constexpr, BT_EVICT: tl.constexpr,
-    LATE_V: tl.constexpr, USE_DOT: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    seg_out_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    v_scale,
+    seq,
+    q_block,
+    q_start,
+    q_len,
+    kv_head,
+    segment,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    UNROLL: tl.constexpr,
+    KV_EVICT: tl.constexpr,
+    BT_EVICT: tl.constexpr,
+    LATE_V: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
     """One (query block, KV head, segment) work item whose query block holds at least one token."""
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys before this step's first query token
@@ -240,10 +353,30 @@ def _attend_program(
         for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
             block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, False, BT_EVICT)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
-                kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
-                HEAD_DIM_PADDED, DOT_PRECISION, False, LATE_V, USE_DOT, KV_EVICT,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_ids,
+                t * TILE_N,
+                kv_end,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                DOT_PRECISION,
+                False,
+                LATE_V,
+                USE_DOT,
+                KV_EVICT,
+            )
     elif PREFETCH == 1:
         # The next tile's block ids load while this tile's K/V stream in, so a K/V address never
         # waits on a block-table load. Masked: the last prefetch may point past the sequence.
@@ -252,44 +385,157 @@ def _attend_program(
             block_ids = next_ids
             next_ids = _load_block_ids(block_table_ptr, (t + 1) * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
-                kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
-                HEAD_DIM_PADDED, DOT_PRECISION, False, LATE_V, USE_DOT, KV_EVICT,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_ids,
+                t * TILE_N,
+                kv_end,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                DOT_PRECISION,
+                False,
+                LATE_V,
+                USE_DOT,
+                KV_EVICT,
+            )
     else:
         # A software pipeline in registers: block ids two tiles ahead, K/V one tile ahead. Loads past
         # the full tiles are masked off (kv_lim), so the ragged tail is never fetched twice.
         kv_lim = tile_mid * TILE_N
         ids = _load_block_ids(block_table_ptr, tile_lo * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
-        k_next = _load_kv_tile(key_cache_ptr, ids, tile_lo * TILE_N, kv_lim, kv_head_offset, stride_cache_block,
-                               stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True, True,
-                               KV_EVICT)  # fmt: skip
-        v_next = _load_kv_tile(value_cache_ptr, ids, tile_lo * TILE_N, kv_lim, kv_head_offset, stride_cache_block,
-                               stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, True, True,
-                               KV_EVICT)  # fmt: skip
+        k_next = _load_kv_tile(
+            key_cache_ptr,
+            ids,
+            tile_lo * TILE_N,
+            kv_lim,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            True,
+            True,
+            KV_EVICT,
+        )
+        v_next = _load_kv_tile(
+            value_cache_ptr,
+            ids,
+            tile_lo * TILE_N,
+            kv_lim,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            True,
+            True,
+            KV_EVICT,
+        )
         ids = _load_block_ids(block_table_ptr, (tile_lo + 1) * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
         for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
             k = k_next
             v = v_next
-            k_next = _load_kv_tile(key_cache_ptr, ids, (t + 1) * TILE_N, kv_lim, kv_head_offset,
-                                   stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM,
-                                   HEAD_DIM_PADDED, True, True, KV_EVICT)  # fmt: skip
-            v_next = _load_kv_tile(value_cache_ptr, ids, (t + 1) * TILE_N, kv_lim, kv_head_offset,
-                                   stride_cache_block, stride_cache_slot, BLOCK_SIZE, TILE_N, HEAD_DIM,
-                                   HEAD_DIM_PADDED, True, True, KV_EVICT)  # fmt: skip
+            k_next = _load_kv_tile(
+                key_cache_ptr,
+                ids,
+                (t + 1) * TILE_N,
+                kv_lim,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                True,
+                True,
+                KV_EVICT,
+            )
+            v_next = _load_kv_tile(
+                value_cache_ptr,
+                ids,
+                (t + 1) * TILE_N,
+                kv_lim,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                True,
+                True,
+                KV_EVICT,
+            )
             ids = _load_block_ids(block_table_ptr, (t + 2) * TILE_N, kv_lim, BLOCK_SIZE, TILE_N, True, BT_EVICT)
             acc, m_i, l_i = _update(
-                acc, m_i, l_i, q, q_pos, k, v, value_cache_ptr, ids, t * TILE_N, kv_end, kv_head_offset,
-                stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED,
-                DOT_PRECISION, False, False, USE_DOT, KV_EVICT,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                k,
+                v,
+                value_cache_ptr,
+                ids,
+                t * TILE_N,
+                kv_end,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                DOT_PRECISION,
+                False,
+                False,
+                USE_DOT,
+                KV_EVICT,
+            )
     for t in range(tile_mid, tile_hi):
         block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_ids, t * TILE_N, kv_end,
-            kv_head_offset, stride_cache_block, stride_cache_slot, qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM,
-            HEAD_DIM_PADDED, DOT_PRECISION, True, LATE_V, USE_DOT, KV_EVICT,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_ids,
+            t * TILE_N,
+            kv_end,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            qk_scale,
+            BLOCK_SIZE,
+            TILE_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            DOT_PRECISION,
+            True,
+            LATE_V,
+            USE_DOT,
+            KV_EVICT,
+        )
 
     if NUM_SEGMENTS == 1:
         out = acc * (v_scale / l_i)[:, None]
@@ -358,13 +604,49 @@ def _paged_attention_kernel(
             q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
             if q_len > 0:
                 _attend_program(
-                    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-                    block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, seq, 0, q_start, q_len, kv_head, segment,
-                    stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_cache_block,
-                    stride_cache_slot, stride_cache_head, stride_bt_seq, NUM_HEADS, GROUP, HEAD_DIM,
-                    HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION, PREFETCH,
-                    LOOP_STAGES, UNROLL, KV_EVICT, BT_EVICT, LATE_V, USE_DOT,
-                )  # fmt: skip
+                    out_ptr,
+                    seg_out_ptr,
+                    seg_max_ptr,
+                    seg_sum_ptr,
+                    query_ptr,
+                    key_cache_ptr,
+                    value_cache_ptr,
+                    block_tables_ptr,
+                    seq_lens_ptr,
+                    qk_scale,
+                    v_scale,
+                    seq,
+                    0,
+                    q_start,
+                    q_len,
+                    kv_head,
+                    segment,
+                    stride_q_token,
+                    stride_q_head,
+                    stride_out_token,
+                    stride_out_head,
+                    stride_cache_block,
+                    stride_cache_slot,
+                    stride_cache_head,
+                    stride_bt_seq,
+                    NUM_HEADS,
+                    GROUP,
+                    HEAD_DIM,
+                    HEAD_DIM_PADDED,
+                    BLOCK_SIZE,
+                    BLOCK_M,
+                    BLOCK_Q,
+                    TILE_N,
+                    NUM_SEGMENTS,
+                    DOT_PRECISION,
+                    PREFETCH,
+                    LOOP_STAGES,
+                    UNROLL,
+                    KV_EVICT,
+                    BT_EVICT,
+                    LATE_V,
+                    USE_DOT,
+                )
     else:
         q_block_id = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -373,7 +655,7 @@ def _paged_attention_kernel(
             seq = q_block_id
             q_block = 0
         else:
-            seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+            seq = find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
             q_block = q_block_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -383,13 +665,49 @@ def _paged_attention_kernel(
             # The last query block sees the most keys: start it first so the grid ends on light work.
             q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
         _attend_program(
-            out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-            block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, seq, q_block, q_start, q_len, kv_head, segment,
-            stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_cache_block,
-            stride_cache_slot, stride_cache_head, stride_bt_seq, NUM_HEADS, GROUP, HEAD_DIM,
-            HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION, PREFETCH,
-            LOOP_STAGES, UNROLL, KV_EVICT, BT_EVICT, LATE_V, USE_DOT,
-        )  # fmt: skip
+            out_ptr,
+            seg_out_ptr,
+            seg_max_ptr,
+            seg_sum_ptr,
+            query_ptr,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_tables_ptr,
+            seq_lens_ptr,
+            qk_scale,
+            v_scale,
+            seq,
+            q_block,
+            q_start,
+            q_len,
+            kv_head,
+            segment,
+            stride_q_token,
+            stride_q_head,
+            stride_out_token,
+            stride_out_head,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            stride_bt_seq,
+            NUM_HEADS,
+            GROUP,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            BLOCK_SIZE,
+            BLOCK_M,
+            BLOCK_Q,
+            TILE_N,
+            NUM_SEGMENTS,
+            DOT_PRECISION,
+            PREFETCH,
+            LOOP_STAGES,
+            UNROLL,
+            KV_EVICT,
+            BT_EVICT,
+            LATE_V,
+            USE_DOT,
+        )
 
 
 def paged_attention(
@@ -434,19 +752,49 @@ def paged_attention(
     else:
         grid = (num_q_blocks, num_kv_heads, num_segments)
     _paged_attention_kernel[grid](
-        out, seg_out, seg_max, seg_sum, query, key_cache, value_cache,
-        block_tables, seq_lens, query_start_loc, scale * LOG2_E * k_scale, v_scale, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
-        NUM_SEGMENTS=num_segments, IS_DECODE_ONLY=config.is_decode_only,
+        out,
+        seg_out,
+        seg_max,
+        seg_sum,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2_E * k_scale,
+        v_scale,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        TILE_N=config.tile_n,
+        NUM_SEGMENTS=num_segments,
+        IS_DECODE_ONLY=config.is_decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        PREFETCH=config.prefetch, LOOP_STAGES=config.loop_stages or None, UNROLL=config.unroll or None,
-        KV_EVICT="evict_first" if config.evict_kv else "", BT_EVICT="evict_last" if config.evict_kv else "",
-        LATE_V=config.late_v, USE_DOT=config.use_dot, PERSISTENT_PROGRAMS=config.persistent_programs,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+        PREFETCH=config.prefetch,
+        LOOP_STAGES=config.loop_stages or None,
+        UNROLL=config.unroll or None,
+        KV_EVICT="evict_first" if config.evict_kv else "",
+        BT_EVICT="evict_last" if config.evict_kv else "",
+        LATE_V=config.late_v,
+        USE_DOT=config.use_dot,
+        PERSISTENT_PROGRAMS=config.persistent_programs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     if num_segments > 1:
         reduce_segments(out, seg_out, seg_max, seg_sum)
     return out

@@ -102,9 +102,11 @@ def step_qkv(batch: PagedBatch, pad_tokens: int = 0) -> tuple[torch.Tensor, torc
     num_kv_heads = batch.kv_cache.shape[3]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.full(
-        (num_tokens + pad_tokens, q_size + 2 * kv_size), float("nan"), dtype=batch.query.dtype,
+        (num_tokens + pad_tokens, q_size + 2 * kv_size),
+        float("nan"),
+        dtype=batch.query.dtype,
         device=batch.query.device,
-    )  # fmt: skip
+    )
     flat = batch.kv_cache.view(2, -1, num_kv_heads, head_dim)
     query = qkv[:, :q_size].view(-1, num_heads, head_dim)
     key = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)

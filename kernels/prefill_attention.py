@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import KV_LOADS, PrefillConfig, next_power_of_2
-from kernels.paged_attention import LOG2_E, _find_seq
+from pagedserve.kernels.launch_config import KV_LOADS, PrefillConfig, next_power_of_2
+from pagedserve.kernels.paged_attention import LOG2_E, find_seq
 
 __all__ = ["KV_LOADS", "PrefillConfig", "prefill_attention", "tma_compatible"]
 
@@ -191,7 +191,7 @@ def _prefill_attention_kernel(
     # together share one query block's K/V in L2.
     head_group = tl.program_id(0) % NUM_HEAD_GROUPS
     q_block_id = tl.program_id(0) // NUM_HEAD_GROUPS
-    seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+    seq = find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_id - (q_start // BLOCK_Q + seq)
@@ -227,18 +227,42 @@ def _prefill_attention_kernel(
     num_full_cached = ctx_len // BLOCK_N
     for t in range(0, num_full_cached):
         k, v = _load_cached_kv(
-            key_cache_ptr, value_cache_ptr, block_table_ptr, t * BLOCK_N, ctx_len, kv_head_offset,
-            stride_cache_block, stride_cache_slot, q.dtype, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, False,
-        )  # fmt: skip
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            t * BLOCK_N,
+            ctx_len,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            q.dtype,
+            BLOCK_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            False,
+        )
         acc, m_i, l_i = _softmax_step(
             acc, m_i, l_i, q, k, v, cache_qk_scale, cache_v_scale, None, False, SCALE_CACHED_V, DOT_PRECISION
         )
     if num_full_cached * BLOCK_N < ctx_len:
         tile_start = num_full_cached * BLOCK_N
         k, v = _load_cached_kv(
-            key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, ctx_len, kv_head_offset,
-            stride_cache_block, stride_cache_slot, q.dtype, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, True,
-        )  # fmt: skip
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            tile_start,
+            ctx_len,
+            kv_head_offset,
+            stride_cache_block,
+            stride_cache_slot,
+            q.dtype,
+            BLOCK_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            True,
+        )
         visible = (tile_start + offs_n < ctx_len)[None, :]
         acc, m_i, l_i = _softmax_step(
             acc, m_i, l_i, q, k, v, cache_qk_scale, cache_v_scale, visible, True, SCALE_CACHED_V, DOT_PRECISION
@@ -249,26 +273,56 @@ def _prefill_attention_kernel(
     kv_col = kv_head * HEAD_DIM
     if KV_LOAD == 2:
         key_desc = tl.make_tensor_descriptor(
-            key_ptr + q_start.to(tl.int64) * stride_k_token, shape=[q_len, NUM_KV_HEADS * HEAD_DIM],
-            strides=[stride_k_token, 1], block_shape=[BLOCK_N, HEAD_DIM],
-        )  # fmt: skip
+            key_ptr + q_start.to(tl.int64) * stride_k_token,
+            shape=[q_len, NUM_KV_HEADS * HEAD_DIM],
+            strides=[stride_k_token, 1],
+            block_shape=[BLOCK_N, HEAD_DIM],
+        )
         value_desc = tl.make_tensor_descriptor(
-            value_ptr + q_start.to(tl.int64) * stride_v_token, shape=[q_len, NUM_KV_HEADS * HEAD_DIM],
-            strides=[stride_v_token, 1], block_shape=[BLOCK_N, HEAD_DIM],
-        )  # fmt: skip
+            value_ptr + q_start.to(tl.int64) * stride_v_token,
+            shape=[q_len, NUM_KV_HEADS * HEAD_DIM],
+            strides=[stride_v_token, 1],
+            block_shape=[BLOCK_N, HEAD_DIM],
+        )
     num_full_new = (q_lo + 1) // BLOCK_N
     num_new = tl.cdiv(tl.minimum(q_lo + BLOCK_Q, q_len), BLOCK_N)
     for t in tl.range(0, num_full_new, warp_specialize=WARP_SPECIALIZE):
         k, v = _load_new_kv(
-            key_ptr, value_ptr, key_desc, value_desc, q_start, t * BLOCK_N, q_len, kv_col,
-            stride_k_token, stride_v_token, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, KV_LOAD, False,
-        )  # fmt: skip
+            key_ptr,
+            value_ptr,
+            key_desc,
+            value_desc,
+            q_start,
+            t * BLOCK_N,
+            q_len,
+            kv_col,
+            stride_k_token,
+            stride_v_token,
+            BLOCK_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            KV_LOAD,
+            False,
+        )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, 1.0, None, False, False, DOT_PRECISION)
     for t in range(num_full_new, num_new):
         k, v = _load_new_kv(
-            key_ptr, value_ptr, key_desc, value_desc, q_start, t * BLOCK_N, q_len, kv_col,
-            stride_k_token, stride_v_token, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, KV_LOAD, True,
-        )  # fmt: skip
+            key_ptr,
+            value_ptr,
+            key_desc,
+            value_desc,
+            q_start,
+            t * BLOCK_N,
+            q_len,
+            kv_col,
+            stride_k_token,
+            stride_v_token,
+            BLOCK_N,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            KV_LOAD,
+            True,
+        )
         key_idx = t * BLOCK_N + offs_n
         visible = (key_idx[None, :] <= q_idx[:, None]) & (key_idx < q_len)[None, :]
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, 1.0, visible, True, False, DOT_PRECISION)
@@ -349,16 +403,46 @@ def prefill_attention(
     qk_scale = scale * LOG2_E
     num_head_groups = num_heads // heads_per_program
     _prefill_attention_kernel[(num_head_groups * num_q_blocks,)](
-        out, query, key, value, key_desc, value_desc, key_cache, value_cache,
-        block_tables, seq_lens, query_start_loc, qk_scale, qk_scale * k_scale, v_scale, num_seqs,
-        query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, NUM_HEAD_GROUPS=num_head_groups, GROUP=group,
-        HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=config.block_m,
-        BLOCK_Q=block_q, BLOCK_N=config.block_n, KV_LOAD=kv_load, WARP_SPECIALIZE=config.warp_specialize,
+        out,
+        query,
+        key,
+        value,
+        key_desc,
+        value_desc,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        qk_scale,
+        qk_scale * k_scale,
+        v_scale,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        value.stride(0),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_HEAD_GROUPS=num_head_groups,
+        GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        KV_LOAD=kv_load,
+        WARP_SPECIALIZE=config.warp_specialize,
         SCALE_CACHED_V=kv_cache.dtype.itemsize == 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out

@@ -18,12 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_config import next_power_of_2
+from pagedserve.kernels.launch_config import next_power_of_2
 
 
 @triton.jit
-def _rotate_rows(ptr, stride_head, cos, sin, NUM: tl.constexpr, NUM_PADDED: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PADDED: tl.constexpr):  # fmt: skip
+def _rotate_rows(
+    ptr,
+    stride_head,
+    cos,
+    sin,
+    NUM: tl.constexpr,
+    NUM_PADDED: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
     offs_h = tl.arange(0, NUM_PADDED)
     offs_d = tl.arange(0, HALF_PADDED)
     mask = (offs_h < NUM)[:, None] & (offs_d < HALF)[None, :]
@@ -76,10 +84,10 @@ def _rotary_kv_write_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos_pos + offs_half, mask=offs_half < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos_pos + offs_half, mask=offs_half < HALF, other=0.0).to(tl.float32)
     k_row_ptr = key_ptr + token * stride_k_token
-    _rotate_rows(query_ptr + token * stride_q_token, stride_q_head, cos, sin,
-                 NUM_HEADS, NUM_HEADS_PADDED, HALF, HALF_PADDED)  # fmt: skip
-    k1, k2 = _rotate_rows(k_row_ptr, stride_k_head, cos, sin,
-                          NUM_KV_HEADS, NUM_KV_HEADS_PADDED, HALF, HALF_PADDED)  # fmt: skip
+    _rotate_rows(
+        query_ptr + token * stride_q_token, stride_q_head, cos, sin, NUM_HEADS, NUM_HEADS_PADDED, HALF, HALF_PADDED
+    )
+    k1, k2 = _rotate_rows(k_row_ptr, stride_k_head, cos, sin, NUM_KV_HEADS, NUM_KV_HEADS_PADDED, HALF, HALF_PADDED)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -129,16 +137,38 @@ def rotary_write_kv_cache(
     half = rotary_dim // 2
     num_elements = next_power_of_2(num_heads) * next_power_of_2(head_dim)
     _rotary_kv_write_kernel[(num_tokens,)](
-        query, key, value, key_cache, value_cache, positions, slot_mapping, cos_cache, sin_cache,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cos_cache.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        1.0 / k_scale, 1.0 / v_scale,
-        NUM_HEADS=num_heads, NUM_HEADS_PADDED=next_power_of_2(num_heads),
-        NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=next_power_of_2(head_dim),
-        HALF=half, HALF_PADDED=next_power_of_2(half), BLOCK_SIZE=block_size_of(kv_cache),
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        positions,
+        slot_mapping,
+        cos_cache,
+        sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_cache.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        1.0 / k_scale,
+        1.0 / v_scale,
+        NUM_HEADS=num_heads,
+        NUM_HEADS_PADDED=next_power_of_2(num_heads),
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        HALF=half,
+        HALF_PADDED=next_power_of_2(half),
+        BLOCK_SIZE=block_size_of(kv_cache),
         num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
-    )  # fmt: skip
+    )
 
 
 def block_size_of(kv_cache: torch.Tensor) -> int:

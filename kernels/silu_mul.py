@@ -45,7 +45,12 @@ def silu_mul(
         return out
     block = min(_BLOCK, triton.next_power_of_2(intermediate))
     _silu_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0),
-        INTERMEDIATE=intermediate, BLOCK=block, num_warps=4,
-    )  # fmt: skip
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        INTERMEDIATE=intermediate,
+        BLOCK=block,
+        num_warps=4,
+    )
     return out

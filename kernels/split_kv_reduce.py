@@ -49,8 +49,16 @@ def reduce_segments(
     num_segments, head_dim_padded = seg_out.shape[2], seg_out.shape[3]
     assert out.stride(2) == 1 and seg_out.is_contiguous() and seg_max.is_contiguous()
     _reduce_segments_kernel[(num_tokens, num_heads)](
-        out, seg_out, seg_max, seg_sum, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SEGMENTS=num_segments, HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=head_dim_padded, num_warps=1 if head_dim_padded <= 64 else 2,
-    )  # fmt: skip
+        out,
+        seg_out,
+        seg_max,
+        seg_sum,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_SEGMENTS=num_segments,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        num_warps=1 if head_dim_padded <= 64 else 2,
+    )
     return out

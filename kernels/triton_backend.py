@@ -2,7 +2,7 @@
 
 Only this module and the kernel modules import triton, so CPU machines without it never do.
 Config choice is cached per batch shape and uses host integers only (no GPU sync): see
-`kernels.launch_config` for what a CUDA graph needs to keep fixed. Prefill-heavy steps whose new K/V
+`pagedserve.kernels.launch_config` for what a CUDA graph needs to keep fixed. Prefill-heavy steps whose new K/V
 the caller hands over (the fused rotary path) go to the prefill kernel; everything else, decode
 graphs included, to the paged kernel.
 """
@@ -13,16 +13,16 @@ from functools import cache
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.kv_write import write_kv_cache
-from kernels.launch_config import (
+from pagedserve.kernels.attention_metadata import AttentionMetadata
+from pagedserve.kernels.kv_write import write_kv_cache
+from pagedserve.kernels.launch_config import (
     PREFILL_QUERY_LEN,
     choose_config,
     choose_prefill_config,
     uses_prefill_kernel,
 )
-from kernels.paged_attention import paged_attention
-from kernels.prefill_attention import prefill_attention
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.prefill_attention import prefill_attention
 
 __all__ = ["attend", "write_kv_cache"]
 
@@ -64,10 +64,18 @@ def attend(
         and uses_prefill_kernel(num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=meta.max_query_len)
     ):
         return prefill_attention(
-            query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            query,
+            key,
+            value,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
             _prefill_config(num_heads=num_heads, num_kv_heads=kv_cache.shape[3], head_dim=head_dim),
-            k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
     config = _config(
         num_seqs=num_seqs,
         num_heads=num_heads,
@@ -77,5 +85,14 @@ def attend(
         num_sms=_num_sms(query.device),
         kv_dtype_bytes=kv_cache.element_size(),
     )
-    return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, config,
-                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return paged_attention(
+        query,
+        kv_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        config,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

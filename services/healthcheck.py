@@ -1,4 +1,4 @@
-"""`python -m services.healthcheck URL`: exit 0 when URL answers 2xx within 3 s, else 1.
+"""`python -m pagedserve.services.healthcheck URL`: exit 0 when URL answers 2xx within 3 s, else 1.
 
 The container images have Python but no curl: compose healthchecks and Kubernetes exec probes use this."""
 
@@ -19,7 +19,7 @@ def check(url: str, timeout_s: float = 3.0) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m services.healthcheck URL", file=sys.stderr)
+        print("usage: python -m pagedserve.services.healthcheck URL", file=sys.stderr)
         return 2
     ok = check(argv[0])
     if not ok:

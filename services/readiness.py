@@ -15,10 +15,19 @@ def local_url(host: str, port: int) -> str:
     return f"http://{reachable}:{port}"
 
 
-def missing_models(base_url: str, model_names: Iterable[str], timeout_s: float = 1.0) -> list[str] | None:
-    """The models without a live engine yet ([] = all served), or None if the gateway is not ready at all."""
+def missing_models(
+    base_url: str,
+    model_names: Iterable[str],
+    timeout_s: float = 1.0,
+    api_key: str | None = None,
+) -> list[str] | None:
+    """The models without a live engine yet ([] = all served), or None if the gateway is not ready at all.
+    With API keys configured, /ready lists the models only to a caller that sends one."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{base_url}/ready", timeout=timeout_s) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{base_url}/ready", headers=headers), timeout=timeout_s
+        ) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:  # 503: Redis down, draining, or no live engine yet
         try:

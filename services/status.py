@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shared import streams
-from shared.protocol import DecodeError, EngineHeartbeat, decode_as
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import DecodeError, EngineHeartbeat, decode_as
 
 _BACKLOG_CAP = 1_000  # Redis < 7 reports no group lag: count entries up to this many
 
@@ -62,8 +62,15 @@ async def group_lag(redis: Any, model: str, stream: str, group: str, now: float)
         backlog = len(await redis.xrange(stream, min=after, max="+", count=_BACKLOG_CAP)) if first else 0
     summary = await redis.xpending(stream, group)
     pending = int(summary["pending"])
-    return StreamLag(model, stream, group, backlog, _age(first[0][0], now) if first else None, pending,
-                     _age(summary["min"], now) if pending else None)
+    return StreamLag(
+        model,
+        stream,
+        group,
+        backlog,
+        _age(first[0][0], now) if first else None,
+        pending,
+        _age(summary["min"], now) if pending else None,
+    )
 
 
 async def collect(redis: Any) -> Status:
@@ -82,8 +89,10 @@ async def collect(redis: Any) -> Status:
         models.add(_text(key).split("{", 1)[1].rsplit("}", 1)[0])
     lags = []
     for model in sorted(models):
-        for stream, group in ((streams.request_stream(model), streams.TOKENIZER_GROUP),
-                              (streams.generate_stream(model), streams.engine_group(model))):
+        for stream, group in (
+            (streams.request_stream(model), streams.TOKENIZER_GROUP),
+            (streams.generate_stream(model), streams.engine_group(model)),
+        ):
             lag = await group_lag(redis, model, stream, group, now)
             if lag is not None:
                 lags.append(lag)
@@ -105,22 +114,37 @@ def _seconds(value: float | None) -> str:
 def render(status: Status, now: float | None = None) -> str:
     now = time.time() if now is None else now
     engine_rows = [
-        [e.model, e.engine_id, "draining" if e.is_draining else "live", str(e.num_running), str(e.num_waiting),
-         f"{100 * (1 - e.num_free_blocks / e.num_total_blocks):.0f}%" if e.num_total_blocks else "-",
-         _seconds(now - e.time if e.time else None)]
+        [
+            e.model,
+            e.engine_id,
+            "draining" if e.is_draining else "live",
+            str(e.num_running),
+            str(e.num_waiting),
+            f"{100 * (1 - e.num_free_blocks / e.num_total_blocks):.0f}%" if e.num_total_blocks else "-",
+            _seconds(now - e.time if e.time else None),
+        ]
         for e in status.engines
     ]
     stream_rows = [
-        [s.model, s.stream, s.group, str(s.backlog) + ("+" if s.backlog >= _BACKLOG_CAP else ""),
-         _seconds(s.oldest_waiting_s), str(s.pending), _seconds(s.oldest_pending_s)]
+        [
+            s.model,
+            s.stream,
+            s.group,
+            str(s.backlog) + ("+" if s.backlog >= _BACKLOG_CAP else ""),
+            _seconds(s.oldest_waiting_s),
+            str(s.pending),
+            _seconds(s.oldest_pending_s),
+        ]
         for s in status.streams
     ]
     live = sorted({e.model for e in status.engines if not e.is_draining})
-    return "\n\n".join([
-        f"models live: {', '.join(live) if live else 'none'}",
-        _table(["MODEL", "ENGINE", "STATE", "RUNNING", "WAITING", "KV USED", "HEARTBEAT AGE"], engine_rows),
-        _table(["MODEL", "STREAM", "GROUP", "BACKLOG", "OLDEST WAITING", "PENDING", "OLDEST PENDING"], stream_rows),
-    ])
+    return "\n\n".join(
+        [
+            f"models live: {', '.join(live) if live else 'none'}",
+            _table(["MODEL", "ENGINE", "STATE", "RUNNING", "WAITING", "KV USED", "HEARTBEAT AGE"], engine_rows),
+            _table(["MODEL", "STREAM", "GROUP", "BACKLOG", "OLDEST WAITING", "PENDING", "OLDEST PENDING"], stream_rows),
+        ]
+    )
 
 
 async def status_text(redis_url: str) -> str:

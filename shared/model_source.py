@@ -8,9 +8,14 @@ starts load in seconds.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -84,18 +89,19 @@ def _from_hf_cache(repo_id: str) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF file into a safetensors model directory, once.
 
-    A marker file names the source (path and size) so a different file with the same name is
-    converted afresh; a lock file makes concurrent starts (several engine replicas) convert once.
+    A marker file names what the source is (its size and the SHA-256 of its content), not where it lies,
+    so installs that see the same file under different paths (two venvs sharing ~/.cache/pagedserve)
+    share one conversion, and a different file with the same name is converted afresh. A lock file
+    makes concurrent starts (several engine replicas) convert once; the result replaces the old
+    directory atomically.
     """
-    import fcntl
-
     source = _source_id(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if _is_converted(out_dir, source):
+    if _is_converted(out_dir, source, gguf_path):
         return out_dir
     with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not _is_converted(out_dir, source):  # another process may have finished meanwhile
+        if not _is_converted(out_dir, source, gguf_path):  # another process may have finished meanwhile
             tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
             _convert(gguf_path, tmp, out_dir.name)
             (tmp / _MARKER).write_text(source)
@@ -104,20 +110,51 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 _MARKER = ".pagedserve-converted"
+_DIGESTS = ".gguf-digests.json"  # path -> (size, mtime, sha256): a file is hashed once per place it lies
 
 
 def _source_id(gguf_path: Path) -> str:
-    return f"{gguf_path.resolve()}\n{gguf_path.stat().st_size}"
+    return f"sha256:{content_digest(gguf_path)}\n{gguf_path.stat().st_size}"
 
 
-def _is_converted(out_dir: Path, source: str) -> bool:
+def content_digest(path: Path) -> str:
+    """SHA-256 of a file's content, remembered per path while its size and mtime stay the same (hashing
+    a multi-GB GGUF takes seconds; every later start reads it back)."""
+    index_path = cache_root() / _DIGESTS
+    stat, key = path.stat(), str(path.resolve())
+    try:
+        known = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+        return str(entry["sha256"])
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    known[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=index_path.parent, prefix=_DIGESTS, delete=False) as tmp:
+        tmp.write(json.dumps(known))
+    os.replace(tmp.name, index_path)  # atomic: concurrent starts never read half a file
+    return digest
+
+
+def _is_converted(out_dir: Path, source: str, gguf_path: Path) -> bool:
     marker = out_dir / _MARKER
     if not marker.exists():
         return False
     recorded = marker.read_text().strip().split("\n")
-    wanted = source.split("\n")
-    # Markers written before sizes were recorded hold only the path.
-    return recorded == wanted or (len(recorded) == 1 and Path(recorded[0]).resolve() == Path(wanted[0]))
+    if recorded == source.split("\n"):
+        return True
+    # A marker of an older release names the path (and size): the same file, so adopt it under its content id.
+    if (
+        not recorded[0].startswith("sha256:")
+        and Path(recorded[0]).resolve() == gguf_path.resolve()
+        and (len(recorded) == 1 or recorded[1] == str(gguf_path.stat().st_size))
+    ):
+        marker.write_text(source)
+        return True
+    return False
 
 
 def _convert(gguf_path: Path, tmp: Path, name: str) -> None:
@@ -141,8 +178,6 @@ def _convert(gguf_path: Path, tmp: Path, name: str) -> None:
 
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    import shutil
-
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

@@ -16,8 +16,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def serve_ops(port: int, registry: CollectorRegistry, is_ready: Callable[[], bool],
-              host: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve_ops(
+    port: int, registry: CollectorRegistry, is_ready: Callable[[], bool], host: str = "127.0.0.1"
+) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]

@@ -28,12 +28,20 @@ class OutageLog:
             self.log.warning("redis unavailable while %s: %s", doing, exc)
         elif now - self._last_line >= self.every_s:
             self._last_line = now
-            self.log.warning("redis still unavailable after %.0f s (%d failed operations; last while %s: %s)",
-                             now - self.down_since, self.num_failures, doing, exc)
+            self.log.warning(
+                "redis still unavailable after %.0f s (%d failed operations; last while %s: %s)",
+                now - self.down_since,
+                self.num_failures,
+                doing,
+                exc,
+            )
 
     def recovered(self) -> None:
         """An operation succeeded: ends the outage, if there was one."""
         if self.down_since is not None:
-            self.log.info("redis is back after %.1f s (%d failed operations)",
-                          time.monotonic() - self.down_since, self.num_failures)
+            self.log.info(
+                "redis is back after %.1f s (%d failed operations)",
+                time.monotonic() - self.down_since,
+                self.num_failures,
+            )
             self.down_since = None

@@ -15,11 +15,26 @@ from collections.abc import Iterable
 from typing import Any
 
 # apply_chat_template's own parameters (and this module's), never taken from a request.
-_FIXED_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
-})
+_FIXED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 def check_template_kwargs(template_kwargs: dict[str, Any], tokenizer: Any = None) -> None:
@@ -34,8 +49,13 @@ def check_template_kwargs(template_kwargs: dict[str, Any], tokenizer: Any = None
 
 
 def chat_prompt_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-    add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    documents: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render the chat template and tokenize it (the template adds its own special tokens).
     `tools` reach the template as HF's `apply_chat_template(tools=...)` passes them; a template
@@ -45,7 +65,13 @@ def chat_prompt_ids(
     if tools and not template_handles_tools(tokenizer):
         messages, tools = hermes_messages(messages, tools), None
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, tools=tools,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        tools=tools,
+        continue_final_message=continue_final_message,
+        documents=documents,
         **kwargs,
     )
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding anyway
@@ -80,7 +106,7 @@ HERMES_SYSTEM = (
     "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
     "about what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
     "For each function call return a json object with function name and arguments within <tool_call>"
-    "</tool_call> XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    '</tool_call> XML tags as follows:\n<tool_call>\n{{"name": <function-name>, "arguments": '
     "<args-dict>}}\n</tool_call>"
 )
 
@@ -95,8 +121,11 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
         calls = message.pop("tool_calls", None)
         if calls:
             text = "\n".join(
-                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                              ensure_ascii=False) + "\n</tool_call>"
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False
+                )
+                + "\n</tool_call>"
                 for c in calls
             )
             message["content"] = ((message.get("content") or "") + "\n" + text).strip()

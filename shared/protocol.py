@@ -40,6 +40,9 @@ class ChatRequest:
     traceparent: str | None = None  # W3C trace context of the request's span
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # for the chat template (HF's `tools=`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    documents: list[dict[str, Any]] | None = None  # for the chat template (HF's `documents=`)
 
 
 @dataclass(slots=True)
@@ -145,15 +148,39 @@ class EngineHeartbeat:
     supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
 
 
+@dataclass(slots=True)
+class TokenizerHeartbeat:
+    """The registry record a tokenizer refreshes: the gateway answers 503 at once for a model without one."""
+
+    TAG: ClassVar[str] = "tokenizer_heartbeat"
+    tokenizer_id: str
+    model: str
+    time: float = 0.0
+
+
 Message = (
-    ChatRequest | CompletionRequest | GenerateRequest | Accepted | RequestError | TokenDeltas | Abort
+    ChatRequest
+    | CompletionRequest
+    | GenerateRequest
+    | Accepted
+    | RequestError
+    | TokenDeltas
+    | Abort
     | EngineHeartbeat
+    | TokenizerHeartbeat
 )
 _TYPES: dict[str, type[Any]] = {
     cls.TAG: cls
     for cls in (
-        ChatRequest, CompletionRequest, GenerateRequest, Accepted, RequestError, TokenDeltas, Abort,
+        ChatRequest,
+        CompletionRequest,
+        GenerateRequest,
+        Accepted,
+        RequestError,
+        TokenDeltas,
+        Abort,
         EngineHeartbeat,
+        TokenizerHeartbeat,
     )
 }
 _FIELDS = {tag: {f.name for f in dataclasses.fields(cls)} for tag, cls in _TYPES.items()}

@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from shared.protocol import Message, encode
-from shared.streams import DATA_FIELD
+from pagedserve.shared.protocol import Message, encode
+from pagedserve.shared.streams import DATA_FIELD
 
 log = logging.getLogger(__name__)
 

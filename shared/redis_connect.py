@@ -15,11 +15,22 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _CLIENT_OPTIONS: dict[str, Any] = {
-    "decode_responses": False, "health_check_interval": 10, "socket_connect_timeout": 2, "socket_timeout": 10,
+    # A pooled connection Redis dropped (a restart, a failover) fails its next command: retry it on a new
+    # connection, so the first publish after Redis is back is not lost. Connection errors only: a command
+    # that timed out may have run, and an XADD must not be written twice.
+    "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+    "retry_on_error": [RedisConnectionError],
+    "decode_responses": False,
+    "health_check_interval": 10,
+    "socket_connect_timeout": 2,
+    "socket_timeout": 10,
 }
 
 
@@ -53,10 +64,14 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise ValueError(f"a sentinel URL names hosts and a service: redis+sentinel://host:26379/mymaster ({url!r})")
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     return SentinelURL(
-        sentinels=sentinels, service_name=path[0], db=int(path[1]) if len(path) > 1 else 0,
+        sentinels=sentinels,
+        service_name=path[0],
+        db=int(path[1]) if len(path) > 1 else 0,
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
-        sentinel_password=query.pop("sentinel_password", None), ssl=parts.scheme.startswith("rediss"), options=query,
+        sentinel_password=query.pop("sentinel_password", None),
+        ssl=parts.scheme.startswith("rediss"),
+        options=query,
     )
 
 
@@ -65,8 +80,9 @@ def connect(url: str, max_connections: int = 16) -> aioredis.Redis:
     at most `max_connections` are open: a command beyond them waits for a free one (up to 10 s) rather
     than failing with "Too many connections"."""
     if not is_sentinel_url(url):
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=10,
-                                                        **_CLIENT_OPTIONS)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=10, **_CLIENT_OPTIONS
+        )
         return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
     spec = parse_sentinel_url(url)
     sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": 1, "socket_timeout": 2}
@@ -74,6 +90,12 @@ def connect(url: str, max_connections: int = 16) -> aioredis.Redis:
         sentinel_kwargs["password"] = spec.sentinel_password
     sentinel = Sentinel(spec.sentinels, sentinel_kwargs=sentinel_kwargs)
     return sentinel.master_for(
-        spec.service_name, redis_class=aioredis.Redis, db=spec.db, username=spec.username, password=spec.password,
-        ssl=spec.ssl, max_connections=max_connections, **_CLIENT_OPTIONS,
+        spec.service_name,
+        redis_class=aioredis.Redis,
+        db=spec.db,
+        username=spec.username,
+        password=spec.password,
+        ssl=spec.ssl,
+        max_connections=max_connections,
+        **_CLIENT_OPTIONS,
     )

@@ -28,14 +28,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 log = logging.getLogger(__name__)
 
 
-def setup_logging(service: str) -> None:
-    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level, format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s", force=True
-    )
+def setup_logging(service: str, level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s", force=True)
 
 
-def setup_tracing(service: str) -> None:
+def setup_tracing(service: str, console: bool = False) -> None:
     # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, override the default name (Resource.create merges).
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", f"pagedserve-{service}")})
     provider = TracerProvider(resource=resource)  # sampler: from OTEL_TRACES_SAMPLER(_ARG), default parent/always
@@ -46,7 +43,7 @@ def setup_tracing(service: str) -> None:
             log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry-exporter-otlp is not installed")
         else:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    if os.environ.get("PAGEDSERVE_TRACE_CONSOLE") == "1":
+    if console:
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     trace.set_tracer_provider(provider)
 
@@ -74,9 +71,13 @@ def traceparent_of(span: trace.Span) -> str | None:
 
 # ── GenAI semantic conventions ────────────────────────────────────────────────────────────────
 _SAMPLING_ATTRIBUTES = {  # wire sampling key -> gen_ai.request.* attribute
-    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p", "top_k": "gen_ai.request.top_k",
-    "seed": "gen_ai.request.seed", "frequency_penalty": "gen_ai.request.frequency_penalty",
-    "presence_penalty": "gen_ai.request.presence_penalty", "n": "gen_ai.request.choice.count",
+    "temperature": "gen_ai.request.temperature",
+    "top_p": "gen_ai.request.top_p",
+    "top_k": "gen_ai.request.top_k",
+    "seed": "gen_ai.request.seed",
+    "frequency_penalty": "gen_ai.request.frequency_penalty",
+    "presence_penalty": "gen_ai.request.presence_penalty",
+    "n": "gen_ai.request.choice.count",
 }
 
 
@@ -84,8 +85,11 @@ def genai_request_attributes(
     operation: str, model: str, sampling: Mapping[str, Any], max_tokens: int | None = None
 ) -> dict[str, Any]:
     """gen_ai.* attributes of a request: operation ("chat" | "text_completion"), model, sampling options."""
-    attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "pagedserve",
-                             "gen_ai.request.model": model}
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": "pagedserve",
+        "gen_ai.request.model": model,
+    }
     if max_tokens is None:
         max_tokens = sampling.get("max_tokens")
     if max_tokens is not None:
@@ -116,10 +120,15 @@ def record_stream_wait(
     start = entry_time_ns(entry_id)
     end = max(read_at_ns or time.time_ns(), start)
     span = tracer(__name__).start_span(
-        "stream.wait", context=context_from(traceparent), start_time=start,
-        attributes={"messaging.system": "redis", "messaging.destination.name": stream,
-                    "messaging.operation.type": "receive",
-                    "messaging.message.id": entry_id.decode() if isinstance(entry_id, bytes) else entry_id},
+        "stream.wait",
+        context=context_from(traceparent),
+        start_time=start,
+        attributes={
+            "messaging.system": "redis",
+            "messaging.destination.name": stream,
+            "messaging.operation.type": "receive",
+            "messaging.message.id": entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        },
     )
     span.end(end_time=end)
     return (end - start) / 1e9

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from shared.model_source import DEFAULT_MODEL, resolve_model_dir
+from pagedserve.shared.model_source import DEFAULT_MODEL, resolve_model_dir
 
 # Without a GPU the Triton kernels run in the interpreter. Set it here, before any test module can
 # import triton (transformers does, in some code paths): triton reads it once, on first use.
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:  # redis and httpx are imported lazily: the GPU machine runs tests without them
-    from shared.redis_server import PrivateRedis
+    from pagedserve.shared.redis_server import PrivateRedis
     from tests.otlp_receiver import OTLPReceiver
 
 E2E_MAX_MODEL_LEN = 2048  # small enough that an over-long prompt is cheap to build
@@ -31,7 +31,7 @@ E2E_MAX_MODEL_LEN = 2048  # small enough that an over-long prompt is cheap to bu
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[PrivateRedis]:
-    from shared.redis_server import PrivateRedis
+    from pagedserve.shared.redis_server import PrivateRedis
 
     server = PrivateRedis().start()
     yield server
@@ -73,7 +73,7 @@ def wait_ready(base_url: str, processes: dict[str, subprocess.Popen[bytes]], tim
 
 def start_service(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
     log = (log_dir / f"{name}.log").open("wb")
-    command = [sys.executable, "-m", "services.cli", *args]
+    command = [sys.executable, "-m", "pagedserve.services.cli", *args]
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -98,7 +98,7 @@ def running_stack(
     """Tokenizer, engine (CPU, fp32, one torch thread: it shares the cores with the gateway, the tokenizer
     and the client) and gateway for the default model, as separate processes: (base URL, processes) once
     ready; stopped on exit, with each log's tail printed (shown on failure by pytest's -ra summary)."""
-    from shared.redis_server import free_port
+    from pagedserve.shared.redis_server import free_port
 
     port = free_port()
     length = ["--max-model-len", str(E2E_MAX_MODEL_LEN)]
@@ -130,19 +130,27 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
 
 @pytest.fixture(scope="session")
 def services(
-    redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    redis_server: PrivateRedis,
+    smollm2_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
     otlp_receiver: OTLPReceiver,
 ) -> Iterator[RunningServices]:
     """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis,
     exporting spans to the in-test OTLP receiver and metrics on ports of their own."""
-    from shared.redis_server import free_port
+    from pagedserve.shared.redis_server import free_port
 
     log_dir = tmp_path_factory.mktemp("service-logs")
     metrics_ports = {"tokenizer": free_port(), "engine": free_port()}
-    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO",
-           "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
-           "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(metrics_ports["tokenizer"]),
-           "PAGEDSERVE_ENGINE_METRICS_PORT": str(metrics_ports["engine"])}
+    env = {
+        **os.environ,
+        "PAGEDSERVE_REDIS_URL": redis_server.url,
+        "PAGEDSERVE_LOG_LEVEL": "INFO",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(metrics_ports["tokenizer"]),
+        "PAGEDSERVE_ENGINE_METRICS_PORT": str(metrics_ports["engine"]),
+    }
     with running_stack(env, log_dir) as (base_url, processes):
-        yield RunningServices(base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir, metrics_ports,
-                              otlp_receiver)
+        yield RunningServices(
+            base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir, metrics_ports, otlp_receiver
+        )

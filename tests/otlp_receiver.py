@@ -82,12 +82,19 @@ class OTLPReceiver:
             resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        service=str(resource.get("service.name", "")), name=s.name, trace_id=s.trace_id.hex(),
-                        span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex(), start_ns=s.start_time_unix_nano,
-                        end_ns=s.end_time_unix_nano, attributes={kv.key: _value(kv.value) for kv in s.attributes},
-                        events=[(e.name, {kv.key: _value(kv.value) for kv in e.attributes}) for e in s.events],
-                    ))
+                    received.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex(),
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                            attributes={kv.key: _value(kv.value) for kv in s.attributes},
+                            events=[(e.name, {kv.key: _value(kv.value) for kv in e.attributes}) for e in s.events],
+                        )
+                    )
         with self._lock:
             self.spans.extend(received)
 

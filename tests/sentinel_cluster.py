@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from shared.redis_server import free_port, redis_server_binary
+from pagedserve.shared.redis_server import free_port, redis_server_binary
 
 SERVICE = "pagedserve"
 PASSWORD = "sentinel-test-secret"
@@ -33,17 +33,33 @@ class SentinelCluster:
 
     def _start(self, name: str, args: list[str]) -> None:
         log = (self.dir / f"{name}.log").open("wb")
-        self.processes[name] = subprocess.Popen([self.binary, *args], stdout=log, stderr=subprocess.STDOUT,
-                                                cwd=self.dir)
+        self.processes[name] = subprocess.Popen(
+            [self.binary, *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.dir
+        )
 
     def _server_args(self, port: int) -> list[str]:
-        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--requirepass", PASSWORD, "--masterauth", PASSWORD, "--dir", str(self.dir)]
+        return [
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            PASSWORD,
+            "--masterauth",
+            PASSWORD,
+            "--dir",
+            str(self.dir),
+        ]
 
     def start(self) -> SentinelCluster:
         self._start("master", self._server_args(self.master_port))
-        self._start("replica", [*self._server_args(self.replica_port),
-                                "--replicaof", "127.0.0.1", str(self.master_port)])
+        self._start(
+            "replica", [*self._server_args(self.replica_port), "--replicaof", "127.0.0.1", str(self.master_port)]
+        )
         for i, port in enumerate(self.sentinel_ports):
             conf = self.dir / f"sentinel-{i}.conf"  # sentinels rewrite their config: one file each
             conf.write_text(
@@ -81,7 +97,8 @@ class SentinelCluster:
 
     def master_address(self) -> tuple[str, int]:
         host, port = redis.Redis(port=self.sentinel_ports[0], socket_timeout=1).sentinel_get_master_addr_by_name(
-            SERVICE)
+            SERVICE
+        )
         return host.decode() if isinstance(host, bytes) else str(host), int(port)
 
     def kill_master(self) -> None:

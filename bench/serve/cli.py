@@ -29,8 +29,9 @@ SINGLE_SEED, WARMUP_SEED, SWEEP_SEED = 1, 2, 100  # added to --seed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the model name requests carry")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -49,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-processes", type=int, default=1, help="spread the client over N processes")
     p.add_argument("--concurrency-sweep", default="", help="e.g. 1,8,64,256: one run per max concurrency")
     p.add_argument("--sweep-num-prompts", type=int, default=None, help="default: 4 x concurrency, within [16, N]")
-    p.add_argument("--single-stream", type=int, default=None, help="requests sent one at a time (default 0, "
-                   "16 with --offline)")  # fmt: skip
+    p.add_argument(
+        "--single-stream", type=int, default=None, help="requests sent one at a time (default 0, 16 with --offline)"
+    )
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
@@ -66,8 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     offline = p.add_argument_group("offline engine (--offline)")
     offline.add_argument("--offline", action="store_true", help="also run the engine alone on the same prompts")
     offline.add_argument("--offline-only", action="store_true", help="only the engine (needs --tokenizer)")
-    offline.add_argument("--offline-from", type=Path, default=None, help="a result JSON of an --offline-only run "
-                         "on the same prompts (the engine alone, without the server sharing its GPU)")  # fmt: skip
+    offline.add_argument(
+        "--offline-from",
+        type=Path,
+        default=None,
+        help="a result JSON of an --offline-only run "
+        "on the same prompts (the engine alone, without the server sharing its GPU)",
+    )
     offline.add_argument("--offline-model-dir", default=None, help="default: --tokenizer, else --model")
     offline.add_argument("--offline-shape", default=None, help="random bf16 weights of a bench/throughput.py shape")
     offline.add_argument("--offline-device", default=None, help="default cuda when available")
@@ -75,8 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     offline.add_argument("--offline-max-num-seqs", type=int, default=256)
     offline.add_argument("--offline-max-num-batched-tokens", type=int, default=8192)
     offline.add_argument("--offline-max-model-len", type=int, default=2048)
-    offline.add_argument("--offline-gpu-memory-utilization", type=float, default=0.9,
-                         help="as the engine's; a server on the same GPU counts as memory in use")  # fmt: skip
+    offline.add_argument(
+        "--offline-gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="as the engine's; a server on the same GPU counts as memory in use",
+    )
     offline.add_argument("--offline-cpu-threads", type=int, default=None, help="CPU: torch threads (shared cores: 1)")
     args = p.parse_args(argv)
     if args.quick:
@@ -109,12 +120,14 @@ def sweep_num_prompts(args: argparse.Namespace, level: int) -> int:
 
 
 def environment(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "client_host": f"{socket.gethostname()} ({platform.machine()}, python {platform.python_version()})",
-            "device": args.device_label,
-            # a server started beside the benchmark (bench/serve_gpu.sh) takes its engine settings from these
-            "pagedserve_env": {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_ENGINE_")},
-            "command": "python -m bench.serve " + " ".join(sys.argv[1:] if argv is None else argv)}  # fmt: skip
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "client_host": f"{socket.gethostname()} ({platform.machine()}, python {platform.python_version()})",
+        "device": args.device_label,
+        # a server started beside the benchmark (bench/serve_gpu.sh) takes its engine settings from these
+        "pagedserve_env": {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")},
+        "command": "python -m bench.serve " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
 
 
 def samples_ms(results: list[RequestResult]) -> dict[str, list[float]]:
@@ -132,8 +145,16 @@ def load_offline(path: Path, fingerprints: dict[str, str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    client = ClientConfig(args.url or "", args.model, args.endpoint, args.temperature, args.ignore_eos, args.api_key,
-                          args.extra_body, args.timeout)  # fmt: skip
+    client = ClientConfig(
+        args.url or "",
+        args.model,
+        args.endpoint,
+        args.temperature,
+        args.ignore_eos,
+        args.api_key,
+        args.extra_body,
+        args.timeout,
+    )
     if args.tokenizer:
         source = datasets.TokenSource.local(args.tokenizer)
     else:
@@ -141,21 +162,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     as_text = args.endpoint == "chat" or args.prompt_format == "text"
 
     def make(num: int, seed: int) -> list[datasets.BenchRequest]:
-        return datasets.build(source, args.dataset, num, args.input_len, args.output_len, args.length_dist,
-                              args.range_ratio, args.seed + seed, as_text)  # fmt: skip
+        return datasets.build(
+            source,
+            args.dataset,
+            num,
+            args.input_len,
+            args.output_len,
+            args.length_dist,
+            args.range_ratio,
+            args.seed + seed,
+            as_text,
+        )
 
     main_set, single_set = make(args.num_prompts, 0), make(args.single_stream, SINGLE_SEED)
-    result: dict[str, Any] = {"url": args.url, "model": args.model, "environment": environment(args, argv),
-                              "workload": {"dataset": args.dataset, "num_prompts": args.num_prompts,
-                                           "input_len": args.input_len, "output_len": args.output_len,
-                                           "length_dist": args.length_dist, "range_ratio": args.range_ratio,
-                                           "endpoint": args.endpoint, "prompt_format": "text" if as_text else "ids",
-                                           "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                                           "ignore_eos": args.ignore_eos, "temperature": args.temperature,
-                                           "client_processes": args.client_processes, "seed": args.seed,
-                                           "fingerprint": datasets.fingerprint(main_set),
-                                           "single_fingerprint": datasets.fingerprint(single_set)},
-                              "runs": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "url": args.url,
+        "model": args.model,
+        "environment": environment(args, argv),
+        "workload": {
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "length_dist": args.length_dist,
+            "range_ratio": args.range_ratio,
+            "endpoint": args.endpoint,
+            "prompt_format": "text" if as_text else "ids",
+            "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "client_processes": args.client_processes,
+            "seed": args.seed,
+            "fingerprint": datasets.fingerprint(main_set),
+            "single_fingerprint": datasets.fingerprint(single_set),
+        },
+        "runs": {},
+    }
     if args.offline:
         from bench.serve.offline import run_offline
 
@@ -174,9 +217,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def run_served(args: argparse.Namespace, client: ClientConfig, make: Any, main_set: list[datasets.BenchRequest],
-               single_set: list[datasets.BenchRequest], result: dict[str, Any],
-               samples: dict[str, dict[str, list[float]]]) -> None:  # fmt: skip
+def run_served(
+    args: argparse.Namespace,
+    client: ClientConfig,
+    make: Any,
+    main_set: list[datasets.BenchRequest],
+    single_set: list[datasets.BenchRequest],
+    result: dict[str, Any],
+    samples: dict[str, dict[str, list[float]]],
+) -> None:
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     if args.warmup_requests:
         warm = run_load(client, make(args.warmup_requests, WARMUP_SEED), LoadSpec())
@@ -202,8 +251,11 @@ def run_served(args: argparse.Namespace, client: ClientConfig, make: Any, main_s
         level_results = run_load(client, requests, LoadSpec(max_concurrency=level, client_processes=procs))
         sweep.append({"max_concurrency": level, **summarize(level_results, *slo)})
         samples[f"concurrency {level}"] = samples_ms(level_results)
-        print(f"concurrency {level}: {sweep[-1]['output_throughput']} out tok/s, TTFT p50 "
-              f"{sweep[-1]['ttft_ms']['p50']} ms, failed {sweep[-1]['failed']}", flush=True)  # fmt: skip
+        print(
+            f"concurrency {level}: {sweep[-1]['output_throughput']} out tok/s, TTFT p50 "
+            f"{sweep[-1]['ttft_ms']['p50']} ms, failed {sweep[-1]['failed']}",
+            flush=True,
+        )
     if sweep:
         result["sweep"] = sweep
     if "offline" in result:

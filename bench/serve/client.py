@@ -58,8 +58,13 @@ class ClientConfig:
 
 
 def request_body(config: ClientConfig, request: BenchRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": config.model, "max_tokens": request.output_len, "temperature": config.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": config.model,
+        "max_tokens": request.output_len,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     prompt: str | list[int] = request.prompt_text if request.prompt_text is not None else request.prompt_ids
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else str(prompt)}]

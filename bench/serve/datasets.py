@@ -18,8 +18,38 @@ from typing import Any, Literal
 import httpx
 
 LengthDist = Literal["fixed", "uniform", "normal"]
-_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sta", "tor", "vel", "qui", "zen", "pha", "dro", "gle", "ing", "er",
-              "tion", "ous", "an", "the", "re", "co", "mp", "ut", "ex", "pl", "ai", "ni", "ght", "sh", "ow")
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "sta",
+    "tor",
+    "vel",
+    "qui",
+    "zen",
+    "pha",
+    "dro",
+    "gle",
+    "ing",
+    "er",
+    "tion",
+    "ous",
+    "an",
+    "the",
+    "re",
+    "co",
+    "mp",
+    "ut",
+    "ex",
+    "pl",
+    "ai",
+    "ni",
+    "ght",
+    "sh",
+    "ow",
+)
 _CORPUS_WORDS = 6000
 _CORPUS_SEED = 1234  # fixed: the pool depends on the tokenizer only
 
@@ -63,8 +93,11 @@ class TokenSource:
         from transformers import AutoTokenizer
 
         tok: Any = AutoTokenizer.from_pretrained(str(path))
-        return cls(lambda text: list(tok.encode(text, add_special_tokens=False)),
-                   lambda ids: str(tok.decode(ids)), set(tok.all_special_ids))  # fmt: skip
+        return cls(
+            lambda text: list(tok.encode(text, add_special_tokens=False)),
+            lambda ids: str(tok.decode(ids)),
+            set(tok.all_special_ids),
+        )
 
     @classmethod
     def server(cls, base_url: str, model: str, headers: dict[str, str]) -> TokenSource:
@@ -74,8 +107,10 @@ class TokenSource:
         def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
             response = client.post(path, json={"model": model, **body})
             if response.status_code != 200:
-                raise RuntimeError(f"{path} answered {response.status_code}: {response.text[:300]} "
-                                   "(pass --tokenizer DIR to tokenize locally)")  # fmt: skip
+                raise RuntimeError(
+                    f"{path} answered {response.status_code}: {response.text[:300]} "
+                    "(pass --tokenizer DIR to tokenize locally)"
+                )
             return dict(response.json())
 
         encode = lambda text: list(post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"])
@@ -93,8 +128,9 @@ def sample_length(rng: random.Random, mean: int, dist: LengthDist, range_ratio: 
     return min(high, max(low, round(rng.gauss(mean, mean * range_ratio))))
 
 
-def random_requests(source: TokenSource, num: int, input_len: int, output_len: int, dist: LengthDist,
-                    range_ratio: float, seed: int) -> list[BenchRequest]:  # fmt: skip
+def random_requests(
+    source: TokenSource, num: int, input_len: int, output_len: int, dist: LengthDist, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     rng = random.Random(seed)
     out = []
     for _ in range(num):
@@ -105,12 +141,16 @@ def random_requests(source: TokenSource, num: int, input_len: int, output_len: i
 
 
 # (share, prompt length x, output length x) of --input-len / --output-len
-CHAT_MIX = {"long-prompt-short-answer": (0.4, 4.0, 0.125), "short-prompt-long-answer": (0.4, 0.125, 2.0),
-            "balanced": (0.2, 1.0, 1.0)}  # fmt: skip
+CHAT_MIX = {
+    "long-prompt-short-answer": (0.4, 4.0, 0.125),
+    "short-prompt-long-answer": (0.4, 0.125, 2.0),
+    "balanced": (0.2, 1.0, 1.0),
+}
 
 
-def chat_mix_requests(source: TokenSource, num: int, input_len: int, output_len: int, range_ratio: float,
-                      seed: int) -> list[BenchRequest]:  # fmt: skip
+def chat_mix_requests(
+    source: TokenSource, num: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     """Like chat traffic: summaries of long documents, long answers to short questions, some of both;
     lengths uniform within +-range_ratio of each kind's mean."""
     rng = random.Random(seed)
@@ -124,8 +164,17 @@ def chat_mix_requests(source: TokenSource, num: int, input_len: int, output_len:
     return out
 
 
-def build(source: TokenSource, kind: str, num: int, input_len: int, output_len: int, dist: LengthDist,
-          range_ratio: float, seed: int, as_text: bool) -> list[BenchRequest]:  # fmt: skip
+def build(
+    source: TokenSource,
+    kind: str,
+    num: int,
+    input_len: int,
+    output_len: int,
+    dist: LengthDist,
+    range_ratio: float,
+    seed: int,
+    as_text: bool,
+) -> list[BenchRequest]:
     if kind == "random":
         requests = random_requests(source, num, input_len, output_len, dist, range_ratio, seed)
     elif kind == "chat-mix":

@@ -36,8 +36,13 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def _run(config: ClientConfig, requests: list[BenchRequest], offsets: list[float],
-               max_concurrency: int | None, start_wall: float) -> list[RequestResult]:  # fmt: skip
+async def _run(
+    config: ClientConfig,
+    requests: list[BenchRequest],
+    offsets: list[float],
+    max_concurrency: int | None,
+    start_wall: float,
+) -> list[RequestResult]:
     limit = max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
     async with new_session(config, max(1, limit)) as session:

@@ -38,8 +38,9 @@ def meets_slo(result: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: flo
     return not (slo_tpot_ms is not None and per_token is not None and per_token * 1e3 > slo_tpot_ms)
 
 
-def summarize(results: Sequence[RequestResult], slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    results: Sequence[RequestResult], slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     if results:
         first = min(r.start_wall for r in results)
@@ -69,6 +70,10 @@ def summarize(results: Sequence[RequestResult], slo_ttft_ms: float | None = None
     }
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
-        summary["goodput"] = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good_requests": good,
-                              "request_goodput": round(good / duration, 3)}  # fmt: skip
+        summary["goodput"] = {
+            "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms,
+            "good_requests": good,
+            "request_goodput": round(good / duration, 3),
+        }
     return summary

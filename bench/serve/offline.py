@@ -30,14 +30,16 @@ def _sync(device: str) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    from services.engine.engine import Engine
-    from shared.model_source import resolve_model_dir
+    from pagedserve.services.engine.engine import Engine
+    from pagedserve.shared.model_source import resolve_model_dir
 
-    settings = argparse.Namespace(max_num_seqs=args.offline_max_num_seqs,
-                                  max_num_batched_tokens=args.offline_max_num_batched_tokens,
-                                  max_model_len=args.offline_max_model_len,
-                                  gpu_memory_utilization=args.offline_gpu_memory_utilization,
-                                  kv_cache_dtype="auto")  # the served engine's default  # fmt: skip
+    settings = argparse.Namespace(
+        max_num_seqs=args.offline_max_num_seqs,
+        max_num_batched_tokens=args.offline_max_num_batched_tokens,
+        max_model_len=args.offline_max_model_len,
+        gpu_memory_utilization=args.offline_gpu_memory_utilization,
+        kv_cache_dtype="auto",
+    )  # the served engine's default
     model = None
     if args.offline_shape:
         if not args.offline_device.startswith("cuda"):
@@ -46,13 +48,14 @@ def build_engine(args: argparse.Namespace) -> Any:
         del hf  # ours holds the same tensors
     else:
         model_dir = resolve_model_dir(args.offline_model_dir or args.tokenizer or args.model)
-    config = throughput.engine_config(model_dir, settings, device=args.offline_device, dtype=args.offline_dtype,
-                                      profile_steps=False)  # fmt: skip
+    config = throughput.engine_config(
+        model_dir, settings, device=args.offline_device, dtype=args.offline_dtype, profile_steps=False
+    )
     return Engine(config, model=model)
 
 
 def run_throughput(engine: Any, requests: list[BenchRequest], device: str) -> dict[str, Any]:
-    from services.engine.sampling_params import SamplingParams
+    from pagedserve.services.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     _sync(device)
@@ -62,14 +65,18 @@ def run_throughput(engine: Any, requests: list[BenchRequest], device: str) -> di
     seconds = time.perf_counter() - start
     output_tokens = sum(len(c.token_ids) for res in results for c in res.choices)
     input_tokens = sum(r.prompt_len for r in requests)
-    return {"requests": len(requests), "seconds": round(seconds, 3), "output_tokens": output_tokens,
-            "output_throughput": round(output_tokens / seconds, 1),
-            "total_token_throughput": round((input_tokens + output_tokens) / seconds, 1)}  # fmt: skip
+    return {
+        "requests": len(requests),
+        "seconds": round(seconds, 3),
+        "output_tokens": output_tokens,
+        "output_throughput": round(output_tokens / seconds, 1),
+        "total_token_throughput": round((input_tokens + output_tokens) / seconds, 1),
+    }
 
 
 def run_single(engine: Any, requests: list[BenchRequest], device: str) -> dict[str, Any]:
     """One request at a time: its time to first token and the gaps between its tokens' steps."""
-    from services.engine.sampling_params import SamplingParams
+    from pagedserve.services.engine.sampling_params import SamplingParams
 
     ttfts, itls = [], []
     for i, request in enumerate(requests):
@@ -100,12 +107,14 @@ def run_offline(args: argparse.Namespace, main: list[BenchRequest], single: list
     start = time.perf_counter()
     engine = build_engine(args)
     startup = time.perf_counter() - start
-    from services.engine.sampling_params import SamplingParams
+    from pagedserve.services.engine.sampling_params import SamplingParams
 
     engine.generate([main[0].prompt_ids[:8]], SamplingParams(max_tokens=4))  # warm-up (CUDA: also when built)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                           "startup_s": round(startup, 1),
-                           "model": args.offline_shape or args.offline_model_dir or args.tokenizer or args.model}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "startup_s": round(startup, 1),
+        "model": args.offline_shape or args.offline_model_dir or args.tokenizer or args.model,
+    }
     out["throughput"] = run_throughput(engine, main, device)
     print(f"offline: {out['throughput']}", flush=True)
     engine.kv_cache.reset_prefix_cache()  # the single-stream prompts must not hit the cache either

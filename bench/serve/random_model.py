@@ -84,12 +84,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", required=True, help="a bench/throughput.py shape, e.g. smollm2-135m")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokenizer-dir", type=Path,
-                        default=Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer-dir", type=Path, default=Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--config-only", action="store_true", help="no weights (a bench/tensor_parallel.py shape: "
-                        "8b, 70b); serve it with PAGEDSERVE_ENGINE_LOAD_FORMAT=random")
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="no weights (a bench/tensor_parallel.py shape: 8b, 70b); serve it with PAGEDSERVE_LOAD_FORMAT=random",
+    )
     args = parser.parse_args()
     if (args.out / "config.json").exists():
         print(f"{args.out} exists; kept")

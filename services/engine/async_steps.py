@@ -23,11 +23,12 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.input_batch import PLACEHOLDER_TOKEN_ID
-from services.engine.kv_cache_manager import _ROOT_HASH, KVCacheManager, hash_block
-from services.engine.model_runner import StepHandle, StepResult
-from services.engine.request import Request
-from services.engine.scheduler import SchedulerOutput
+from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager, hash_block, root_hash
+from pagedserve.services.engine.model_runner import StepHandle, StepResult
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.scheduler import SchedulerOutput
+from pagedserve.shared import stop_rule
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "InflightStep", "KnownTokensKVCacheManager", "Placeholders", "is_stop_token"]
 
@@ -38,7 +39,7 @@ class InflightStep:
     handle: StepHandle
     requests: list[Request]  # sampling sequences, in the order of the step's sampled ids
     positions: list[int]  # of each one's placeholder in its all_token_ids
-    needs_tokens: bool  # a sequence reads its output tokens on the host (penalties): do not overlap
+    needs_tokens: bool  # a sequence reads its output tokens on the host (penalties, bad words): do not overlap
     has_grammar_rows: bool
     result: StepResult | None = None  # once waited for
     grammar_ends: list[bool] | None = None  # per row, once its grammar rows took their tokens
@@ -100,8 +101,9 @@ class Placeholders:
 class KnownTokensKVCacheManager(KVCacheManager):
     """A KVCacheManager that hashes and publishes only blocks whose tokens are all known."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_known_tokens: Callable[[Request], int]) -> None:  # fmt: skip
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_known_tokens: Callable[[Request], int]
+    ) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self._num_known_tokens = num_known_tokens
 
@@ -114,7 +116,7 @@ class KnownTokensKVCacheManager(KVCacheManager):
     def _extend_hashes(self, request: Request) -> None:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         for block_index in range(len(hashes), self._num_known_tokens(request) // size):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request)
             hashes.append(hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
 
     def _publish_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
@@ -124,7 +126,10 @@ class KnownTokensKVCacheManager(KVCacheManager):
 def is_stop_token(request: Request, token_id: int, position: int) -> bool:
     """Whether `token_id` at `position` ends the sequence with "stop" (EOS or a stop id, once
     min_tokens are out): the check `Request.stop_reason_after` makes when the token is appended."""
-    num_output = position + 1 - request.num_prompt_tokens
-    return num_output >= request.params.min_tokens and (
-        token_id in request.eos_token_ids or token_id in request.params.stop_token_ids
+    return stop_rule.is_stop_token(
+        token_id,
+        position + 1 - request.num_prompt_tokens,
+        request.params.min_tokens,
+        request.eos_token_ids,
+        request.params.stop_token_ids,
     )

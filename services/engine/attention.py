@@ -1,7 +1,7 @@
 """Paged attention as the models call it: per-step metadata (defined in kernels/) plus a backend chosen at
 start-up.
 
-The CPU path is a batched torch version of `kernels.reference` (the oracle); on CUDA the Triton kernels in
+The CPU path is a batched torch version of `pagedserve.kernels.reference` (the oracle); on CUDA the Triton kernels in
 `kernels/` take over (`use_backend("triton")`). Models never import a backend directly.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference
-from kernels.attention_metadata import AttentionMetadata
-from services.engine.torch_attention import paged_attention_padded
+from pagedserve.kernels import reference
+from pagedserve.kernels.attention_metadata import AttentionMetadata
+from pagedserve.services.engine.torch_attention import paged_attention_padded
 
 __all__ = ["AttentionMetadata", "backend_name", "default_backend", "paged_attention", "use_backend"]
 
@@ -28,16 +28,32 @@ _MAX_PADDED_TOKENS = 1 << 16  # bounds the padded K/V the CPU path gathers at on
 
 
 def _torch_attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The CPU path: batched SDPA over padded sequences, in chunks that bound the padding's memory."""
     num_seqs = meta.seq_lens.shape[0]
     per_chunk = max(1, _MAX_PADDED_TOKENS // max(1, meta.max_seq_len))
     if per_chunk >= num_seqs:
         return paged_attention_padded(
-            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
-            meta.max_seq_len, scale, k_scale, v_scale,
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            meta.max_seq_len,
+            scale,
+            k_scale,
+            v_scale,
+            window,
+            softcap,
         )
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
@@ -47,18 +63,38 @@ def _torch_attend(
         if q1 == q0:
             continue
         out[q0:q1] = paged_attention_padded(
-            query[q0:q1], kv_cache, meta.query_start_loc[first : last + 1] - q0, meta.seq_lens[first:last],
-            meta.block_tables[first:last], meta.max_query_len, meta.max_seq_len, scale, k_scale, v_scale,
+            query[q0:q1],
+            kv_cache,
+            meta.query_start_loc[first : last + 1] - q0,
+            meta.seq_lens[first:last],
+            meta.block_tables[first:last],
+            meta.max_query_len,
+            meta.max_seq_len,
+            scale,
+            k_scale,
+            v_scale,
+            window,
+            softcap,
         )
     return out
 
 
 def _reference_attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     return reference.paged_attention(
-        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, k_scale=k_scale,
+        query,
+        kv_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        k_scale=k_scale,
         v_scale=v_scale,
     )
 
@@ -77,7 +113,7 @@ def use_backend(name: str) -> None:
     elif name == "reference":
         _write_kv, _attend = reference.write_kv_cache, _reference_attend
     elif name == "triton":
-        from kernels import triton_backend  # imported lazily: triton is absent on many CPU machines
+        from pagedserve.kernels import triton_backend  # imported lazily: triton is absent on many CPU machines
 
         _write_kv, _attend = triton_backend.write_kv_cache, triton_backend.attend
     else:
@@ -102,7 +138,16 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,  # an fp8 cache stores K / k_scale (see kernels/reference.py)
     v_scale: float = 1.0,
+    window: int | None = None,  # this layer's sliding window (Gemma's local layers); None: whole context
+    softcap: float | None = None,  # attention-logit soft-capping (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Store this step's K/V in the paged cache, then attend over each sequence's whole context."""
+    """Store this step's K/V in the paged cache, then attend over each sequence's context (or window)."""
     _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
+    if window is None and softcap is None:
+        return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
+    if _attend is not _torch_attend:
+        raise NotImplementedError(
+            f"sliding-window attention / logit soft-capping need the torch attention backend; the "
+            f"{_backend_name!r} backend does not have them yet (use --device cpu / the torch backend)"
+        )
+    return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap)

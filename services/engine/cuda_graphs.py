@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.input_batch import InputBuffers
-from services.engine.models.base import CausalLM
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.input_batch import InputBuffers
+from pagedserve.services.engine.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,14 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], buffers: InputBuffers,
-                 sizes: list[int], max_model_len: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        buffers: InputBuffers,
+        sizes: list[int],
+        max_model_len: int,
+    ) -> None:
         assert sizes and max(sizes) <= buffers.max_num_seqs
         self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
         self.sizes = sorted(sizes)
@@ -68,8 +74,12 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[size] = (graph, hidden)
         torch.cuda.synchronize(self.buffers.device)
-        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_size,
-                 time.perf_counter() - start)
+        log.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
+            len(self.sizes),
+            self.max_size,
+            time.perf_counter() - start,
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         ids = self.buffers.device_1d

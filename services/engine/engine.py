@@ -1,6 +1,6 @@
 """The engine: requests in, one scheduled step at a time, token deltas out. No Redis, no HTTP.
 
-    engine = Engine(EngineConfig(model_dir=...))
+    engine = Engine(Config.of(model=str(...)))
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished():
         for out in engine.step(): ...           # RequestOutput deltas
@@ -26,29 +26,27 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-import torch
-
-from services.engine import attention
-from services.engine.async_steps import (
+from pagedserve.services.engine.async_steps import (
     PLACEHOLDER_TOKEN_ID,
     InflightStep,
     KnownTokensKVCacheManager,
     Placeholders,
     is_stop_token,
 )
-from services.engine.config import EngineConfig
-from services.engine.input_batch import eager_token_bucket
-from services.engine.model_runner import ModelRunner, StepResult, num_kv_blocks_for
-from services.engine.models.base import CausalLM
-from services.engine.offline import generate
-from services.engine.outputs import EngineStats, GenerationResult, RequestOutput
-from services.engine.parallel.launcher import TensorParallelDriver, build_rank_model
-from services.engine.prompt_logprobs import accumulate
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
-from services.engine.step_profile import StepProfile
-from services.engine.structured.admission import GrammarAdmission
+from pagedserve.services.engine.config import is_async_scheduling, model_dir, torch_device
+from pagedserve.services.engine.executor import make_executor
+from pagedserve.services.engine.input_batch import eager_token_bucket
+from pagedserve.services.engine.model_runner import StepResult
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.offline import generate
+from pagedserve.services.engine.outputs import EngineStats, GenerationResult, RequestOutput
+from pagedserve.services.engine.prompt_logprobs import accumulate
+from pagedserve.services.engine.request import Request, RequestStatus
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
+from pagedserve.services.engine.step_profile import StepProfile
+from pagedserve.services.engine.structured.admission import GrammarAdmission
+from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
 atexit.register(gc.unfreeze)  # Engine freezes the start-up heap (see __init__); shutdown collects it as usual
@@ -56,59 +54,52 @@ _WAITING_WHEN_FULL = 8  # requests an engine with every sequence slot busy still
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(self, config: Config, model: CausalLM | None = None) -> None:
         self.config = config
-        self.device = config.torch_device
-        if self.device.type == "cuda" and self.device.index is not None:
-            # CUDA graph capture, Triton launches and the NCCL/cuBLAS handles use the *current*
-            # device: an engine on cuda:1 must make it current before it allocates anything.
-            torch.cuda.set_device(self.device)
-        self.parallel: TensorParallelDriver | None = None  # rank 0 of a tensor-parallel replica
-        if config.tensor_parallel_size > 1:
-            if model is not None:
-                raise ValueError("model: a tensor-parallel engine loads its own shards")
-            self.parallel = TensorParallelDriver(config)  # starts ranks 1.. (they mirror the steps below)
-        if model is None:
-            model = build_rank_model(config, self.parallel.ctx if self.parallel else None)
-        _select_attention_backend(self.device)
-        spec = model.spec
-        num_blocks = num_kv_blocks_for(model, config, spec.max_model_len)
-        if self.parallel is not None:
-            num_blocks = self.parallel.ctx.agree_min(num_blocks)
-        self.max_model_len = _fit_max_model_len(config, spec.max_model_len, num_blocks)
+        self.model_dir = model_dir(config)
+        self.device = torch_device(config)
+        self.profile = StepProfile(enabled=config.runner.profile_steps)
+        self.executor = make_executor(config, model, self.profile)  # loads the model, sizes the KV cache
+        self.runner = self.executor.runner
+        spec = self.runner.model.spec
+        num_blocks = self.runner.num_blocks
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # Every id that may end some sequence (EOS, any request's stop ids; only grows): a sampled token
         # outside it skips the per-request stop check.
         self._stop_token_ids: set[int] = set(self.eos_token_ids)
         self.vocab_size = spec.vocab_size
         self.placeholders = Placeholders()
-        self.kv_cache = KnownTokensKVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                                  self.placeholders.num_known_tokens)  # fmt: skip
+        self.kv_cache = KnownTokensKVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self.placeholders.num_known_tokens
+        )
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv_cache,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            self.max_model_len,
+            config.scheduler.scheduling_policy,
         )
-        self.profile = StepProfile(enabled=config.profile_steps)
-        self.runner = ModelRunner(
-            model, num_blocks, config.block_size, self.device, config.seed, max_num_seqs=config.max_num_seqs,
-            max_num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            cuda_graph_max_batch=config.cuda_graph_max_batch, profile=self.profile,
-            kv_cache_dtype=config.kv_cache_torch_dtype,
-            step_sender=self.parallel.sender if self.parallel else None,
-        )
-        self.is_async = config.is_async_scheduling
+        self.is_async = is_async_scheduling(config)
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()
         self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
         self._arrival = itertools.count()
-        self.grammars = GrammarAdmission(config.tokenizer or config.model_dir, self.vocab_size,
-                                         sorted(self.eos_token_ids))
-        if self.device.type == "cuda" and config.warm_up:
+        self._warned_priority = False
+        self.grammars = GrammarAdmission(
+            config.model.tokenizer or self.model_dir, self.vocab_size, sorted(self.eos_token_ids)
+        )
+        if self.device.type == "cuda" and config.runner.warm_up:
             self._warm_up()
         # Everything alive now (torch, the model, tokenizers: ~400k objects) lives as long as the engine:
         # move it out of the collector's view, or each full collection walks it all (~0.1-0.5 s, mid-step).
         gc.freeze()
-        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", num_blocks, config.block_size,
-                 self.max_model_len)
+        log.info(
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d",
+            num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
 
     def add_request(
         self,
@@ -126,6 +117,14 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params.validate(self.vocab_size)
+        if params.priority and not self._warned_priority and self.config.scheduler.scheduling_policy == "fcfs":
+            self._warned_priority = True  # vLLM answers 400 here; we serve the request, in arrival order
+            log.warning(
+                "request %s has priority %d, which only --scheduling-policy priority honours; serving it "
+                "in arrival order (logged once)",
+                request_id,
+                params.priority,
+            )
         prompt = list(prompt_token_ids)
         resumed = _choices_to_run(params.n, list(output_token_ids), choice_output_token_ids)
         if not prompt:
@@ -136,17 +135,27 @@ class Engine:
             params = replace(params, prompt_logprobs=None)  # sent by the replica that began it
         num_context = len(prompt) + max(len(ts) for ts in resumed.values())
         if num_context >= self.max_model_len:
-            raise ValueError(f"prompt: {num_context} tokens leave no room in the context "
-                             f"of {self.max_model_len}")
+            raise ValueError(f"prompt: {num_context} tokens leave no room in the context of {self.max_model_len}")
         max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the "
-                             f"context of {self.max_model_len}")
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the "
+                f"context of {self.max_model_len}"
+            )
         arrival = next(self._arrival)
         self._stop_token_ids.update(params.stop_token_ids)
         choices = [
-            Request.create(request_id, index, prompt, outputs, params.for_choice(index), max_tokens,
-                           self.eos_token_ids, arrival, self.device)
+            Request.create(
+                request_id,
+                index,
+                prompt,
+                outputs,
+                params.for_choice(index),
+                max_tokens,
+                self.eos_token_ids,
+                arrival,
+                self.device,
+            )
             for index, outputs in resumed.items()
         ]
         self._requests[request_id] = choices
@@ -179,8 +188,11 @@ class Engine:
 
     def _abort_choices(self, choices: list[Request]) -> None:
         # A choice the scheduler ended at a launch whose tokens were not reported yet still counts as live.
-        live = [r for r in choices
-                if r.finish_reason != "abort" and (not r.is_finished or self.placeholders.has_unreported(r))]
+        live = [
+            r
+            for r in choices
+            if r.finish_reason != "abort" and (not r.is_finished or self.placeholders.has_unreported(r))
+        ]
         self.scheduler.finish(live, "abort")
         for request in live:
             request.finish_reason = "abort"  # also over a length limit found at launch
@@ -221,13 +233,18 @@ class Engine:
         block_tables = self.kv_cache.block_tables(s.request for s in scheduled.scheduled)
         before_sampling = None
         if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
+
             def before_sampling() -> None:
                 self._advance_grammars(previous)
+
         try:
-            handle = self.runner.launch(scheduled.scheduled, block_tables,
-                                        previous.pending_rows() if previous is not None else None,
-                                        previous.handle if previous is not None else None,
-                                        before_sampling=before_sampling)  # fmt: skip
+            handle = self.runner.launch(
+                scheduled.scheduled,
+                block_tables,
+                previous.pending_rows() if previous is not None else None,
+                previous.handle if previous is not None else None,
+                before_sampling=before_sampling,
+            )
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
             self.kv_cache.reset_prefix_cache()
@@ -236,7 +253,7 @@ class Engine:
         updated = self.scheduler.update(scheduled, [PLACEHOLDER_TOKEN_ID] * num_sampling)
         positions = self.placeholders.add_last(updated)
         self.profile.mark("update")
-        needs_tokens = any(r.params.has_penalties for r in updated)
+        needs_tokens = any(r.params.reads_output_tokens for r in updated)
         has_grammar_rows = any(r.grammar is not None for r in updated)
         return InflightStep(scheduled, handle, updated, positions, needs_tokens, has_grammar_rows)
 
@@ -250,9 +267,10 @@ class Engine:
             accumulate(part.request.prompt_logprobs, part)
         assert len(result.sampled_token_ids) == len(result.logprobs) == len(step.requests)
         outputs = []
-        resolve, block_size, maybe_stops = self.placeholders.resolve, self.config.block_size, self._stop_token_ids
-        for request, position, token_id, logprob, ends in zip(step.requests, step.positions, result.sampled_token_ids,
-                                                              result.logprobs, grammar_ends):  # fmt: skip
+        resolve, block_size, maybe_stops = self.placeholders.resolve, self.config.cache.block_size, self._stop_token_ids
+        for request, position, token_id, logprob, ends in zip(
+            step.requests, step.positions, result.sampled_token_ids, result.logprobs, grammar_ends
+        ):
             resolve(request, position)
             tokens = request.all_token_ids
             if request.finish_reason == "abort" or position >= len(tokens):
@@ -269,9 +287,16 @@ class Engine:
             is_last = request.is_finished and position == len(tokens) - 1
             num_prompt = len(request.prompt_token_ids)
             new_logprobs = [logprob] if logprob is not None else [] if request.params.logprobs is not None else None
-            output = RequestOutput(request.request_id, request.index, [token_id], new_logprobs,
-                                   request.finish_reason if is_last else None, num_prompt, position + 1 - num_prompt,
-                                   max(request.num_cached_tokens, 0))  # fmt: skip
+            output = RequestOutput(
+                request.request_id,
+                request.index,
+                [token_id],
+                new_logprobs,
+                request.finish_reason if is_last else None,
+                num_prompt,
+                position + 1 - num_prompt,
+                max(request.num_cached_tokens, 0),
+            )
             if position == num_prompt and request.params.prompt_logprobs is not None:
                 output.prompt_logprobs = list(request.prompt_logprobs)  # with the first output token
             outputs.append(output)
@@ -281,9 +306,8 @@ class Engine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker ranks (no-op on one rank); the engine is unusable after."""
-        if self.parallel is not None:
-            self.parallel.shutdown()
+        """Stop the executor's worker ranks (no-op on one process); the engine is unusable after."""
+        self.executor.shutdown()
 
     def is_admitted(self, request_id: str) -> bool:
         """Whether a request left the waiting queue (any choice scheduled once), or is gone."""
@@ -307,15 +331,21 @@ class Engine:
             tokens = self._result(step).sampled_token_ids
             step.grammar_ends = [
                 _grammar_ends(request, token_id)
-                if request.grammar is not None and request.finish_reason != "abort"
-                and position < len(request.all_token_ids) else False  # dropped tokens never reach it
+                if request.grammar is not None
+                and request.finish_reason != "abort"
+                and position < len(request.all_token_ids)
+                else False  # dropped tokens never reach it
                 for request, position, token_id in zip(step.requests, step.positions, tokens, strict=True)
             ]
         return step.grammar_ends
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
-                or bool(self.grammars.compiling))
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or self._inflight is not None
+            or bool(self.grammars.compiling)
+        )
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand sequences whose grammar is ready to the scheduler; end those whose grammar failed."""
@@ -339,12 +369,12 @@ class Engine:
         """How many more requests to take now: up to the waiting queue's cap while KV blocks are free,
         but once (nearly) every sequence slot is busy only a few may wait, so that a replica does not
         hoard work that an idle replica could start at once (work is pulled, not pushed)."""
-        watermark = int(self.kv_cache.num_blocks * self.config.watermark_fraction)
+        watermark = int(self.kv_cache.num_blocks * self.config.scheduler.watermark_fraction)
         if self.kv_cache.num_free_blocks <= watermark:
             return 0
         waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
-        queue_room = self.config.num_max_waiting - waiting
-        slot_room = self.config.max_num_seqs + _WAITING_WHEN_FULL - running - waiting
+        queue_room = self.config.scheduler.num_max_waiting - waiting
+        slot_room = self.config.scheduler.max_num_seqs + _WAITING_WHEN_FULL - running - waiting
         return max(0, min(queue_room, slot_room))
 
     def stats(self) -> EngineStats:
@@ -360,6 +390,8 @@ class Engine:
             num_computed_tokens=counters.num_computed_tokens,
             num_generated_tokens=counters.num_generated_tokens,
             num_steps=counters.num_steps,
+            num_prompt_tokens=counters.num_prompt_tokens,
+            num_finished_by_reason=dict(counters.num_finished_by_reason),
         )
 
     def generate(
@@ -386,7 +418,7 @@ class Engine:
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         # Every eager token bucket up to 2,048 once, so that a first prompt of any usual length finds cuBLAS's
         # algorithm choices cached (input_batch.eager_token_bucket); bigger steps come under load.
-        limit = min(2048, self.config.max_num_batched_tokens, self.max_model_len - 1)
+        limit = min(2048, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         sizes = sorted(b for b in {eager_token_bucket(n) for n in range(1, limit + 1)} if b <= limit)
         one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for size in sizes:  # prompts that share no block: a prefix-cache hit would shrink the step
@@ -448,23 +480,3 @@ def _choices_to_run(
     if not choice_output_token_ids or any(not 0 <= i < n for i in choice_output_token_ids):
         raise ValueError(f"n: a continuation resumes one or more of the choices 0..{n - 1}")
     return {index: list(choice_output_token_ids[index]) for index in sorted(choice_output_token_ids)}
-
-
-def _fit_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:
-    """The context limit: the model's, but never more than the KV cache holds (a lone sequence must fit)."""
-    capacity = num_blocks * config.block_size
-    if config.max_model_len is not None and config.max_model_len > capacity:
-        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the KV cache ({num_blocks} blocks of "
-                         f"{config.block_size} = {capacity} tokens)")
-    if model_max_len > capacity:
-        log.warning("max_model_len lowered from %d to %d: the KV cache holds no more", model_max_len, capacity)
-    return min(model_max_len, capacity)
-
-
-def _select_attention_backend(device: torch.device) -> None:
-    name = attention.default_backend(device)
-    try:
-        attention.use_backend(name)
-    except ImportError:
-        log.warning("attention backend %r unavailable; using the torch reference", name)
-        attention.use_backend("torch")

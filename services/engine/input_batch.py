@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.request import Request
-from services.engine.scheduler import ScheduledRequest
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.scheduler import ScheduledRequest
 
 PLACEHOLDER_TOKEN_ID = -1  # a token the GPU sampled but the host has not seen yet
 
@@ -81,8 +81,9 @@ def build_host_batch(
 
     max_query_len = int(num_new.max())
     if max_query_len == 1:  # decode rows only: one token each, no slicing
-        input_ids = np.fromiter((s.request.all_token_ids[s.num_computed_tokens] for s in scheduled), dtype=np.int64,
-                                count=num_seqs)  # fmt: skip
+        input_ids = np.fromiter(
+            (s.request.all_token_ids[s.num_computed_tokens] for s in scheduled), dtype=np.int64, count=num_seqs
+        )
     else:
         token_ids: list[int] = []
         for s in scheduled:
@@ -147,8 +148,11 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
         return batch
     padded = pad_eager_batch(batch, batch.num_tokens + num_pad)  # one token per padding sequence
     # Rows past the real ones in the block table keep their stale (valid) ids.
-    return replace(padded, query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
-                   seq_lens=np.concatenate([batch.seq_lens, np.ones(num_pad, dtype=np.int32)]))  # fmt: skip
+    return replace(
+        padded,
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=np.concatenate([batch.seq_lens, np.ones(num_pad, dtype=np.int32)]),
+    )
 
 
 def eager_token_bucket(num_tokens: int) -> int:
@@ -170,9 +174,12 @@ def pad_eager_batch(batch: HostBatch, num_tokens: int) -> HostBatch:
     if num_pad == 0:
         return batch
     zeros = np.zeros(num_pad, dtype=np.int64)
-    return replace(batch, input_ids=np.concatenate([batch.input_ids, zeros]),
-                   positions=np.concatenate([batch.positions, zeros]),
-                   slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]))  # fmt: skip
+    return replace(
+        batch,
+        input_ids=np.concatenate([batch.input_ids, zeros]),
+        positions=np.concatenate([batch.positions, zeros]),
+        slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]),
+    )
 
 
 def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
@@ -185,8 +192,14 @@ def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
     return ModelInput(
         input_ids=tensor(batch.input_ids),
         positions=tensor(batch.positions),
-        meta=AttentionMetadata(tensor(batch.slot_mapping), tensor(batch.query_start_loc), tensor(batch.seq_lens),
-                               tensor(batch.block_tables), batch.max_query_len, batch.max_seq_len),
+        meta=AttentionMetadata(
+            tensor(batch.slot_mapping),
+            tensor(batch.query_start_loc),
+            tensor(batch.seq_lens),
+            tensor(batch.block_tables),
+            batch.max_query_len,
+            batch.max_seq_len,
+        ),
         logits_rows=tensor(batch.logits_rows),
         patch_rows=tensor(batch.patch_rows) if has_patches else None,
         patch_src=tensor(batch.patch_src) if has_patches else None,
@@ -206,9 +219,16 @@ class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.device = device
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
-        lengths = {"input_ids": max_num_tokens, "positions": max_num_tokens, "slot_mapping": max_num_tokens,
-                   "query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs, "logits_rows": max_num_seqs,
-                   "patch_rows": max_num_seqs, "patch_src": max_num_seqs}  # fmt: skip
+        lengths = {
+            "input_ids": max_num_tokens,
+            "positions": max_num_tokens,
+            "slot_mapping": max_num_tokens,
+            "query_start_loc": max_num_seqs + 1,
+            "seq_lens": max_num_seqs,
+            "logits_rows": max_num_seqs,
+            "patch_rows": max_num_seqs,
+            "patch_src": max_num_seqs,
+        }
         self._offsets: dict[str, int] = {}
         for names in (_INT64_FIELDS, _INT32_FIELDS):
             offset = 0
@@ -220,8 +240,9 @@ class InputBuffers:
         size32 = sum(lengths[n] for n in _INT32_FIELDS)
         self._device64 = torch.zeros(size64, dtype=torch.int64, device=device)
         self._device32 = torch.zeros(size32, dtype=torch.int32, device=device)
-        self.device_1d = {name: self._field(self._device64 if name in _INT64_FIELDS else self._device32, name)
-                          for name in lengths}  # fmt: skip
+        self.device_1d = {
+            name: self._field(self._device64 if name in _INT64_FIELDS else self._device32, name) for name in lengths
+        }
         self.device_1d["seq_lens"].fill_(1)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -236,8 +257,14 @@ class InputBuffers:
         ]
         self._turn = 0
 
-    def _stage(self, batch: HostBatch, names: tuple[str, ...], staging: torch.Tensor, device_flat: torch.Tensor,
-               views: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    def _stage(
+        self,
+        batch: HostBatch,
+        names: tuple[str, ...],
+        staging: torch.Tensor,
+        device_flat: torch.Tensor,
+        views: dict[str, torch.Tensor],
+    ) -> None:
         """Write the fields into the staging tensor at their offsets; one copy of the used prefix."""
         staged = staging.numpy()
         end = 0
@@ -271,8 +298,14 @@ class InputBuffers:
             input_ids=views["input_ids"],
             positions=views["positions"],
             # Full-width table rows: the shape a captured graph saw (kernels read only the used columns).
-            meta=AttentionMetadata(views["slot_mapping"], views["query_start_loc"], views["seq_lens"],
-                                   self.block_tables[:num_seqs], batch.max_query_len, batch.max_seq_len),
+            meta=AttentionMetadata(
+                views["slot_mapping"],
+                views["query_start_loc"],
+                views["seq_lens"],
+                self.block_tables[:num_seqs],
+                batch.max_query_len,
+                batch.max_seq_len,
+            ),
             logits_rows=views["logits_rows"],
             patch_rows=views["patch_rows"] if has_patches else None,
             patch_src=views["patch_src"] if has_patches else None,

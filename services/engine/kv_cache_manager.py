@@ -18,10 +18,17 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 
-from services.engine.block_pool import BlockPool
-from services.engine.request import Request
+from pagedserve.services.engine.block_pool import BlockPool
+from pagedserve.services.engine.request import Request
 
-_ROOT_HASH = b"pagedserve-prefix-root"
+ROOT_HASH = b"pagedserve-prefix-root"
+
+
+def root_hash(request: Request) -> bytes:
+    """The parent of a request's first block: a `cache_salt` gives its tenant a chain of its own, so no
+    other salt (or none) can hit its blocks."""
+    salt = request.params.cache_salt
+    return ROOT_HASH if not salt else hashlib.sha256(ROOT_HASH + b"\0salt\0" + salt.encode()).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -82,9 +89,7 @@ class KVCacheManager:
             hit_block_ids.append(block_id)
         return hit_block_ids, len(hit_block_ids) * self.block_size
 
-    def allocate(
-        self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = ()
-    ) -> list[int] | None:
+    def allocate(self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Make room for the K/V of the request's first `num_tokens` tokens.
 
         `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (new sequences only).
@@ -136,7 +141,7 @@ class KVCacheManager:
         """Hash every full block of the request's known tokens not hashed yet."""
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         for block_index in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request)
             hashes.append(hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
 
     def _publish_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:

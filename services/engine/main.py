@@ -2,56 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import signal
 
 import torch
 
-from services.engine import attention
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.metrics import EngineMetrics
-from services.engine.service import EngineService
-from shared.model_source import model_name_for, resolve_model_dir
-from shared.ops_http import serve_ops
-from shared.settings import EngineSettings
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.config import torch_device
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.metrics import EngineMetrics
+from pagedserve.services.engine.service import EngineService
+from pagedserve.shared.config import Config
+from pagedserve.shared.ids import new_id
+from pagedserve.shared.model_source import model_name_for
+from pagedserve.shared.ops_http import serve_ops
 
 log = logging.getLogger(__name__)
+ENGINE_SECTIONS = ("model", "cache", "scheduler", "runner", "parallel")
 
 
-def build_engine(settings: EngineSettings) -> Engine:
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if settings.cpu_threads:
-        torch.set_num_threads(settings.cpu_threads)
-    attention.use_backend(attention.default_backend(torch.device(device)))
-    config = EngineConfig(
-        model_dir=str(resolve_model_dir(settings.model)), dtype=settings.dtype, device=device,
-        block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
-        max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        tensor_parallel_size=settings.tensor_parallel_size, load_format=settings.load_format,
-        quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype,
+def build_engine(config: Config) -> Engine:
+    if config.parallel.cpu_threads:
+        torch.set_num_threads(config.parallel.cpu_threads)
+    device = torch_device(config)
+    attention.use_backend(attention.default_backend(device))
+    log.info(
+        "loading %s on %s (attention: %s, tensor parallel %d)",
+        config.model.model or "the default model",
+        device,
+        attention.backend_name(),
+        config.parallel.tensor_parallel_size,
     )
-    if settings.max_num_batched_tokens:  # else the engine's default
-        config.max_num_batched_tokens = settings.max_num_batched_tokens
-    log.info("loading %s on %s (attention: %s, tensor parallel %d)", config.model_dir, device,
-             attention.backend_name(), config.tensor_parallel_size)
     return Engine(config)
 
 
-def main(settings: EngineSettings) -> None:
-    model = settings.served_model_name or model_name_for(settings.model)
+def main(config: Config) -> None:
+    settings = config.engine
+    settings.engine_id = settings.engine_id or new_id("eng")
+    model = config.model.served_model_name or model_name_for(config.model.model)
     metrics: EngineMetrics | None = None
     services: list[EngineService] = []
     if settings.metrics_port:  # up before the model loads: liveness holds, readiness waits for the service
         metrics = EngineMetrics(model, settings.engine_id)
-        serve_ops(settings.metrics_port, metrics.registry, lambda: bool(services) and services[0].is_ready())
-        log.info("/metrics, /health and /ready on port %d", settings.metrics_port)
-    engine = build_engine(settings)
-    service = EngineService(settings, model, engine, model_source=settings.model, metrics=metrics)
+        serve_ops(
+            settings.metrics_port,
+            metrics.registry,
+            lambda: bool(services) and services[0].is_ready(),
+            settings.metrics_host,
+        )
+        log.info("/metrics, /health and /ready on %s:%d", settings.metrics_host, settings.metrics_port)
+    engine = build_engine(config)
+    # What this replica runs with, one line an operator (or a test) can read back.
+    log.info("engine settings: %s", json.dumps({s: dataclasses.asdict(getattr(config, s)) for s in ENGINE_SECTIONS}))
+    service = EngineService(config, model, engine, model_source=config.model.model, metrics=metrics)
     services.append(service)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())

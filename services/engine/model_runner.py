@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.engine import attention, prompt_logprobs
-from services.engine.attention import AttentionMetadata
-from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.input_batch import (
+from pagedserve.services.engine import attention, prompt_logprobs
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.config import kv_cache_torch_dtype, torch_device
+from pagedserve.services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.services.engine.input_batch import (
     InputBuffers,
     build_host_batch,
     eager_token_bucket,
@@ -30,14 +30,15 @@ from services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
-from services.engine.models.base import CausalLM
-from services.engine.outputs import TokenLogprob
-from services.engine.parallel.step_broadcast import StepSender
-from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplerOutput
-from services.engine.sampling_metadata import SamplingMetadataCache
-from services.engine.scheduler import ScheduledRequest
-from services.engine.step_profile import GpuMarks, StepProfile
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.parallel.step_broadcast import StepSender
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.sampler import Sampler, SamplerOutput
+from pagedserve.services.engine.sampling_metadata import SamplingMetadataCache
+from pagedserve.services.engine.scheduler import ScheduledRequest
+from pagedserve.services.engine.step_profile import GpuMarks, StepProfile
+from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,42 @@ class StepHandle:
         """Wait for the step (the one host sync) and unpack its results."""
         if self.ready is not None:
             self.ready.synchronize()
-        result = StepResult([], []) if self.packed is None else _unpack(
-            self.packed, self.num_logprobs, self.logprob_width)
+        result = (
+            StepResult([], []) if self.packed is None else _unpack(self.packed, self.num_logprobs, self.logprob_width)
+        )
         if self.prompt_chunks:  # only requests that asked for prompt logprobs pay this copy
             result.prompt_logprobs = prompt_logprobs.to_host(self.prompt_chunks)
         return result
 
 
 class ModelRunner:
+    @classmethod
+    def from_config(
+        cls,
+        model: CausalLM,
+        config: Config,
+        num_blocks: int,
+        max_model_len: int,
+        *,
+        profile: StepProfile | None = None,
+        step_sender: StepSender | None = None,
+    ) -> ModelRunner:
+        """The runner an engine (or a tensor-parallel rank) builds: one construction path for both."""
+        return cls(
+            model,
+            num_blocks,
+            config.cache.block_size,
+            torch_device(config),
+            config.model.seed,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            cuda_graph_max_batch=config.runner.num_graph_batch,
+            profile=profile,
+            kv_cache_dtype=kv_cache_torch_dtype(config),
+            step_sender=step_sender,
+        )
+
     def __init__(
         self,
         model: CausalLM,
@@ -95,6 +124,8 @@ class ModelRunner:
         self.spec = model.spec
         self.device = device
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len = max_model_len or self.spec.max_model_len  # the served context limit
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
         self.sampler = Sampler(device, seed)
         self.sampling_metadata = SamplingMetadataCache()
@@ -103,9 +134,9 @@ class ModelRunner:
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
-            max_model_len = max_model_len or self.spec.max_model_len
-            self.buffers = InputBuffers(max(max_num_tokens, max_num_seqs), max_num_seqs,
-                                        -(-max_model_len // block_size), device)  # fmt: skip
+            self.buffers = InputBuffers(
+                max(max_num_tokens, max_num_seqs), max_num_seqs, -(-max_model_len // block_size), device
+            )
             # Graphs need kernels that read no host-side lengths: the Triton backend's.
             if cuda_graph_max_batch > 0 and attention.backend_name() == "triton":
                 sizes = capture_sizes(min(cuda_graph_max_batch, max_num_seqs))
@@ -154,8 +185,11 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_size)  # [graph_size, hidden]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        prompt_chunks = (prompt_logprobs.compute_chunks(self.model, hidden, scheduled)
-                         if prompt_logprobs.wants_prompt_logprobs(scheduled) else [])  # fmt: skip
+        prompt_chunks = (
+            prompt_logprobs.compute_chunks(self.model, hidden, scheduled)
+            if prompt_logprobs.wants_prompt_logprobs(scheduled)
+            else []
+        )
         sampling_requests = [s.request for s in scheduled if s.is_sampling]
         kind = "eager" if graph_size is None else "graph"
         if not sampling_requests:
@@ -163,8 +197,7 @@ class ModelRunner:
                 marks.forward_done.record()
                 marks.sample_done.record()
             profile.mark("forward")
-            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks,
-                              prompt_chunks)  # fmt: skip
+            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks, prompt_chunks)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [num_sampling, vocab] fp32
         if marks is not None:
             marks.forward_done.record()
@@ -183,8 +216,17 @@ class ModelRunner:
             packed = host
         if marks is not None:
             marks.sample_done.record()
-        handle = StepHandle(kind, num_tokens, output.sampled_token_ids, packed, _record_event(self.device),
-                            num_logprobs, width, marks, prompt_chunks)  # fmt: skip
+        handle = StepHandle(
+            kind,
+            num_tokens,
+            output.sampled_token_ids,
+            packed,
+            _record_event(self.device),
+            num_logprobs,
+            width,
+            marks,
+            prompt_chunks,
+        )
         profile.mark("sample")
         return handle
 
@@ -230,30 +272,32 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
-def num_kv_blocks_for(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
+def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int) -> int:
     """KV blocks to allocate: the configured count, a fixed budget on CPU, or what fits on the GPU."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    bytes_per_block = model.spec.kv_bytes_per_token(config.kv_cache_torch_dtype) * config.block_size
-    if config.torch_device.type != "cuda":
-        return max(1, config.cpu_kv_cache_bytes // bytes_per_block)
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks
+    bytes_per_block = model.spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) * config.cache.block_size
+    if torch_device(config).type != "cuda":
+        return max(1, config.cache.cpu_kv_cache_bytes // bytes_per_block)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
-        raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget} bytes); "
-                           "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache (budget {budget} bytes); "
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     return num_blocks
 
 
 @torch.inference_mode()
-def _cuda_kv_budget_bytes(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
+def _cuda_kv_budget_bytes(model: CausalLM, config: Config, max_model_len: int) -> int:
     """Run the largest step once with throwaway caches and measure the activation peak."""
-    device, block_size = config.torch_device, config.block_size
-    num_tokens = min(config.max_num_batched_tokens, max_model_len * config.max_num_seqs)
+    device, block_size = torch_device(config), config.cache.block_size
+    num_tokens = min(config.scheduler.max_num_batched_tokens, max_model_len * config.scheduler.max_num_seqs)
     seq_len = min(num_tokens, max_model_len)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // block_size)
-    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device, config.kv_cache_torch_dtype)
+    caches = allocate_kv_caches(model, num_seqs * blocks_per_seq, block_size, device, kv_cache_torch_dtype(config))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -261,14 +305,20 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: EngineConfig, max_model_len: 
     lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
-    slots = torch.cat([tables[i, torch.arange(n, device=device) // block_size].long() * block_size
-                       + torch.arange(n, device=device) % block_size for i, n in enumerate(lens)])
+    slots = torch.cat(
+        [
+            tables[i, torch.arange(n, device=device) // block_size].long() * block_size
+            + torch.arange(n, device=device) % block_size
+            for i, n in enumerate(lens)
+        ]
+    )
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    meta = AttentionMetadata(slots, starts, torch.tensor(lens, dtype=torch.int32, device=device), tables,
-                             max(lens), max(lens))
+    meta = AttentionMetadata(
+        slots, starts, torch.tensor(lens, dtype=torch.int32, device=device), tables, max(lens), max(lens)
+    )
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(input_ids, positions, caches, meta)
-    num_rows = min(config.max_num_seqs, num_tokens)
+    num_rows = min(config.scheduler.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:num_rows])
     sorted_logits = logits.sort(dim=-1, descending=True).values.softmax(dim=-1).cumsum(dim=-1)  # top_p's peak
     del hidden, logits, sorted_logits
@@ -278,7 +328,11 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: EngineConfig, max_model_len: 
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, other processes
-    budget = int(total * config.gpu_memory_utilization) - used - activation_peak
-    log.info("KV cache budget %.2f GiB (used %.2f, activation peak %.2f)", budget / 2**30, used / 2**30,
-             activation_peak / 2**30)
+    budget = int(total * config.cache.gpu_memory_utilization) - used - activation_peak
+    log.info(
+        "KV cache budget %.2f GiB (used %.2f, activation peak %.2f)",
+        budget / 2**30,
+        used / 2**30,
+        activation_peak / 2**30,
+    )
     return budget

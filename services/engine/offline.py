@@ -13,11 +13,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
-from services.engine.config import EngineConfig
-from services.engine.outputs import Choice, GenerationResult, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from tqdm import tqdm
+
+from pagedserve.services.engine.outputs import Choice, GenerationResult, RequestOutput
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
+from pagedserve.shared.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 _batch_ids = itertools.count()
@@ -25,9 +29,10 @@ _tokenizers: dict[str, Any] = {}
 
 
 class SteppingEngine(Protocol):
-    """What `generate` needs of an engine (services.engine.engine.Engine is one)."""
+    """What `generate` needs of an engine (pagedserve.services.engine.engine.Engine is one)."""
 
-    config: EngineConfig
+    config: Config
+    model_dir: Path
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
 
@@ -47,14 +52,17 @@ def generate(
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
         raise ValueError("params: one SamplingParams, or one per prompt")
-    tokenizer = load_tokenizer(engine.config.model_dir, required=any(isinstance(p, str) for p in prompts))
+    has_text = any(isinstance(p, str) for p in prompts)
+    tokenizer = cached_tokenizer(engine.config.model.tokenizer or engine.model_dir, required=has_text)
     batch = next(_batch_ids)
     results: dict[str, GenerationResult] = {}
     for i, (prompt, prompt_params) in enumerate(zip(prompts, params_list)):
         token_ids: list[int] = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
         request_id = f"generate-{batch}-{i}"
-        choices = [Choice(index, logprobs=[] if prompt_params.logprobs is not None else None)
-                   for index in range(prompt_params.n)]
+        choices = [
+            Choice(index, logprobs=[] if prompt_params.logprobs is not None else None)
+            for index in range(prompt_params.n)
+        ]
         results[request_id] = GenerationResult(request_id, token_ids, choices)
         engine.add_request(request_id, token_ids, prompt_params)
     progress = _progress(len(results), use_tqdm)
@@ -83,15 +91,13 @@ def generate(
     return list(results.values())
 
 
-def load_tokenizer(model_dir: object, required: bool) -> Any:
+def cached_tokenizer(model_dir: object, required: bool) -> Any:
     """The model directory's HF tokenizer (cached per directory), or None if it has none and
     none is required."""
     key = str(model_dir)
     if key not in _tokenizers:
         try:
-            from transformers import AutoTokenizer
-
-            _tokenizers[key] = AutoTokenizer.from_pretrained(key)
+            _tokenizers[key] = load_tokenizer(key)
         except Exception as exc:  # any failure means "no tokenizer" here
             if required:
                 raise ValueError(f"prompts: text needs a tokenizer, and {key} has none ({exc})") from exc
@@ -103,6 +109,4 @@ def load_tokenizer(model_dir: object, required: bool) -> Any:
 def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="generate", unit="req")

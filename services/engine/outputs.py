@@ -47,6 +47,8 @@ class EngineStats:
     num_computed_tokens: int  # tokens run through the model, since start
     num_generated_tokens: int  # tokens sampled, since start
     num_steps: int
+    num_prompt_tokens: int = 0  # prompt tokens prefilled (once per sequence, at its first token), since start
+    num_finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished sequences, since start
 
     @property
     def kv_usage(self) -> float:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.models.base import CausalLM
-from services.engine.outputs import TokenLogprob
-from services.engine.request import Request
-from services.engine.sampler import gather_logprobs
-from services.engine.scheduler import ScheduledRequest
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.sampler import gather_logprobs
+from pagedserve.services.engine.scheduler import ScheduledRequest
 
 _ROWS_PER_SLICE = 256  # rows projected to the vocabulary at once (memory: rows x vocab x 4 bytes)
 
@@ -51,8 +51,7 @@ def compute_chunks(
         last = min(item.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens - 1)
         if k is not None and last >= first:
             rows = hidden[row : row + last - first + 1]
-            targets = torch.tensor(request.prompt_token_ids[first : last + 1], dtype=torch.long,
-                                   device=hidden.device)  # fmt: skip
+            targets = torch.tensor(request.prompt_token_ids[first : last + 1], dtype=torch.long, device=hidden.device)
             ids, values = [], []
             for start in range(0, rows.shape[0], _ROWS_PER_SLICE):
                 logits = model.compute_logits(rows[start : start + _ROWS_PER_SLICE]).float()

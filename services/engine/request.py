@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.outputs import TokenLogprob
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured.state import GrammarState
+from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.state import GrammarState
+from pagedserve.shared.stop_rule import stop_reason
 
 
 class RequestStatus(enum.Enum):
@@ -104,15 +105,17 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def stop_reason_after(self, token_id: int, max_model_len: int) -> str | None:
-        """Why the sequence ends now that `token_id` was appended, or None to go on."""
-        num_output = self.num_output_tokens
-        if num_output >= self.params.min_tokens and (
-            token_id in self.eos_token_ids or token_id in self.params.stop_token_ids
-        ):
-            return "stop"
-        if num_output >= self.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
-        return None
+        """Why the sequence ends now that `token_id` was appended, or None to go on (shared/stop_rule.py)."""
+        return stop_reason(
+            token_id,
+            self.num_output_tokens,
+            self.num_tokens,
+            min_tokens=self.params.min_tokens,
+            max_tokens=self.max_tokens,
+            max_model_len=max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=self.params.stop_token_ids,
+        )
 
     @property
     def is_min_tokens_pending(self) -> bool:

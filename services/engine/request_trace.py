@@ -15,8 +15,8 @@ import time
 
 from opentelemetry.trace import Span, Status, StatusCode, set_span_in_context
 
-from shared import telemetry
-from shared.protocol import GenerateRequest
+from pagedserve.shared import telemetry
+from pagedserve.shared.protocol import GenerateRequest
 
 
 class RequestTrace:
@@ -26,9 +26,14 @@ class RequestTrace:
         self.has_first_token = False
         self._tracer = telemetry.tracer(__name__)
         attrs = telemetry.genai_request_attributes("generate", req.model, req.sampling)
-        attrs.update({"pagedserve.request_id": req.request_id, "pagedserve.engine_id": engine_id,
-                      "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
-                      "pagedserve.continued_tokens": len(req.output_token_ids)})
+        attrs.update(
+            {
+                "pagedserve.request_id": req.request_id,
+                "pagedserve.engine_id": engine_id,
+                "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+                "pagedserve.continued_tokens": len(req.output_token_ids),
+            }
+        )
         self.span: Span = self._tracer.start_span(
             "engine.generate", context=telemetry.context_from(req.traceparent), attributes=attrs
         )
@@ -54,11 +59,14 @@ class RequestTrace:
 
     def finish(self, finish_reason: str | None, output_tokens: int, cached_tokens: int) -> None:
         self._phase.end()
-        self.span.set_attributes({
-            "gen_ai.response.finish_reasons": [finish_reason or "none"],
-            "gen_ai.usage.output_tokens": output_tokens,
-            "pagedserve.finish_reason": finish_reason or "none", "pagedserve.cached_tokens": cached_tokens,
-        })
+        self.span.set_attributes(
+            {
+                "gen_ai.response.finish_reasons": [finish_reason or "none"],
+                "gen_ai.usage.output_tokens": output_tokens,
+                "pagedserve.finish_reason": finish_reason or "none",
+                "pagedserve.cached_tokens": cached_tokens,
+            }
+        )
         self.span.end()
 
     def fail(self, message: str) -> None:

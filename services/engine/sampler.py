@@ -1,7 +1,7 @@
 """Batched sampling on the engine's device: one row per sampling sequence, no loops over the vocabulary.
 
-Order (as in vLLM v1): grammar bitmask -> logprobs of the raw logits -> logit_bias, min_tokens bans -> penalties ->
-greedy argmax | temperature -> min_p -> top_k -> top_p -> a draw.
+Order (as in vLLM v1): grammar bitmask -> logprobs of the raw logits -> allowed_token_ids, logit_bias, bans
+(min_tokens, bad words) -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p -> a draw.
 
 Filters zero out probabilities instead of renormalizing, and a draw is an inverse-CDF lookup with
 one uniform number per row: `searchsorted(cumsum(probs), u * total)`. That needs no sort of the
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_metadata import PenaltyInputs, SamplingMetadata
-from services.engine.structured.bitmask import apply_token_bitmask
+from pagedserve.services.engine.sampling_metadata import PenaltyInputs, SamplingMetadata
+from pagedserve.services.engine.structured.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -69,7 +69,13 @@ class Sampler:
 
 
 def apply_logit_edits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """logit_bias, min_tokens bans and penalties, in place on [num_rows, vocab] logits."""
+    """allowed_token_ids, logit_bias, bans (min_tokens, bad words) and penalties, in place on [num_rows, vocab]
+    logits."""
+    if meta.allowed is not None:
+        allowed = meta.allowed
+        kept = logits[allowed.row_ids, allowed.token_ids]
+        logits[allowed.row_ids] = float("-inf")  # every row with a list, whole
+        logits[allowed.row_ids, allowed.token_ids] = kept
     if meta.logit_bias is not None:
         bias = meta.logit_bias
         logits.index_put_((bias.row_ids, bias.token_ids), bias.values, accumulate=True)

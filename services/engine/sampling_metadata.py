@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request
-from services.engine.structured.bitmask import TokenBitmask, build_token_bitmask
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.structured.bitmask import TokenBitmask, build_token_bitmask
 
 
 @dataclass(slots=True)
@@ -49,7 +49,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [num_rows] float32, 1.0 = off
     min_p: torch.Tensor | None  # [num_rows] float32, 0.0 = off
     logit_bias: SparseRows | None
-    banned: SparseRows | None  # EOS/stop tokens of rows still short of min_tokens (values unused)
+    banned: SparseRows | None  # min_tokens' EOS/stop bans, bad words' next tokens (values unused)
+    allowed: SparseRows | None  # rows with allowed_token_ids: those ids (values unused); the rest are banned
     penalties: PenaltyInputs | None
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     logprob_row_ids: torch.Tensor | None  # [num_logprob_rows] int64
@@ -72,7 +73,8 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
         top_p=_floats([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None,
         min_p=_floats([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in params) else None,
         logit_bias=_logit_bias(requests, device),
-        banned=_banned_until_min_tokens(requests, device),
+        banned=_banned(requests, device),
+        allowed=_allowed(requests, device),
         penalties=_penalties(requests, vocab_size, device),
         generators=[r.generator for r in requests],
         logprob_row_ids=_ints(logprob_rows, device) if logprob_rows else None,
@@ -112,13 +114,25 @@ def _logit_bias(requests: Sequence[Request], device: torch.device) -> SparseRows
     return _sparse(entries, device)
 
 
-def _banned_until_min_tokens(requests: Sequence[Request], device: torch.device) -> SparseRows | None:
+def _banned(requests: Sequence[Request], device: torch.device) -> SparseRows | None:
+    """EOS and stop ids until min_tokens, and each bad word's last token where the output so far ends
+    with the rest of the word (a one-token word always)."""
     entries = [
         (row, token_id, 0.0)
         for row, r in enumerate(requests)
         if r.is_min_tokens_pending
         for token_id in {*r.eos_token_ids, *r.params.stop_token_ids}
     ]
+    for row, r in enumerate(requests):
+        for word in r.params.bad_words_token_ids or ():
+            *prefix, last = word
+            if not prefix or r.output_token_ids[len(r.output_token_ids) - len(prefix) :] == prefix:
+                entries.append((row, last, 0.0))
+    return _sparse(entries, device)
+
+
+def _allowed(requests: Sequence[Request], device: torch.device) -> SparseRows | None:
+    entries = [(row, t, 0.0) for row, r in enumerate(requests) for t in r.params.allowed_token_ids or ()]
     return _sparse(entries, device)
 
 
@@ -152,11 +166,20 @@ class SamplingMetadataCache:
         self._meta: SamplingMetadata | None = None
 
     def get(self, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
-        if (self._meta is not None and len(requests) == len(self._requests)
-                and all(map(operator.is_, requests, self._requests))):  # fmt: skip
+        if (
+            self._meta is not None
+            and len(requests) == len(self._requests)
+            and all(map(operator.is_, requests, self._requests))
+        ):
             return self._meta
         meta = build_sampling_metadata(requests, vocab_size, device)
-        # banned: min_tokens still pending; a grammar's bitmask changes with every token.
-        is_static = meta.penalties is None and meta.banned is None and meta.token_bitmask is None
+        # banned: min_tokens still pending or a bad word's ban, which follows the output; a grammar's bitmask
+        # changes with every token.
+        is_static = (
+            meta.penalties is None
+            and meta.banned is None
+            and meta.token_bitmask is None
+            and not any(r.params.bad_words_token_ids for r in requests)
+        )
         self._requests, self._meta = (tuple(requests), meta) if is_static else ((), None)
         return meta

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.grammar_spec import GrammarSpec
+from pagedserve.shared.grammar_spec import GrammarSpec
 
 MAX_LOGPROBS = 20
 _EPS_TEMPERATURE = 1e-5
@@ -33,6 +33,10 @@ class SamplingParams:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
     structured_output: GrammarSpec | None = None  # constrained decoding (json schema, regex, ...)
+    priority: int = 0  # lower runs first, under the priority scheduling policy (vLLM's meaning)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words_token_ids: list[list[int]] | None = None  # token sequences never completed in the output
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
 
     @property
     def is_greedy(self) -> bool:
@@ -40,9 +44,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """The sampling of the next token reads the output so far on the host (an overlapped step must wait)."""
+        return self.has_penalties or any(len(word) > 1 for word in self.bad_words_token_ids or ())
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad parameter."""
@@ -58,17 +65,29 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
         )
         _check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty"
         )
-        ids = list(self.stop_token_ids) + list(self.logit_bias or ())
+        _check(all(self.bad_words_token_ids or ()), "bad_words", "a bad word has no tokens")
+        ids = [
+            *self.stop_token_ids,
+            *(self.logit_bias or ()),
+            *(self.allowed_token_ids or ()),
+            *(t for word in self.bad_words_token_ids or () for t in word),
+        ]
         if vocab_size is not None:
-            _check(all(0 <= t < vocab_size for t in ids), "stop_token_ids/logit_bias", "token id out of range")
+            _check(
+                all(0 <= t < vocab_size for t in ids),
+                "stop_token_ids/logit_bias/allowed_token_ids/bad_words",
+                "token id out of range",
+            )
         for value in (self.logit_bias or {}).values():
             _check(-100.0 <= value <= 100.0, "logit_bias", "values must be in [-100, 100]")
 

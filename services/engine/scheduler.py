@@ -5,11 +5,14 @@ budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). A prompt 
 budget is therefore prefilled in chunks, and prefills and decodes share a step:
 
     running  A: 1 token (decode)   B: 1 token (decode)   C: 300 of 900 prompt tokens (a chunk)
-    waiting  D: admitted FCFS if blocks and budget remain and nobody was preempted this step
+    waiting  D: admitted in policy order if blocks and budget remain and nobody was preempted this step
 
-When a running sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the waiting queue, to be recomputed (cheaply,
-its blocks usually still sit in the prefix cache). Running out of KV memory never raises.
+When a running sequence needs a block and none is free, the last running sequence is preempted: its
+blocks are freed and it goes back to the waiting queue, to be recomputed (cheaply, its blocks usually
+still sit in the prefix cache). Running out of KV memory never raises. The policy (waiting_queue.py)
+orders both ends: under `fcfs` the running list is in admission order (the newest goes first) and the
+waiting queue in arrival order; under `priority` both are ordered by (priority, arrival), so admission
+takes the most urgent first and preemption takes the least urgent.
 
 The scheduler is the one writer of `num_computed_tokens`, `status`, the appended output tokens and
 the stop decision (in `update`). It never sees a tensor.
@@ -17,13 +20,14 @@ the stop decision (in `update`). It never sees a tensor.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager
+from pagedserve.services.engine.request import Request, RequestStatus
+from pagedserve.services.engine.waiting_queue import priority_key, waiting_queue
 
 
 @dataclass(slots=True)
@@ -56,23 +60,31 @@ class SchedulerCounters:
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompts whose prefill completed (first token sampled)
+    num_finished_by_reason: dict[str, int] = field(default_factory=dict)  # "stop", "length", "abort"
 
 
 class Scheduler:
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last is the newest
+        self.waiting = waiting_queue(policy)
+        self.running: list[Request] = []  # policy order: the last is preempted first
+        self._by_priority = policy == "priority"
         self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
         assert request.status is RequestStatus.WAITING and request.num_tokens < self.max_model_len
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,9 +134,16 @@ class Scheduler:
             token_id = next(sampled)
             tokens = request.all_token_ids
             tokens.append(token_id)
-            # A cheap superset of stop_reason_after's conditions (min_tokens aside) keeps most rows off it.
-            if (len(tokens) - len(request.prompt_token_ids) >= request.max_tokens or len(tokens) >= max_model_len
-                    or token_id in request.eos_token_ids or token_id in request.params.stop_token_ids):  # fmt: skip
+            if len(tokens) - len(request.prompt_token_ids) == 1:  # prefill done: counted once, as vLLM does
+                self.counters.num_prompt_tokens += len(request.prompt_token_ids)
+            # A cheap superset of the stop rule's conditions (shared/stop_rule.py; min_tokens aside) keeps most
+            # rows off it.
+            if (
+                len(tokens) - len(request.prompt_token_ids) >= request.max_tokens
+                or len(tokens) >= max_model_len
+                or token_id in request.eos_token_ids
+                or token_id in request.params.stop_token_ids
+            ):
                 reason = request.stop_reason_after(token_id, max_model_len)
                 if reason is not None:
                     self._release(request, reason)
@@ -152,8 +171,9 @@ class Scheduler:
         return ScheduledRequest(request, num_computed, num_new, num_computed + num_new == request.num_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
-        """Blocks for `num_new` more tokens of a running sequence, preempting the newest until
-        they fit; False if `request` itself had to go."""
+        """Blocks for `num_new` more tokens of a running sequence, preempting the last running (the
+        newest, or the least urgent) until they fit; False if `request` itself had to go. The victims
+        all come after `request` in the running list, so none of them was scheduled this step."""
         num_tokens = request.num_computed_tokens + num_new
         while self.kv_cache.allocate(request, num_tokens) is None:
             victim = self.running.pop()
@@ -165,21 +185,24 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             if request.params.prompt_logprobs is not None:  # cached positions would have no logits
                 hit_block_ids, num_hit_tokens = [], 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate(request, num_hit_tokens + num_new, hit_block_ids) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the queue
+            self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission: count the prompt's cache use once
                 request.num_cached_tokens = num_hit_tokens
                 self.counters.num_prefix_cache_query_tokens += request.num_tokens
                 self.counters.num_prefix_cache_hit_tokens += num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self._by_priority:
+                bisect.insort(self.running, request, key=priority_key)
+            else:
+                self.running.append(request)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
@@ -189,10 +212,12 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         self.counters.num_preemptions += 1
 
     def _release(self, request: Request, reason: str) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        finished = self.counters.num_finished_by_reason
+        finished[reason] = finished.get(reason, 0) + 1

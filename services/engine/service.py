@@ -31,14 +31,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.engine.engine import Engine
-from services.engine.metrics import EngineMetrics
-from services.engine.request_trace import RequestTrace
-from services.engine.sampling_params import SamplingParams
-from shared import streams, telemetry
-from shared.grammar_spec import GrammarSpec
-from shared.outage import OutageLog
-from shared.protocol import (
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.metrics import EngineMetrics
+from pagedserve.services.engine.request_trace import RequestTrace
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared import streams, telemetry
+from pagedserve.shared.config import Config
+from pagedserve.shared.generation_defaults import fill_sampling, read_generation_defaults
+from pagedserve.shared.grammar_spec import GrammarSpec
+from pagedserve.shared.outage import OutageLog
+from pagedserve.shared.protocol import (
     Abort,
     DecodeError,
     EngineHeartbeat,
@@ -48,7 +50,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -79,12 +80,16 @@ def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
 
 
 class EngineService:
-    def __init__(self, settings: EngineSettings, model: str, engine: Engine, model_source: str | None,
-                 metrics: EngineMetrics | None = None) -> None:
-        self.settings, self.model, self.engine = settings, model, engine
+    def __init__(
+        self, config: Config, model: str, engine: Engine, model_source: str | None, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.settings = config.engine
+        self.routing = config.routing
+        self.model, self.engine = model, engine
         self.metrics = metrics
         self._queued: dict[str, RequestTrace] = {}  # traces of requests not scheduled yet
         self.model_source = model_source
+        self.generation_defaults = read_generation_defaults(config.model.generation_config, engine.model_dir)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.active: dict[str, _Active] = {}
         self.recent: OrderedDict[str, None] = OrderedDict()
@@ -184,7 +189,7 @@ class EngineService:
                 self._send(("ack", entry_id))  # finished, aborted, or a redelivered duplicate
             return
         try:
-            params = sampling_params_from_wire(req.sampling)
+            params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
             resumed = _resumed_choices(req)
             self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
         except (TypeError, ValueError) as exc:
@@ -291,10 +296,17 @@ class EngineService:
     async def _io_main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
-        redis = streams.connect(self.settings.redis_url)
+        redis = streams.connect(self.routing.url)
         reader = streams.GroupReader(
-            redis, streams.generate_stream(self.model), streams.engine_group(self.model),
-            self.settings.engine_id, claim_idle_ms=self.settings.claim_idle_ms,
+            redis,
+            streams.generate_stream(self.model),
+            streams.engine_group(self.model),
+            self.settings.engine_id,
+            claim_idle_ms=self.settings.claim_idle_ms,
+            # a replica whose heartbeat key expired (hung, dead) loses its pending entries at once:
+            # consumer names are engine ids; the grace spares a replica that has not beaten yet
+            heartbeat_key=lambda consumer: streams.engine_key(self.model, consumer),
+            dead_grace_ms=int(2_000 * self.settings.heartbeat_interval_s),
         )
         self._io_ready.set()
         tasks = [
@@ -338,8 +350,14 @@ class EngineService:
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()
+        # What the gateway gave up on while this replica was down or busy is dropped, not run for nobody.
+        requests = [e.message.request_id for e in entries if isinstance(e.message, GenerateRequest)]
+        given_up = await streams.aborted_ids(reader.redis, self.model, requests)
         for entry in entries:
-            if isinstance(entry.message, GenerateRequest):
+            if isinstance(entry.message, GenerateRequest) and entry.message.request_id in given_up:
+                log.info("request %s was aborted before this engine took it; dropped", entry.message.request_id)
+                await reader.ack(entry.entry_id)
+            elif isinstance(entry.message, GenerateRequest):
                 wait = telemetry.record_stream_wait(reader.stream, entry.entry_id, entry.message.traceparent, read_at)
                 if self.metrics is not None:
                     self.metrics.stream_wait.observe(wait)
@@ -373,11 +391,18 @@ class EngineService:
         while True:
             stats = self.last_stats
             beat = EngineHeartbeat(
-                engine_id=self.settings.engine_id, model=self.model, max_model_len=self.engine.max_model_len,
-                num_running=stats.num_running, num_waiting=stats.num_waiting,
-                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-                is_draining=self.stopping.is_set(), time=time.time(), model_source=self.model_source,
-                supports_choice_abort=True, supports_choice_continuation=True,
+                engine_id=self.settings.engine_id,
+                model=self.model,
+                max_model_len=self.engine.max_model_len,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                num_free_blocks=stats.num_free_blocks,
+                num_total_blocks=stats.num_total_blocks,
+                is_draining=self.stopping.is_set(),
+                time=time.time(),
+                model_source=self.model_source,
+                supports_choice_abort=True,
+                supports_choice_continuation=True,
                 num_requests_finished=self.num_requests_finished,
             )
             try:
@@ -394,7 +419,7 @@ class EngineService:
         """Everything the compute loop sent since the last round trip goes out as one pipeline:
         each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended."""
         assert self._outbox is not None
-        maxlen = self.settings.stream_maxlen
+        maxlen = self.routing.stream_maxlen
         while True:
             items = [await self._outbox.get()]
             while not self._outbox.empty():

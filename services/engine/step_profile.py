@@ -34,8 +34,10 @@ class GpuMarks:
         return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(3)))
 
     def elapsed_ms(self) -> dict[str, float]:  # call after the step's results reached the host
-        return {"forward": self.start.elapsed_time(self.forward_done),
-                "sample": self.forward_done.elapsed_time(self.sample_done)}  # fmt: skip
+        return {
+            "forward": self.start.elapsed_time(self.forward_done),
+            "sample": self.forward_done.elapsed_time(self.sample_done),
+        }
 
 
 @dataclass(slots=True)
@@ -89,6 +91,11 @@ class StepProfile:
         for kind, num in self.num_steps.items():
             host = {p: round(self.host_s[kind][p] * 1e3 / num, 3) for p in HOST_PHASES}
             gpu = {p: round(self.gpu_ms[kind][p] / num, 3) for p in GPU_PHASES if p in self.gpu_ms[kind]}
-            out[kind] = {"steps": num, "tokens_per_step": round(self.num_tokens[kind] / num, 1),
-                         "host_ms": host, "host_total_ms": round(sum(host.values()), 3), "gpu_ms": gpu}  # fmt: skip
+            out[kind] = {
+                "steps": num,
+                "tokens_per_step": round(self.num_tokens[kind] / num, 1),
+                "host_ms": host,
+                "host_total_ms": round(sum(host.values()), 3),
+                "gpu_ms": gpu,
+            }
         return out

@@ -1,6 +1,6 @@
 """Batched paged attention for the CPU path: one SDPA call per layer for the whole ragged batch.
 
-Same function as `kernels.reference.paged_attention` (the oracle, one sequence at a time), but the
+Same function as `pagedserve.kernels.reference.paged_attention` (the oracle, one sequence at a time), but the
 batch is gathered into padded tensors so a step costs one fused call instead of a Python loop:
 
     K, V   [num_seqs, num_kv_heads, max_ctx, head_dim]   gathered through the block tables
@@ -25,6 +25,8 @@ def paged_attention_padded(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,  # sliding window: a query sees keys less than `window` positions back
+    softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -57,11 +59,21 @@ def paged_attention_padded(
     q_pos = (seq_lens.long() - query_lens)[:, None] + rows[None, :]  # [num_seqs, max_query_len]
     k_pos = torch.arange(max_ctx, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [num_seqs, max_query_len, max_ctx]
-    mask[:, :, 0] = True  # padding rows would be all -inf (NaN); they are discarded below
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    # Padding rows would be all -inf (NaN): give them key 0 (they are discarded below). Real rows always
+    # see their own position, so this never widens a window.
+    mask[:, :, 0] |= ~mask.any(-1)
     group = num_heads // num_kv_heads
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale
-    )  # [num_seqs, num_heads, max_query_len, head_dim]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale
+        )  # [num_seqs, num_heads, max_query_len, head_dim]
+    else:  # SDPA has no soft-capping: the same math spelled out
+        logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        logits = torch.tanh(logits / softcap) * softcap
+        weights = logits.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+        out = torch.matmul(weights, v.float())
     return out.transpose(1, 2)[token_seq, token_row].to(query.dtype)

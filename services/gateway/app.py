@@ -1,15 +1,14 @@
 """The HTTP API: OpenAI-compatible routes over the Frontend, plus helpers, health and readiness.
 
-    request ─► ApiKeyMiddleware ─► read_json + validate + check_limits ─► Frontend.submit
-            (401)                  (413, 415, 400 naming the param)       (404, 429, 503, and the
-                                                                            tokenizer's 400s)
-            ─► SSE stream (streaming.event_stream) or one JSON body (streaming.collect)
+request ─► ApiKeyMiddleware ─► read_json + validate + check_limits ─► Frontend.submit
+        (401)                  (413, 415, 400 naming the param)       (404, 429, 503, and the
+                                                                        tokenizer's 400s)
+        ─► SSE stream (streaming.event_stream) or one JSON body (streaming.collect)
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,72 +19,131 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway import completions as completions_route
-from services.gateway import responses, schemas, streaming, structured, token_routes
-from services.gateway.auth import ApiKeyMiddleware
-from services.gateway.errors import APIError, model_not_found
-from services.gateway.frontend import Frontend
-from services.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from services.gateway.tool_calls import tool_call_states
-from services.gateway.validation import read_json, validate
-from shared.protocol import ChatRequest
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway import completions as completions_route
+from pagedserve.services.gateway import (
+    ignored_fields,
+    responses,
+    responses_api,
+    schemas,
+    streaming,
+    structured,
+    token_routes,
+)
+from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
+from pagedserve.services.gateway.errors import APIError, model_not_found
+from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from pagedserve.services.gateway.reasoning import PARSERS
+from pagedserve.services.gateway.tool_calls import tool_call_states
+from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
+from pagedserve.services.gateway.wire_request import to_wire
+from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: GatewaySettings) -> Starlette:
-    frontend = Frontend(settings)
+def build_app(config: Config) -> Starlette:
+    settings = config.gateway
+    frontend = Frontend(config)
     metrics = frontend.metrics = GatewayMetrics()
     metrics.watch_engines(frontend.registry)
     metrics.track_in_flight(lambda: frontend.num_in_flight)
+    ignored_log = ignored_fields.IgnoredFieldsLog()
+    reasoning = PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
 
-    async def parse(request: Request, cls: type[Any]) -> Any:
-        req = validate(cls, await read_json(request, settings.max_body_bytes))
-        schemas.check_limits(req, settings)
-        if req.user:
-            log.debug("request for user %s", req.user)
-        return req
+    async def parse(request: Request, cls: type[Any]) -> tuple[Any, list[str]]:
+        """The validated request, and the unknown fields it came with (dropped; none when strict)."""
+        body = await read_json(request, settings.max_body_bytes)
+        ignored: list[str] = []
+        if settings.strict_request_fields:
+            req = validate(cls, body)
+        else:
+            req, ignored = validate_ignoring_unknown(cls, body)
+        if isinstance(req, schemas.ChatCompletionRequest | schemas.CompletionRequest):  # /v1/responses: as its chat
+            schemas.check_limits(req, settings)
+        if not settings.enable_auto_tool_choice and structured.tool_choice_mode(req) == "auto":
+            raise APIError(
+                400, '"auto" tool choice needs a server started with --enable-auto-tool-choice', param="tool_choice"
+            )
+        if ignored:
+            ignored_log.warn(request.url.path, ignored)
+        if not settings.disable_log_requests:  # vLLM's per-request line; --disable-log-requests turns it off
+            log.info(
+                "request %s model=%s stream=%s max_tokens=%s",
+                request.url.path,
+                req.model,
+                req.is_stream,
+                req.token_budget,
+            )
+        return req, ignored
 
     async def chat_completions(request: Request) -> Response:
-        req: schemas.ChatCompletionRequest = await parse(request, schemas.ChatCompletionRequest)
-        wire = ChatRequest(
-            request_id=frontend.new_request_id("chatcmpl"), reply_to=settings.gateway_id, model=req.model,
-            messages=[m.as_template_input() for m in req.messages], sampling=schemas.sampling_dict(req),
-            max_tokens=req.token_budget, stream=req.is_stream, arrival_time=time.time(),
-            traceparent=request.headers.get("traceparent"), chat_template_kwargs=req.chat_template_kwargs or {},
-            tools=structured.template_tools(req),
+        req, ignored = await parse(request, schemas.ChatCompletionRequest)
+        return _reporting(await chat_response(request, req), ignored)
+
+    async def chat_response(request: Request, req: schemas.ChatCompletionRequest) -> Response:
+        wire = to_wire(
+            req,
+            frontend.new_request_id("chatcmpl"),
+            settings.gateway_id,
+            traceparent=request.headers.get("traceparent"),
         )
         try:
-            gen = await frontend.submit(wire, req.stop_strings, req.num_choices)
+            gen = await frontend.submit(wire, req.stop_strings, req.num_choices, req.text_options)
         except APIError as exc:  # name the field the client actually sent
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
             raise
+        if req.request_id is not None:  # the id the client chose names the response; ours stays unique inside
+            gen.response_id = f"chatcmpl-{req.request_id}"
         named = req.tool_choice.function.name if isinstance(req.tool_choice, schemas.NamedToolChoice) else None
         tools = tool_call_states(structured.tool_choice_mode(req), named, settings.tool_call_parser, req.num_choices)
         if req.is_stream:
-            fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage)
-            return streaming.event_stream(streaming.chat_events(gen, fmt, tools))
+            fmt = streaming.StreamFormat(
+                req.include_usage,
+                req.continuous_usage,
+                reasoning=reasoning,
+                legacy_functions=req.uses_legacy_functions,
+                return_token_ids=req.return_token_ids,
+            )
+            return streaming.event_stream(gen, streaming.chat_events(gen, fmt, tools), settings.sse_keepalive_s)
         k = req.prompt_logprobs  # vLLM's extra: prompt_logprobs at the top of the body (never streamed)
-        return await streaming.collect(request, gen, is_chat=True, tools=tools, finish=None if k is None else (
-            lambda body: body.update(prompt_logprobs=responses.vllm_prompt_logprobs(gen.token_texts, gen, k))))
+
+        def finish(body: dict[str, Any]) -> None:
+            if k is not None:
+                body.update(prompt_logprobs=responses.vllm_prompt_logprobs(gen.token_texts, gen, k))
+            if req.uses_legacy_functions:
+                responses.as_legacy_function_call(body)
+            if req.return_token_ids:  # vLLM's: saves RL and eval frameworks a retokenization
+                body["prompt_token_ids"] = list(gen.accepted.prompt_token_ids)
+                for choice, text in zip(body["choices"], gen.choices):
+                    choice["token_ids"] = list(text.token_ids)
+
+        return await streaming.collect(request, gen, is_chat=True, tools=tools, finish=finish, reasoning=reasoning)
 
     async def completions(request: Request) -> Response:
-        req: schemas.CompletionRequest = await parse(request, schemas.CompletionRequest)
-        return await completions_route.serve(request, req, frontend, settings)
+        req, ignored = await parse(request, schemas.CompletionRequest)
+        return _reporting(await completions_route.serve(request, req, frontend, settings), ignored)
+
+    async def create_response(request: Request) -> Response:
+        req, ignored = await parse(request, responses_api.ResponsesRequest)
+        return _reporting(await responses_api.serve(request, req, frontend, settings), ignored)
 
     async def embeddings(request: Request) -> Response:
-        raise APIError(404, "This server does not serve embeddings (/v1/embeddings); it serves text generation "
-                       "models only", code="not_found")
+        raise APIError(
+            404,
+            "This server does not serve embeddings (/v1/embeddings); it serves text generation models only",
+            code="not_found",
+        )
 
     async def list_models(request: Request) -> Response:
-        data = [_model_card(m.name, m.first_seen, m.max_model_len) for m in frontend.registry.live_models()]
+        # A listed model is one a request would be served for now: what clients wait on after a start
+        data = [_model_card(m.name, m.first_seen, m.max_model_len) for m in frontend.registry.servable_models()]
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         entry = frontend.registry.get(request.path_params["model"])
-        if entry is None or not entry.is_live:
+        if entry is None or not entry.is_servable:
             raise model_not_found(request.path_params["model"])
         return JSONResponse(_model_card(entry.name, entry.first_seen, entry.max_model_len))
 
@@ -94,16 +152,21 @@ def build_app(settings: GatewaySettings) -> Starlette:
 
     async def ready(request: Request) -> Response:
         is_ready = frontend.is_ready()
-        body = {"ready": is_ready, "redis": frontend.registry.is_redis_up,
-                "models": [m.name for m in frontend.registry.live_models()]}
+        body: dict[str, Any] = {"ready": is_ready, "redis": frontend.registry.is_redis_up}
+        if _may_list_models(request):  # probes need no key; the served models are only for callers with one
+            body["models"] = [m.name for m in frontend.registry.servable_models()]
         return JSONResponse(body, status_code=200 if is_ready else 503)
+
+    def _may_list_models(request: Request) -> bool:
+        keys = [k.encode() for k in settings.api_keys]
+        return not keys or is_authorized(request.headers.get("authorization", "").encode(), keys)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await frontend.start()
         grpc_door = None
         if settings.grpc_port:
-            from services.gateway.grpc_api import server as grpc_server  # grpc loads only when it serves
+            from pagedserve.services.gateway.grpc_api import server as grpc_server  # grpc loads only when it serves
 
             grpc_door = await grpc_server.start(frontend, settings)
         try:
@@ -117,6 +180,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
@@ -127,7 +191,8 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/metrics", metrics.endpoint, methods=["GET"]),
     ]
     app = Starlette(
-        routes=routes, lifespan=lifespan,
+        routes=routes,
+        lifespan=lifespan,
         exception_handlers={APIError: _on_api_error, HTTPException: _on_http_error, Exception: _on_bug},
     )
     app.state.frontend = frontend
@@ -137,9 +202,21 @@ def build_app(settings: GatewaySettings) -> Starlette:
     return app
 
 
+def _reporting(response: Response, ignored: list[str]) -> Response:
+    """`response` with the header naming the ignored fields (set before its first byte, streams too)."""
+    if ignored:
+        response.headers[ignored_fields.HEADER] = ignored_fields.header_value(ignored)
+    return response
+
+
 def _model_card(name: str, created: float, max_model_len: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(created), "owned_by": "pagedserve",
-            "max_model_len": max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(created),
+        "owned_by": "pagedserve",
+        "max_model_len": max_model_len,
+    }
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:

@@ -9,7 +9,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway.errors import APIError
+from pagedserve.services.gateway.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 
@@ -20,11 +20,17 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS
+            scope["type"] == "http"
+            and self.keys
+            and scope["path"] not in OPEN_PATHS
             and not self.is_authorized(dict(scope["headers"]).get(b"authorization", b""))
         ):
-            error = APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                             code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+            error = APIError(
+                401,
+                "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from services.gateway.detokenizer import ChoiceText
-from services.gateway.frontend import ChoiceUpdate, Frontend, Generation
-from services.gateway.token_text import TokenTexts
-from shared.protocol import CompletionRequest
+from pagedserve.services.gateway.detokenizer import ChoiceText, TextOptions
+from pagedserve.services.gateway.frontend import ChoiceUpdate, Frontend, Generation
+from pagedserve.services.gateway.token_text import TokenTexts
+from pagedserve.shared.protocol import CompletionRequest
 
 
 class GenerationView(Protocol):
@@ -31,6 +31,8 @@ class GenerationView(Protocol):
     def model(self) -> str: ...
     @property
     def created(self) -> int: ...
+    @property
+    def response_id(self) -> str: ...
     @property
     def choices(self) -> list[ChoiceText]: ...
     @property
@@ -48,6 +50,7 @@ class BatchGeneration:
     parts: list[Generation]  # one per prompt, in order
     n: int  # choices per prompt
     created: int = field(init=False)
+    response_id: str = ""  # the id clients see, when the request named one
 
     def __post_init__(self) -> None:
         self.created = self.parts[0].created
@@ -105,10 +108,15 @@ class BatchGeneration:
 
 
 async def submit_batch(
-    frontend: Frontend, requests: Sequence[CompletionRequest], stop: list[str], n: int, batch_id: str
+    frontend: Frontend,
+    requests: Sequence[CompletionRequest],
+    stop: list[str],
+    n: int,
+    batch_id: str,
+    text: TextOptions | None = None,
 ) -> BatchGeneration:
     """Submit every prompt at once; all accepted, or none kept (also when the caller is cancelled)."""
-    tasks = [asyncio.create_task(frontend.submit(r, stop, n)) for r in requests]
+    tasks = [asyncio.create_task(frontend.submit(r, stop, n, text)) for r in requests]
     try:
         await asyncio.wait(tasks)
     except BaseException:

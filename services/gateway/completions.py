@@ -1,61 +1,69 @@
 """/v1/completions: one prompt or a batch, echo, and prompt logprobs, streaming or not.
 
-    prompt(s) ─► one wire request per prompt ─► Generation (one) | BatchGeneration (several)
-    echo: each choice starts with its prompt; with `logprobs` the prompt tokens get logprobs too
-          (the first one null); they arrive with the first generated token
-    prompt_logprobs (vLLM's): per choice, [null, {token_id: {logprob, rank, decoded_token}}, ...]
+prompt(s) ─► one wire request per prompt ─► Generation (one) | BatchGeneration (several)
+echo: each choice starts with its prompt; with `logprobs` the prompt tokens get logprobs too
+      (the first one null); they arrive with the first generated token
+prompt_logprobs (vLLM's): per choice, [null, {token_id: {logprob, rank, decoded_token}}, ...]
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway import responses, schemas, streaming
-from services.gateway.batch import BatchGeneration, parts_of, submit_batch
-from services.gateway.frontend import Frontend, Generation
-from shared.protocol import CompletionRequest
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway import responses, schemas, streaming
+from pagedserve.services.gateway.batch import BatchGeneration, parts_of, submit_batch
+from pagedserve.services.gateway.frontend import Frontend, Generation
+from pagedserve.services.gateway.wire_request import to_wire
+from pagedserve.shared.config import GatewayConfig
 
 
-async def serve(request: Request, req: schemas.CompletionRequest, frontend: Frontend,
-                settings: GatewaySettings) -> Response:  # fmt: skip
+async def serve(
+    request: Request, req: schemas.CompletionRequest, frontend: Frontend, settings: GatewayConfig
+) -> Response:
     request_id = frontend.new_request_id("cmpl")
     prompts = req.prompts
+    traceparent = request.headers.get("traceparent")
     wires = [
-        CompletionRequest(
-            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", reply_to=settings.gateway_id,
-            model=req.model, prompt=prompt, sampling=schemas.sampling_dict(req), max_tokens=req.token_budget,
-            stream=req.is_stream, arrival_time=time.time(), traceparent=request.headers.get("traceparent"),
-        )
+        to_wire(req, request_id if len(prompts) == 1 else f"{request_id}-{i}", settings.gateway_id, traceparent, prompt)
         for i, prompt in enumerate(prompts)
     ]
     gen: Generation | BatchGeneration
     if len(wires) == 1:
-        gen = await frontend.submit(wires[0], req.stop_strings, req.num_choices)
+        gen = await frontend.submit(wires[0], req.stop_strings, req.num_choices, req.text_options)
     else:
-        gen = await submit_batch(frontend, wires, req.stop_strings, req.num_choices, request_id)
+        gen = await submit_batch(frontend, wires, req.stop_strings, req.num_choices, request_id, req.text_options)
+    if req.request_id is not None:  # the id the client chose names the response; ours stays unique inside
+        gen.response_id = f"cmpl-{req.request_id}"
     echoes = [_echo_text(part, prompt) for part, prompt in zip(parts_of(gen), prompts)] if req.echo else []
     if req.is_stream:
-        fmt = streaming.StreamFormat(req.include_usage, req.continuous_usage, echoes,
-                                     req.logprobs if req.echo else None, req.num_choices)  # fmt: skip
-        return streaming.event_stream(streaming.completion_events(gen, fmt))
+        fmt = streaming.StreamFormat(
+            req.include_usage,
+            req.continuous_usage,
+            echoes,
+            req.logprobs if req.echo else None,
+            req.num_choices,
+            return_token_ids=req.return_token_ids,
+        )
+        return streaming.event_stream(gen, streaming.completion_events(gen, fmt), settings.sse_keepalive_s)
     prefixes = [echo for echo in echoes for _ in range(req.num_choices)] if echoes else ""
-    return await streaming.collect(request, gen, is_chat=False, prefix=prefixes,
-                                   finish=lambda body: _add_prompt_logprobs(body, gen, req))  # fmt: skip
+    return await streaming.collect(
+        request, gen, is_chat=False, prefix=prefixes, finish=lambda body: _add_prompt_logprobs(body, gen, req)
+    )
 
 
-def _add_prompt_logprobs(body: dict[str, Any], gen: Generation | BatchGeneration,
-                         req: schemas.CompletionRequest) -> None:  # fmt: skip
+def _add_prompt_logprobs(
+    body: dict[str, Any], gen: Generation | BatchGeneration, req: schemas.CompletionRequest
+) -> None:
     echo_k = req.logprobs if req.echo else None
-    if echo_k is None and req.prompt_logprobs is None:
-        return
     parts = parts_of(gen)
     for choice in body["choices"]:
         part = parts[choice["index"] // req.num_choices]
+        if req.return_token_ids:  # vLLM's: saves RL and eval frameworks a retokenization
+            choice["prompt_token_ids"] = list(part.accepted.prompt_token_ids)
+            choice["token_ids"] = list(part.choices[choice["index"] % req.num_choices].token_ids)
         if echo_k is not None:
             echoed = responses.echo_logprobs(gen.token_texts, part, echo_k)
             choice["logprobs"] = responses.merge_logprobs(echoed, choice["logprobs"])

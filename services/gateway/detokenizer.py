@@ -1,4 +1,4 @@
-"""Per-choice text: incremental detokenization (never broken UTF-8) and stop strings.
+"""Per-choice text: incremental detokenization (never broken UTF-8) and stop strings (shared/stop_rule.py).
 
 `tokenizers`' DecodeStream holds back bytes until they form whole characters. Stop strings are
 matched on the text; the last `longest_stop - 1` characters are held back while streaming so a
@@ -12,6 +12,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from pagedserve.shared.stop_rule import find_stop_string, held_back
+
 _CONTEXT_TOKENS = 6  # prompt tokens fed first, so the first output token gets its leading space right
 
 
@@ -19,6 +21,14 @@ _CONTEXT_TOKENS = 6  # prompt tokens fed first, so the first output token gets i
 class TextDelta:
     text: str
     finish_reason: str | None  # "stop" when a stop string ended the choice here
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How a request's choices become text (vLLM's detokenization fields)."""
+
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass(slots=True)
@@ -29,11 +39,16 @@ class ChoiceText:
     text: str = ""
     num_sent: int = 0  # characters of `text` already sent
     is_stopped: bool = False
+    stop_string: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
     token_ids: list[int] = field(default_factory=list)
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
+    skip_special_tokens: bool = True
     _stream: Any = None
 
     def __post_init__(self) -> None:
-        self._stream = DecodeStream(ids=self.prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=True)
+        self._stream = DecodeStream(
+            ids=self.prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=self.skip_special_tokens
+        )
 
     def add(self, token_ids: list[int], is_last: bool) -> TextDelta:
         """Text that may be sent now for these new tokens; `is_last` flushes what was held back."""
@@ -44,17 +59,19 @@ class ChoiceText:
             if piece:
                 self.text += piece
         if self.stop_strings and not self.is_stopped:
-            cut = self._find_stop()
-            if cut is not None:
-                self.text, self.is_stopped = self.text[:cut], True
-        hold = 0 if (is_last or self.is_stopped) else max((len(s) for s in self.stop_strings), default=1) - 1
+            found = self._find_stop()
+            if found is not None:
+                cut, self.stop_string = found
+                end = cut + len(self.stop_string) if self.include_stop_str else cut
+                self.text, self.is_stopped = self.text[:end], True
+        hold = 0 if (is_last or self.is_stopped) else held_back(self.stop_strings)
         end = max(self.num_sent, len(self.text) - hold)
-        delta = self.text[self.num_sent:end]
+        delta = self.text[self.num_sent : end]
         self.num_sent = end
         return TextDelta(delta, "stop" if self.is_stopped else None)
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(where the first stop string begins, which one), or None."""
         longest = max(len(s) for s in self.stop_strings)
         start = max(0, self.num_sent - longest)  # a stop may begin in text held back earlier
-        hits = [i for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        return find_stop_string(self.text, self.stop_strings, start)

@@ -20,8 +20,8 @@ from types import FrameType
 
 import uvicorn
 
-from services.gateway.frontend import Frontend
-from services.gateway.router import Disconnected
+from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.router import Disconnected
 
 log = logging.getLogger(__name__)
 _CUT_GRACE_S = 5.0  # after the drain timeout: how long cut requests get to send their error and aborts

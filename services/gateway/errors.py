@@ -22,8 +22,15 @@ _TYPE_FOR_STATUS = {
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-        type: str | None = None, retry_after: float | None = None, should_retry: bool | None = None,
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after: float | None = None,
+        should_retry: bool | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -52,6 +59,9 @@ def model_not_found(model: str) -> APIError:
 
 def model_unavailable(model: str) -> APIError:
     return APIError(
-        503, f"The model '{model}' has no live engine right now; retry shortly", param="model",
-        code="model_unavailable", retry_after=2,
+        503,
+        f"The model '{model}' has no live engine right now; retry shortly",
+        param="model",
+        code="model_unavailable",
+        retry_after=2,
     )

@@ -9,6 +9,9 @@ continuation (prompt + tokens already streamed, per choice for n > 1, where fini
 finished; under a new internal id; the old id is aborted so a replica that later claims the stale
 entry drops it): the client stream goes on with no lost or repeated tokens. With no live replica
 the stream ends with an error instead of hanging.
+
+Whatever ends a request (finish, error, client gone, migration then any of these, drain, queue wait),
+Frontend.release is its one end: slot, router queues under every id it had, span and abort, once.
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.gateway.detokenizer import ChoiceText
-from services.gateway.errors import APIError, model_not_found, model_unavailable
-from services.gateway.metrics import GatewayMetrics, observe_generation, observe_tokens
-from services.gateway.registry import ModelRegistry
-from services.gateway.router import Delta, Disconnected, ResponseRouter
-from services.gateway.token_text import TokenTexts
-from services.gateway.tokenizers import TokenizerCache
-from shared import streams, telemetry
-from shared.outage import OutageLog
-from shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
-from shared.publisher import Publisher
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway.detokenizer import ChoiceText, TextOptions
+from pagedserve.services.gateway.errors import APIError, model_not_found, model_unavailable
+from pagedserve.services.gateway.metrics import GatewayMetrics, observe_generation, observe_tokens, observe_ttft
+from pagedserve.services.gateway.registry import ModelRegistry
+from pagedserve.services.gateway.router import Delta, Disconnected, ResponseRouter
+from pagedserve.services.gateway.token_text import TokenTexts
+from pagedserve.services.gateway.tokenizers import TokenizerCache
+from pagedserve.shared import streams, telemetry
+from pagedserve.shared.config import Config
+from pagedserve.shared.outage import OutageLog
+from pagedserve.shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+from pagedserve.shared.publisher import Publisher
 
 log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -54,11 +57,18 @@ class ChoiceUpdate:
 
     def extended(self, later: ChoiceUpdate) -> ChoiceUpdate:
         """This update followed by a later one of the same choice, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else [
-            *(self.logprobs or []), *(later.logprobs or [])
-        ]
-        return ChoiceUpdate(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
-                            later.finish_reason or self.finish_reason)
+        logprobs = (
+            None
+            if self.logprobs is None and later.logprobs is None
+            else [*(self.logprobs or []), *(later.logprobs or [])]
+        )
+        return ChoiceUpdate(
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            logprobs,
+            later.finish_reason or self.finish_reason,
+        )
 
 
 @dataclass(slots=True)
@@ -77,15 +87,19 @@ class Generation:
     engine_finished: set[int] = field(default_factory=set)  # choices the engine itself ended
     engine_id: str | None = None  # the replica producing the tokens, once one has sent any
     current_id: str = ""  # the id the engines know: request_id, or its continuation's id
+    ids: list[str] = field(default_factory=list)  # every id it has had: each has a router queue until released
+    released: bool = False  # its gateway state was freed (Frontend.release): the one end of the request
     num_migrations: int = 0
     started: float = field(default_factory=time.monotonic)
     has_first_token: bool = False
     last_token_at: float = 0.0  # for the inter-token latency
     span: Span | None = None  # the request's trace span, ended when the generation ends
+    response_id: str = ""  # the id clients see, when the request named one (vLLM's request_id); else request_id
     prompt_logprobs: list[Any] | None = None  # per prompt token (None first), when the request asked
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
+        self.ids = self.ids or [self.current_id]
 
     @property
     def is_finished(self) -> bool:
@@ -95,7 +109,9 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices)
         prompt = self.accepted.num_prompt_tokens
         return {
-            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
 
@@ -109,6 +125,7 @@ class Generation:
                 timeout = min(_WATCH_INTERVAL_S, deadline - time.monotonic())
                 if timeout <= 0:
                     raise APIError(408, "the request timed out", code="timeout")
+                self._check_queue_wait()
                 try:
                     reply = await asyncio.wait_for(self.queue.get(), timeout)
                 except TimeoutError:
@@ -135,6 +152,19 @@ class Generation:
         finally:
             self.frontend.release(self)
 
+    def _check_queue_wait(self) -> None:
+        """Overload: a request that waited too long for its first token is told to retry (and aborted by
+        release) rather than left queued until the client or a proxy gives up."""
+        waited = time.monotonic() - self.started
+        if not self.has_first_token and waited > self.frontend.settings.max_queue_wait_s:
+            log.info("%s had no first token after %.0f s in the queue; ending it with 429", self.request_id, waited)
+            raise APIError(
+                429,
+                "the server is overloaded: the request waited too long for an engine; retry later",
+                code="queue_wait_exceeded",
+                retry_after=5,
+            )
+
     def _apply_ready(self, reply: Any, merged: dict[int, ChoiceUpdate]) -> None:
         """Apply `reply` and every reply already queued behind it, one merged update per choice: a
         client that fell behind gets one chunk (one write) for all it missed, not one per step."""
@@ -154,6 +184,10 @@ class Generation:
             raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
         if not isinstance(reply, Delta) or reply.index in self.finish_reasons:
             return None  # a duplicate Accepted, or tokens after a stop string ended the choice
+        if self.engine_id is not None and reply.engine_id != self.engine_id:
+            # another replica claimed the entry of the one streaming it (its heartbeat expired) and runs it
+            # from scratch: drop that; the request moves as a continuation once that engine is gone
+            return None
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
         now = time.monotonic()
@@ -167,8 +201,7 @@ class Generation:
             self.has_first_token = True
             if self.span is not None:
                 self.span.add_event("gen_ai.first_token")
-            if self.frontend.metrics is not None:
-                self.frontend.metrics.ttft.labels(self.model).observe(time.monotonic() - self.started)
+            observe_ttft(self.frontend.metrics, self.model, time.monotonic() - self.started)
         if reply.finish_reason is not None:
             self.engine_finished.add(reply.index)
         choice = self.choices[reply.index]
@@ -196,10 +229,12 @@ class Generation:
         """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
         entry = self.frontend.registry.get(self.model)
         can_continue = len(self.choices) == 1 or (  # an older engine would restart every choice from scratch
-            entry is not None and all(e.supports_choice_continuation for e in entry.engines))
+            entry is not None and all(e.supports_choice_continuation for e in entry.engines)
+        )
         if not can_continue or self.num_migrations >= _MAX_MIGRATIONS or entry is None or not entry.is_live:
-            raise APIError(503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2,
-                           code="engine_lost")
+            raise APIError(
+                503, f"the engine serving this request ({self.engine_id}) stopped", retry_after=2, code="engine_lost"
+            )
         self.num_migrations += 1
         old_id, self.current_id = self.current_id, f"{self.request_id}.r{self.num_migrations}"
         log.warning("engine %s is gone; %s continues as %s", self.engine_id, self.request_id, self.current_id)
@@ -208,15 +243,16 @@ class Generation:
 
 
 class Frontend:
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.settings = settings
-        self.redis = streams.connect(settings.redis_url, settings.redis_max_connections)
+    def __init__(self, config: Config) -> None:
+        self.settings = settings = config.gateway
+        self.routing = config.routing
+        self.redis = streams.connect(config.routing.url, settings.redis_max_connections)
         self.publisher = Publisher(self.redis)  # every XADD of every request, pipelined
         self.router = ResponseRouter(self.redis, settings.gateway_id)
         self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
         self.num_in_flight = 0
         self.is_draining = False
-        self.tokenizers = TokenizerCache()
+        self.tokenizers = TokenizerCache(config.model)
         self.outage = OutageLog(log)  # aborts that cannot be sent: one warning per outage, not one per request
         self.metrics: GatewayMetrics | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -249,10 +285,14 @@ class Frontend:
 
     def is_ready(self) -> bool:
         """Redis is up, the gateway is not draining, and it can serve a live model without first loading
-        that model's tokenizer."""
+        that model's tokenizer, with a tokenizer service running for it."""
         live = self.registry.live_models()
-        return (self.registry.is_redis_up and not self.is_draining and bool(live)
-                and all(self.tokenizers.has(m.name) for m in live))
+        return (
+            self.registry.is_redis_up
+            and not self.is_draining
+            and bool(live)
+            and all(self.tokenizers.has(m.name) and m.tokenizers for m in live)
+        )
 
     async def stop(self) -> None:
         spawned = [t for t in self._tasks if t not in self._readers]  # aborts on their way to the engines
@@ -278,18 +318,27 @@ class Frontend:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def submit(self, req: ChatRequest | CompletionRequest, stop: list[str], n: int) -> Generation:
+    async def submit(
+        self, req: ChatRequest | CompletionRequest, stop: list[str], n: int, text: TextOptions | None = None
+    ) -> Generation:
         """Send the request on its way and wait for the tokenizer's verdict, inside the request's span."""
         span = telemetry.tracer(__name__).start_span(
-            "gateway.generate", context=telemetry.context_from(req.traceparent),
-            attributes={"pagedserve.request_id": req.request_id, "pagedserve.model": req.model,
-                        **telemetry.genai_request_attributes("chat" if isinstance(req, ChatRequest) else
-                                                             "text_completion", req.model, req.sampling,
-                                                             req.max_tokens)},
+            "gateway.generate",
+            context=telemetry.context_from(req.traceparent),
+            attributes={
+                "pagedserve.request_id": req.request_id,
+                "pagedserve.model": req.model,
+                **telemetry.genai_request_attributes(
+                    "chat" if isinstance(req, ChatRequest) else "text_completion",
+                    req.model,
+                    req.sampling,
+                    req.max_tokens,
+                ),
+            },
         )
         req.traceparent = telemetry.traceparent_of(span)  # tokenizer and engine spans become its children
         try:
-            gen = await self._submit(req, stop, n)
+            gen = await self._submit(req, stop, n, text or TextOptions())
         except BaseException as exc:
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             span.end()
@@ -297,7 +346,9 @@ class Frontend:
         gen.span = span
         return gen
 
-    async def _submit(self, req: ChatRequest | CompletionRequest, stop: list[str], n: int) -> Generation:
+    async def _submit(
+        self, req: ChatRequest | CompletionRequest, stop: list[str], n: int, text: TextOptions
+    ) -> Generation:
         if self.is_draining:
             raise APIError(503, "the server is shutting down", retry_after=1)
         entry = self.registry.get(req.model)
@@ -305,27 +356,45 @@ class Frontend:
             raise model_not_found(req.model)
         if not entry.is_live:
             raise model_unavailable(req.model)
+        if not entry.tokenizers and self.registry.is_redis_up:  # nobody would answer: say so now, not in 30 s
+            raise APIError(
+                503,
+                f"no tokenizer service is running for model {req.model!r}; start one "
+                f"(pagedserve tokenizer --model ...) or retry shortly",
+                retry_after=2,
+                code="tokenizer_unavailable",
+            )
         if self.num_in_flight >= self.settings.max_in_flight:
             raise APIError(429, "too many requests in flight; retry shortly", retry_after=1)
         self.num_in_flight += 1  # before any await: the cap holds however many requests arrive at once
         queue = self.router.register(req.request_id)
         try:
             tokenizer, token_texts = await self.tokenizers.get(req.model, entry.model_source)
-            await self.publisher.publish(streams.request_stream(req.model), req, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.request_stream(req.model), req, self.routing.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
         except _REDIS_ERRORS as exc:
-            self._forget(req.request_id)
-            raise APIError(503, f"the request queue is unavailable: {exc}", retry_after=2) from None
+            self.outage.failed(f"submitting {req.request_id}", exc)  # the detail goes to the log, not the client
+            self._give_up(req.model, req.request_id)
+            raise APIError(503, "the request queue (Redis) is unavailable; retry shortly", retry_after=2) from None
         except TimeoutError:
-            self._forget(req.request_id)
+            self._give_up(req.model, req.request_id)
             raise APIError(503, "no tokenizer answered in time; retry shortly", retry_after=2) from None
-        except BaseException:
-            self._forget(req.request_id)
+        except BaseException:  # the client left (cancelled) before acceptance, or a bug
+            self._give_up(req.model, req.request_id)
             raise
         if isinstance(reply, RequestError):
             self._forget(req.request_id)
             raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
-        choices = [ChoiceText(tokenizer, reply.prompt_token_ids, stop) for _ in range(n)]
+        choices = [
+            ChoiceText(
+                tokenizer,
+                reply.prompt_token_ids,
+                stop,
+                include_stop_str=text.include_stop_str,
+                skip_special_tokens=text.skip_special_tokens,
+            )
+            for _ in range(n)
+        ]
         return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
@@ -336,22 +405,37 @@ class Frontend:
             if isinstance(reply, Accepted | RequestError):
                 return reply
 
+    def _give_up(self, model: str, request_id: str) -> None:
+        """A request that never became a Generation: free its slot and abort it, since a tokenizer or an
+        engine may still hold (or later take) the submitted request."""
+        self._forget(request_id)
+        self._spawn(self.abort(model, request_id))
+
     def release(self, gen: Generation) -> None:
-        """Called once when a generation ends for any reason: abort unfinished work, free the slot."""
-        if self.router.queues.get(gen.request_id) is None:
+        """The one end of an accepted request, whatever ended it (finish, error, client gone, migration
+        then any of these, drain): free its slot and its router queues under every id it had, end its
+        span, abort unfinished work. Safe to call again: only the first call does anything."""
+        if gen.released:
             return
-        self._forget(gen.request_id)
-        self.router.unregister(gen.current_id)
+        gen.released = True
+        self.num_in_flight -= 1
+        for request_id in gen.ids:
+            self.router.unregister(request_id)
         usage = gen.usage()
         observe_generation(self.metrics, gen.model, usage, time.monotonic() - gen.started)
         if gen.span is not None:
-            gen.span.set_attributes({
-                "pagedserve.completion_tokens": usage["completion_tokens"],
-                "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
-                "pagedserve.migrations": gen.num_migrations, "gen_ai.response.id": gen.request_id,
-                "gen_ai.response.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
-                **telemetry.genai_usage_attributes(usage["prompt_tokens"], usage["completion_tokens"]),
-            })
+            gen.span.set_attributes(
+                {
+                    "pagedserve.completion_tokens": usage["completion_tokens"],
+                    "pagedserve.finish_reasons": [gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))],
+                    "pagedserve.migrations": gen.num_migrations,
+                    "gen_ai.response.id": gen.request_id,
+                    "gen_ai.response.finish_reasons": [
+                        gen.finish_reasons.get(i, "none") for i in range(len(gen.choices))
+                    ],
+                    **telemetry.genai_usage_attributes(usage["prompt_tokens"], usage["completion_tokens"]),
+                }
+            )
             gen.span.end()
         if len(gen.engine_finished) < len(gen.choices):  # a stop string, a disconnect or an error
             self._spawn(self.abort(gen.model, gen.current_id))
@@ -366,10 +450,14 @@ class Frontend:
         """Continue `gen` under its new id on whichever live replica takes it."""
         self.router.unregister(old_id)  # late tokens of the dead engine must not reach the client
         self.router.queues[gen.current_id] = gen.queue
+        gen.ids.append(gen.current_id)  # release() unregisters it, whenever the request ends
         request = GenerateRequest(
-            request_id=gen.current_id, reply_to=self.settings.gateway_id, model=gen.model,
+            request_id=gen.current_id,
+            reply_to=self.settings.gateway_id,
+            model=gen.model,
             prompt_token_ids=gen.accepted.prompt_token_ids,
-            sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens}, arrival_time=time.time(),
+            sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens},
+            arrival_time=time.time(),
         )
         if len(gen.choices) == 1:
             request.output_token_ids = list(gen.choices[0].token_ids)
@@ -378,9 +466,14 @@ class Frontend:
             request.choice_output_token_ids = [list(gen.choices[i].token_ids) for i in request.choice_indexes]
         try:
             await self.abort(gen.model, old_id)
-            await self.publisher.publish(streams.generate_stream(gen.model), request, self.settings.stream_maxlen)
+            await self.publisher.publish(streams.generate_stream(gen.model), request, self.routing.stream_maxlen)
         except _REDIS_ERRORS as exc:
-            raise APIError(503, f"could not move the request to another engine: {exc}", retry_after=2) from None
+            self.outage.failed(f"moving {gen.request_id} to another engine", exc)
+            raise APIError(
+                503,
+                "could not move the request to another engine: the request queue (Redis) is unavailable; retry shortly",
+                retry_after=2,
+            ) from None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -392,8 +485,13 @@ class Frontend:
         self.num_in_flight -= 1
 
     async def abort(self, model: str, request_id: str, choice_indexes: list[int] | None = None) -> None:
+        """Tell every engine to stop `request_id` (or some of its choices). A whole-request abort is also
+        recorded for abort_record_ttl_s, so a tokenizer or engine that reads the request only later (it
+        was down, or the request still queued) drops it instead of running it for nobody."""
         msg = Abort([request_id], choice_indexes=list(choice_indexes or []))
         try:
+            if not choice_indexes:
+                await self.redis.set(streams.aborted_key(model, request_id), b"1", ex=self.routing.abort_record_ttl_s)
             await self.publisher.publish(streams.control_stream(model), msg, 10_000)
             self.outage.recovered()
         except _REDIS_ERRORS as exc:

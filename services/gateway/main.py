@@ -4,6 +4,7 @@
                          ├─► worker 1: ...                                          <id>-1
                          └─► ...  (the kernel spreads new connections over the sockets)
 
+A worker that dies is replaced under the same index (and gateway id), within a restart budget.
 Each worker is a whole gateway: its own response stream, router and publisher, so workers share
 nothing but the port. One Python process tops out near 17k streamed tokens/s; workers add to that.
 """
@@ -18,35 +19,43 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from typing import Any
 
 import uvicorn
 from prometheus_client import multiprocess
 
-from services.gateway.app import build_app
-from services.gateway.drain import DrainingServer
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway.app import build_app
+from pagedserve.services.gateway.drain import DrainingServer
+from pagedserve.shared.config import Config
+from pagedserve.shared.ids import new_id
+from pagedserve.shared.telemetry import setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
 
 
-def main(settings: GatewaySettings) -> None:
-    if settings.workers > 1:
-        run_workers(settings)
+def main(config: Config) -> None:
+    config.gateway.gateway_id = config.gateway.gateway_id or new_id("gw")
+    if (config.gateway.workers or 1) > 1:
+        run_workers(config)
     else:
-        serve(settings)
+        serve(config)
 
 
-def serve(settings: GatewaySettings) -> None:
+def serve(config: Config) -> None:
     """One gateway process; uvicorn picks uvloop and httptools (both installed) for its loop and parser."""
+    settings = config.gateway
     sock = listening_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
-    app = build_app(settings)
-    config = uvicorn.Config(
-        app, log_level="info", access_log=False, backlog=max(2048, settings.max_in_flight),
+    app = build_app(config)
+    server_config = uvicorn.Config(
+        app,
+        log_level=settings.uvicorn_log_level,
+        access_log=False,
+        backlog=max(2048, settings.max_in_flight),
         timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=5,  # after our own drain (drain.py) only idle connections are left
     )
-    DrainingServer(config, app.state.frontend, settings.drain_timeout_s).run(sockets=[sock])
+    DrainingServer(server_config, app.state.frontend, settings.drain_timeout_s).run(sockets=[sock])
 
 
 def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -60,18 +69,21 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def run_workers(settings: GatewaySettings) -> None:
-    """Start `settings.workers` gateways sharing the port; stop them all when one dies or on a signal."""
+def run_workers(config: Config) -> None:
+    """Start `config.gateway.workers` gateways sharing the port and keep that many running: a worker that
+    dies is replaced (as uvicorn's and gunicorn's supervisors do), at most max_worker_restarts_per_minute
+    times a minute; beyond that the gateway stops and exits non-zero. A signal drains every worker."""
+    settings = config.gateway
     context = multiprocessing.get_context("spawn")  # no forked event loops or Redis connections
     metrics_dir = _fresh_metrics_dir()
-    workers = [
-        context.Process(target=_worker, args=(worker_settings(settings, i),), name=f"gateway-{i}")
-        for i in range(settings.workers)
-    ]
-    for worker in workers:
-        worker.start()
-    log.info("gateway: %d workers on %s:%d", len(workers), settings.host, settings.port)
 
+    def start(index: int) -> multiprocessing.process.BaseProcess:
+        worker = context.Process(target=_worker, args=(worker_config(config, index),), name=f"gateway-{index}")
+        worker.start()
+        return worker
+
+    workers = [start(i) for i in range(settings.workers or 1)]
+    log.info("gateway: %d workers on %s:%d", len(workers), settings.host, settings.port)
     stopping = False
 
     def forward(signum: int, _: Any) -> None:
@@ -83,20 +95,61 @@ def run_workers(settings: GatewaySettings) -> None:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    restarts = RestartBudget(settings.max_worker_restarts_per_minute)
     failed = False
-    gone: set[int] = set()
-    while any(w.is_alive() for w in workers):
-        for worker in workers:
+    while any(w.is_alive() for w in workers) or (not stopping and not failed):
+        for index, worker in enumerate(workers):
             worker.join(timeout=0.2)
-            if worker.exitcode is not None and worker.pid is not None and worker.pid not in gone:
-                gone.add(worker.pid)
+            if worker.exitcode is None or worker.pid is None:
+                continue
+            if worker.pid not in restarts.gone:
+                restarts.gone.add(worker.pid)
                 multiprocess.mark_process_dead(worker.pid, metrics_dir)  # its live gauges stop counting
-            if worker.exitcode not in (None, 0) and not stopping:
-                failed = True  # a crashed worker: take the others down too, and say so
-                log.error("gateway worker %s exited with %s; stopping the others", worker.name, worker.exitcode)
+            if stopping or failed or workers[index] is not worker:
+                continue
+            if not restarts.allow():
+                failed = True  # a crash loop: stop the rest and say so, rather than restart forever
+                log.error(
+                    "gateway worker %s exited with %s: more than %d restarts in a minute; stopping the gateway",
+                    worker.name,
+                    worker.exitcode,
+                    settings.max_worker_restarts_per_minute,
+                )
                 forward(signal.SIGTERM, None)
+                stopping = True
+                continue
+            workers[index] = start(index)
+            log.warning(
+                "gateway worker %s (pid %s) exited with %s; replaced by pid %s (restart %d in the last minute)",
+                worker.name,
+                worker.pid,
+                worker.exitcode,
+                workers[index].pid,
+                restarts.recent,
+            )
     if failed:
         sys.exit(1)
+
+
+class RestartBudget:
+    """At most `per_minute` restarts in any 60 s window."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self.times: list[float] = []
+        self.gone: set[int] = set()  # pids already reported dead
+
+    @property
+    def recent(self) -> int:
+        return len(self.times)
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.times = [t for t in self.times if now - t < 60]
+        if len(self.times) >= self.per_minute:
+            return False
+        self.times.append(now)
+        return True
 
 
 def _fresh_metrics_dir() -> str:
@@ -108,14 +161,11 @@ def _fresh_metrics_dir() -> str:
     return path
 
 
-def worker_settings(settings: GatewaySettings, index: int) -> GatewaySettings:
-    return settings.model_copy(update={"gateway_id": f"{settings.gateway_id}-{index}", "workers": 1,
-                                       "reuse_port": True})
+def worker_config(config: Config, index: int) -> Config:
+    return config.replace(gateway_id=f"{config.gateway.gateway_id}-{index}", workers=1, reuse_port=True)
 
 
-def _worker(settings: GatewaySettings) -> None:
-    from shared.telemetry import setup_logging, setup_tracing
-
-    setup_logging("gateway")
-    setup_tracing("gateway")
-    serve(settings)
+def _worker(config: Config) -> None:
+    setup_logging("gateway", config.observability.log_level)
+    setup_tracing("gateway", console=config.observability.trace_console)
+    serve(config)

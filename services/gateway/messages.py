@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
-    """Unknown fields are rejected (as OpenAI does); no type coercion ("1" is not a number)."""
+    """Unknown fields are errors (the gateway may drop them first: validation.py); no type coercion
+    ("1" is not a number)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -44,14 +45,14 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy tool result
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, min_length=1)
     tool_call_id: str | None = None
     # Fields of an assistant message as we return it; accepted only when empty.
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
-    function_call: None = None
+    function_call: FunctionCall | None = None  # a legacy assistant call (before tool_calls)
     audio: None = None
     annotations: list[Any] | None = Field(default=None, max_length=0)
 
@@ -59,19 +60,25 @@ class ChatMessage(Strict):
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message names its function (name)")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        # Legacy function calling as today's templates know it: a function result is a tool message.
+        message: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        calls = list(self.tool_calls or [])
+        if self.function_call is not None:
+            calls.append(ToolCall(id="call_0", type="function", function=self.function_call))
+        if calls:
+            message["tool_calls"] = [call.as_template_input() for call in calls]
         return message

@@ -27,12 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve.services.status import group_lag
+from pagedserve.shared import streams
+from pagedserve.shared.vllm_metrics import VllmRequestMetrics
+
 if TYPE_CHECKING:
-    from services.gateway.registry import ModelRegistry
+    from pagedserve.services.gateway.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
-_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 _STREAM_LAG_TIMEOUT_S = 2.0  # a scrape must not hang on a slow Redis
 
 
@@ -47,28 +51,67 @@ class GatewayMetrics:
         self._collectors: list[Collector] = []
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pagedserve_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)
-        self.latency = Histogram("pagedserve_request_latency_seconds", "Request latency until the last byte",
-                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time from submission to the first token",
-                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", ["model"],
-                                     registry=r)
+        self.requests = Counter(
+            "pagedserve_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "pagedserve_request_latency_seconds",
+            "Request latency until the last byte",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "Time from submission to the first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of finished requests", ["model"], registry=r
+        )
         self.generated_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", ["model"], registry=r)
-        self.in_flight = Gauge("pagedserve_requests_in_flight", "Generation requests in flight", registry=r,
-                               multiprocess_mode="livesum")
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Time between tokens of one choice",
-                             ["model"], buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Submission to the end of a generation",
-                             ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge(
+            "pagedserve_requests_in_flight", "Generation requests in flight", registry=r, multiprocess_mode="livesum"
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Time between tokens of one choice",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds",
+            "Submission to the end of a generation",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         lag_labels = ["model", "stream"]
-        self.stream_backlog = Gauge("pagedserve_stream_backlog", "Entries no consumer of the group has read yet",
-                                    lag_labels, registry=r, multiprocess_mode="mostrecent")
-        self.stream_pending = Gauge("pagedserve_stream_pending", "Entries read but not acknowledged (in progress)",
-                                    lag_labels, registry=r, multiprocess_mode="mostrecent")
-        self.stream_oldest = Gauge("pagedserve_stream_oldest_waiting_seconds", "Age of the oldest unread entry",
-                                   lag_labels, registry=r, multiprocess_mode="mostrecent")
+        self.stream_backlog = Gauge(
+            "pagedserve_stream_backlog",
+            "Entries no consumer of the group has read yet",
+            lag_labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.stream_pending = Gauge(
+            "pagedserve_stream_pending",
+            "Entries read but not acknowledged (in progress)",
+            lag_labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.stream_oldest = Gauge(
+            "pagedserve_stream_oldest_waiting_seconds",
+            "Age of the oldest unread entry",
+            lag_labels,
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.vllm = VllmRequestMetrics(r)  # vllm:* latency series, alongside ours
         self._engines: ModelRegistry | None = None
 
     def track_in_flight(self, source: Callable[[], float]) -> None:
@@ -98,15 +141,14 @@ class GatewayMetrics:
 
     async def refresh_stream_lag(self) -> None:
         """Backlog and pending entries of every known model's request and engine streams (read at scrape time)."""
-        from services.status import group_lag
-        from shared import streams
-
         if self._engines is None:
             return
         now = time.time()
         for model in list(self._engines.models):
-            for kind, stream, group in (("req", streams.request_stream(model), streams.TOKENIZER_GROUP),
-                                        ("gen", streams.generate_stream(model), streams.engine_group(model))):
+            for kind, stream, group in (
+                ("req", streams.request_stream(model), streams.TOKENIZER_GROUP),
+                ("gen", streams.generate_stream(model), streams.engine_group(model)),
+            ):
                 lag = await group_lag(self._engines.redis, model, stream, group, now)
                 if lag is not None:
                     self.stream_backlog.labels(model, kind).set(lag.backlog)
@@ -150,8 +192,11 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start, status = time.perf_counter(), 500
-        route = scope["path"] if scope["path"].startswith(("/v1/chat", "/v1/completions", "/tokenize",
-                                                            "/detokenize")) else "other"
+        route = (
+            scope["path"]
+            if scope["path"].startswith(("/v1/chat", "/v1/completions", "/tokenize", "/detokenize"))
+            else "other"
+        )
 
         async def recording_send(message: Message) -> None:
             nonlocal status
@@ -174,11 +219,20 @@ def observe_generation(metrics: Any, model: str, usage: dict[str, Any], seconds:
         metrics.generated_tokens.labels(model).inc(usage["completion_tokens"])
         if seconds is not None:
             metrics.e2e.labels(model).observe(seconds)
+            metrics.vllm.e2e.labels(model).observe(seconds)
+
+
+def observe_ttft(metrics: Any, model: str, seconds: float) -> None:
+    if metrics is not None:
+        metrics.ttft.labels(model).observe(seconds)
+        metrics.vllm.ttft.labels(model).observe(seconds)
 
 
 def observe_tokens(metrics: Any, model: str, num_tokens: int, seconds_since_last: float) -> None:
     """Inter-token latency: a delta of several tokens (one per step each) spreads its wait over them."""
     if metrics is not None and num_tokens > 0:
         per_token = seconds_since_last / num_tokens
+        ours, theirs = metrics.itl.labels(model), metrics.vllm.itl.labels(model)
         for _ in range(num_tokens):
-            metrics.itl.labels(model).observe(per_token)
+            ours.observe(per_token)
+            theirs.observe(per_token)

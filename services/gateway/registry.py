@@ -1,4 +1,4 @@
-"""Which models have live engines, read from the engines' heartbeat records (keys with a TTL)."""
+"""Which models have live engines and tokenizers, read from their heartbeat records (keys with a TTL)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from shared import streams
-from shared.protocol import DecodeError, EngineHeartbeat, decode_as
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import DecodeError, EngineHeartbeat, TokenizerHeartbeat, decode_as
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class ModelEntry:
     name: str
     engines: list[EngineHeartbeat] = field(default_factory=list)
+    tokenizers: list[TokenizerHeartbeat] = field(default_factory=list)
     first_seen: float = field(default_factory=time.time)
 
     @property
@@ -25,12 +27,18 @@ class ModelEntry:
         return any(not e.is_draining for e in self.engines)
 
     @property
+    def is_servable(self) -> bool:
+        """A request for it would run now: a live engine and a tokenizer service to prepare the prompt."""
+        return self.is_live and bool(self.tokenizers)
+
+    @property
     def model_source(self) -> str | None:
         return self.engines[0].model_source if self.engines else None
 
     @property
     def max_model_len(self) -> int:
-        return max((e.max_model_len for e in self.engines), default=0)
+        """The context every live engine serves (the smallest limit): what a request is checked against."""
+        return min((e.max_model_len for e in self.engines if not e.is_draining), default=0)
 
 
 class ModelRegistry:
@@ -42,25 +50,34 @@ class ModelRegistry:
     def live_models(self) -> list[ModelEntry]:
         return [m for m in self.models.values() if m.is_live]
 
+    def servable_models(self) -> list[ModelEntry]:
+        return [m for m in self.models.values() if m.is_servable]
+
     def get(self, name: str) -> ModelEntry | None:
         return self.models.get(name)
 
     async def refresh(self) -> None:
-        keys = [k async for k in self.redis.scan_iter(match=streams.ENGINE_KEY_PATTERN, count=500)]
-        values = await self.redis.mget(keys) if keys else []
+        engines = await self._read(streams.ENGINE_KEY_PATTERN, EngineHeartbeat)
+        tokenizers = await self._read(streams.TOKENIZER_KEY_PATTERN, TokenizerHeartbeat)
         for entry in self.models.values():
-            entry.engines = []
-        for raw in values:
+            entry.engines, entry.tokenizers = [], []
+        for beat in engines:
+            self.models.setdefault(beat.model, ModelEntry(beat.model)).engines.append(beat)
+        for tokenizer in tokenizers:
+            self.models.setdefault(tokenizer.model, ModelEntry(tokenizer.model)).tokenizers.append(tokenizer)
+        self.is_redis_up = True
+
+    async def _read(self, pattern: str, cls: type[T]) -> list[T]:
+        keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
+        beats = []
+        for raw in await self.redis.mget(keys) if keys else []:
             if raw is None:  # expired between SCAN and MGET
                 continue
             try:
-                beat = decode_as(raw, EngineHeartbeat)
+                beats.append(decode_as(raw, cls))
             except DecodeError as exc:
                 log.error("skipping a bad heartbeat record: %s", exc)
-                continue
-            entry = self.models.setdefault(beat.model, ModelEntry(beat.model))
-            entry.engines.append(beat)
-        self.is_redis_up = True
+        return beats
 
     async def run(self) -> None:
         while True:
@@ -71,5 +88,5 @@ class ModelRegistry:
                     log.warning("registry refresh failed: %s", exc)
                 self.is_redis_up = False
                 for entry in self.models.values():
-                    entry.engines = []
+                    entry.engines, entry.tokenizers = [], []
             await asyncio.sleep(self.refresh_s)

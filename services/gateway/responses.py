@@ -10,9 +10,9 @@ from typing import Any
 
 import orjson
 
-from services.gateway.batch import GenerationView
-from services.gateway.frontend import ChoiceUpdate, Generation
-from services.gateway.token_text import TokenTexts
+from pagedserve.services.gateway.batch import GenerationView
+from pagedserve.services.gateway.frontend import ChoiceUpdate, Generation
+from pagedserve.services.gateway.token_text import TokenTexts
 
 SYSTEM_FINGERPRINT = "pagedserve-0.1"
 
@@ -44,7 +44,8 @@ def completion_logprobs(texts: TokenTexts, update: ChoiceUpdate, text_offset: in
         text = texts.text(token_id)
         tokens.append(text)
         token_logprobs.append(logprob)
-        top_logprobs.append({texts.text(alt_id): alt_logprob for alt_id, alt_logprob in top})
+        # The sampled token is always listed (OpenAI's rule: logprobs=0 gives one entry, 5 gives 5 or 6).
+        top_logprobs.append({text: logprob, **{texts.text(alt_id): alt_logprob for alt_id, alt_logprob in top}})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
@@ -63,24 +64,39 @@ def merge_logprobs(total: dict[str, Any] | None, part: dict[str, Any] | None) ->
 
 def envelope(gen: GenerationView, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
-        "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+        "id": gen.response_id or gen.request_id,
+        "object": obj,
+        "created": gen.created,
+        "model": gen.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
     }
+
+
+def stop_reason(gen: GenerationView, index: int) -> str | None:
+    """vLLM's `stop_reason`: the stop string that ended the choice, None for EOS, length or a stop token."""
+    return gen.choices[index].stop_string if index < len(gen.choices) else None
 
 
 def chat_chunk(gen: Generation, update: ChoiceUpdate, is_first: bool) -> dict[str, Any]:
     delta: dict[str, Any] = {"role": "assistant", "content": update.text} if is_first else {"content": update.text}
     choice = {
-        "index": update.index, "delta": delta, "logprobs": chat_logprobs(gen.token_texts, update),
+        "index": update.index,
+        "delta": delta,
+        "logprobs": chat_logprobs(gen.token_texts, update),
         "finish_reason": update.finish_reason,
+        "stop_reason": stop_reason(gen, update.index) if update.finish_reason else None,
     }
     return envelope(gen, "chat.completion.chunk", [choice])
 
 
 def completion_chunk(gen: GenerationView, update: ChoiceUpdate, text_offset: int) -> dict[str, Any]:
     choice = {
-        "index": update.index, "text": update.text,
-        "logprobs": completion_logprobs(gen.token_texts, update, text_offset), "finish_reason": update.finish_reason,
+        "index": update.index,
+        "text": update.text,
+        "logprobs": completion_logprobs(gen.token_texts, update, text_offset),
+        "finish_reason": update.finish_reason,
+        "stop_reason": stop_reason(gen, update.index) if update.finish_reason else None,
     }
     return envelope(gen, "text_completion", [choice])
 
@@ -92,17 +108,28 @@ def usage_chunk(gen: GenerationView, obj: str) -> dict[str, Any]:
 def chat_response(gen: GenerationView, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
     choices = [
         {
-            "index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs[i], "finish_reason": gen.finish_reasons.get(i),
+            "index": i,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": logprobs[i],
+            "finish_reason": gen.finish_reasons.get(i),
+            "stop_reason": stop_reason(gen, i),
         }
         for i, text in enumerate(texts)
     ]
-    return {**envelope(gen, "chat.completion", choices), "usage": gen.usage()}
+    # vLLM sends prompt_logprobs: null when not asked for; clients read the key.
+    return {**envelope(gen, "chat.completion", choices), "usage": gen.usage(), "prompt_logprobs": None}
 
 
 def completion_response(gen: GenerationView, texts: list[str], logprobs: list[Any]) -> dict[str, Any]:
     choices = [
-        {"index": i, "text": text, "logprobs": logprobs[i], "finish_reason": gen.finish_reasons.get(i)}
+        {
+            "index": i,
+            "text": text,
+            "logprobs": logprobs[i],
+            "finish_reason": gen.finish_reasons.get(i),
+            "stop_reason": stop_reason(gen, i),
+            "prompt_logprobs": None,
+        }
         for i, text in enumerate(texts)
     ]
     return {**envelope(gen, "text_completion", choices), "usage": gen.usage()}
@@ -134,9 +161,37 @@ def vllm_prompt_logprobs(texts: TokenTexts, gen: Generation, k: int) -> list[dic
             continue
         top = entry[1][:k]
         ranks = {t: rank for rank, (t, _) in enumerate(top, start=1)}
-        item = {str(token_id): {"logprob": entry[0], "rank": ranks.get(token_id),
-                                "decoded_token": texts.text(token_id)}}  # fmt: skip
+        item = {
+            str(token_id): {"logprob": entry[0], "rank": ranks.get(token_id), "decoded_token": texts.text(token_id)}
+        }
         for rank, (t, lp) in enumerate(top, start=1):
             item.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": texts.text(t)})
         result.append(item)
     return result
+
+
+def as_legacy_function_call(body: dict[str, Any]) -> None:
+    """A chat answer in the shape of OpenAI's legacy function calling: the first tool call becomes
+    `message.function_call` (one call per answer), `finish_reason` "function_call"."""
+    for choice in body["choices"]:
+        message = choice["message"]
+        calls = message.pop("tool_calls", None)
+        if calls:
+            message["function_call"] = dict(calls[0]["function"])
+            choice["finish_reason"] = "function_call"
+
+
+def legacy_function_delta(calls: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Streamed tool-call deltas as the legacy `delta.function_call`: the first call only (one per answer)."""
+    functions = [call.get("function") or {} for call in calls if call.get("index", 0) == 0]
+    if not functions:
+        return None
+    delta = {"arguments": "".join(f.get("arguments") or "" for f in functions)}
+    name = next((f["name"] for f in functions if f.get("name")), None)
+    if name:
+        delta["name"] = name
+    return delta
+
+
+def legacy_finish_reason(reason: str | None) -> str | None:
+    return "function_call" if reason == "tool_calls" else reason

@@ -16,8 +16,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import streams
-from shared.protocol import Accepted, DecodeError, RequestError, TokenDeltas, decode
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import Accepted, DecodeError, RequestError, TokenDeltas, decode
 
 log = logging.getLogger(__name__)
 _TRIM_INTERVAL_S = 0.5  # trimming is housekeeping: not a round trip between every read and the next
@@ -75,7 +75,7 @@ class ResponseRouter:
             except (RedisConnectionError, OSError) as exc:
                 if not was_down:
                     log.warning("response stream lost: %s", exc)
-                    self._fail_all(f"lost the connection to Redis: {exc}")
+                    self._fail_all("lost the connection to the request queue (Redis); retry shortly")  # detail: logged
                     was_down = True
                 await asyncio.sleep(0.5)
                 continue
@@ -102,11 +102,19 @@ class ResponseRouter:
             for i, request_id in enumerate(msg.request_ids):
                 queue = self.queues.get(request_id)
                 if queue is not None:
-                    queue.put_nowait(Delta(
-                        msg.indexes[i], msg.token_ids[i], msg.logprobs[i], msg.finish_reasons[i],
-                        msg.num_prompt_tokens[i], msg.num_output_tokens[i], msg.num_cached_tokens[i],
-                        msg.engine_id, msg.prompt_logprobs[i] if i < len(msg.prompt_logprobs) else None,
-                    ))
+                    queue.put_nowait(
+                        Delta(
+                            msg.indexes[i],
+                            msg.token_ids[i],
+                            msg.logprobs[i],
+                            msg.finish_reasons[i],
+                            msg.num_prompt_tokens[i],
+                            msg.num_output_tokens[i],
+                            msg.num_cached_tokens[i],
+                            msg.engine_id,
+                            msg.prompt_logprobs[i] if i < len(msg.prompt_logprobs) else None,
+                        )
+                    )
         elif isinstance(msg, Accepted | RequestError):
             queue = self.queues.get(msg.request_id)
             if queue is not None:

@@ -1,22 +1,25 @@
 """Request bodies of the OpenAI API, validated strictly at the edge.
 
-Unknown fields are rejected (as OpenAI does) rather than silently ignored, types are not coerced,
-and every error names the offending parameter (`messages[0].role`). Cross-field rules and the
-operator's caps live in `check_limits`. `sampling_dict` maps a request onto the engine's
-SamplingParams fields.
+Types are not coerced and every error names the offending parameter (`messages[0].role`). Unknown
+fields are ignored and reported (or refused under `strict_request_fields`: validation.py); OpenAI
+fields that have no meaning here (`store`, `metadata`, ...) are known, type-checked and unused.
+Cross-field rules and the operator's caps live in `check_limits`. `sampling_dict` maps a request
+onto the engine's SamplingParams fields.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from services.gateway import structured
-from services.gateway.errors import APIError
-from services.gateway.messages import ChatMessage, Strict
-from shared.prompts import check_template_kwargs
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway import structured
+from pagedserve.services.gateway.detokenizer import TextOptions
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.messages import ChatMessage, Strict
+from pagedserve.shared.config import GatewayConfig
+from pagedserve.shared.generation_defaults import SAMPLING_FIELDS
+from pagedserve.shared.prompts import check_template_kwargs
 
 MAX_INT32 = 2**31 - 1  # bounds counts and token ids so they always fit the wire (msgpack: 64 bits)
 MAX_LOGPROBS = 20
@@ -95,6 +98,20 @@ class _SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: top-k per prompt token
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's: the response's id
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's: accepted; the streaming decoder adds no spaces
+    return_token_ids: bool = False  # vLLM's: prompt and output token ids on each choice (streamed too)
+    priority: int = Field(default=0, ge=-MAX_INT32, le=MAX_INT32)  # vLLM's: lower first (--scheduling-policy priority)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # vLLM's: only these are sampled
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None  # vLLM's: never generated
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache isolation per tenant
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's: keep k prompt tokens
+    truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
+    # vLLM's disaggregation and plugin hooks: accepted (not reported as ignored); nothing here reads them.
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # Constrained decoding, vLLM's extras (response_format is chat's, below).
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | bool | str | None = None
@@ -123,6 +140,10 @@ class _SamplingFields(Strict):
         return self.n or 1
 
     @property
+    def text_options(self) -> TextOptions:
+        return TextOptions(self.include_stop_str_in_output, self.skip_special_tokens)
+
+    @property
     def is_stream(self) -> bool:
         return bool(self.stream)
 
@@ -146,9 +167,28 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    documents: list[dict[str, str]] | None = None  # for RAG templates that take them
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's legacy function calling: mapped onto tools / tool_choice, answered in the legacy shape.
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    # OpenAI fields accepted and unused: storage, billing, caching hints and other modalities do not apply.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None  # reaches templates that take it (as a chat_template_kwargs key)
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -157,6 +197,33 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _legacy_functions_as_tools(self) -> ChatCompletionRequest:
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("functions/function_call: give either them or tools/tool_choice, not both")
+        if self.functions:
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+        call = self.function_call
+        self.tool_choice = NamedToolChoice(type="function", function=call) if isinstance(call, FunctionName) else call
+        return self
+
+    @property
+    def uses_legacy_functions(self) -> bool:
+        """The request called with `functions`: the answer carries `message.function_call` (one call)."""
+        return self.functions is not None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_prompt_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("set add_generation_prompt to false with continue_final_message (vLLM's rule)")
+        messages = info.data.get("messages") or []
+        if value and messages and messages[-1].role != "assistant":
+            raise ValueError("the last message must be the assistant's to continue it")
+        return value
 
 
 class CompletionRequest(_SamplingFields):
@@ -209,7 +276,7 @@ def _token_ids(value: list[Any]) -> list[int]:
     return value
 
 
-def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings) -> None:
+def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: GatewayConfig) -> None:
     """Cross-field rules and the operator's caps, after the schema itself validated."""
     if req.num_choices > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
@@ -235,7 +302,7 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: Gatew
             raise APIError(400, f"a batch may have at most {settings.max_prompts} prompts x n", param="prompt")
 
 
-def _check_chat(req: ChatCompletionRequest, settings: GatewaySettings) -> None:
+def _check_chat(req: ChatCompletionRequest, settings: GatewayConfig) -> None:
     if len(req.messages) > settings.max_messages:
         raise APIError(400, f"at most {settings.max_messages} messages are allowed", param="messages")
     if req.top_logprobs is not None and not req.logprobs:
@@ -250,18 +317,18 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     """The engine's SamplingParams fields for this request (max_tokens is resolved by the tokenizer)."""
     fields: dict[str, Any] = {
         "n": req.num_choices,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k in (None, -1) else req.top_k,
-        "min_p": req.min_p or 0.0,
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": req.repetition_penalty or 1.0,
         "min_tokens": req.min_tokens or 0,
         "ignore_eos": bool(req.ignore_eos),
         "stop_token_ids": list(req.stop_token_ids or []),
         "logprobs": req.num_logprobs,
     }
+    # Left out when unset: the model's generation_config.json may default them (shared/generation_defaults.py);
+    # else the engine's SamplingParams defaults (1, 1, off, off, 1) apply.
+    fields.update({name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None})
+    if fields.get("top_k") == -1:
+        fields["top_k"] = 0  # -1 and 0 both mean off
     if req.seed is not None:
         fields["seed"] = req.seed
     prompt_logprobs = max(req.prompt_logprobs if req.prompt_logprobs is not None else -1, _echo_logprobs(req))
@@ -269,6 +336,14 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         fields["prompt_logprobs"] = prompt_logprobs
     if req.logit_bias:
         fields["logit_bias"] = dict(req.logit_bias)
+    if req.priority:  # only then, like prompt_logprobs
+        fields["priority"] = req.priority
+    for name in ("allowed_token_ids", "bad_words", "cache_salt"):  # the tokenizer turns bad_words into token ids
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    if req.truncate_prompt_tokens is not None:  # the tokenizer's, taken off before the engine sees the request
+        fields["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+        fields["truncation_side"] = req.truncation_side
     grammar = structured.grammar_spec(req)
     if grammar is not None:
         fields["structured_output"] = grammar[0].to_wire()

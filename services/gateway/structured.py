@@ -16,8 +16,10 @@ import functools
 import json
 from typing import Any
 
-from services.gateway.errors import APIError
-from shared.grammar_spec import GrammarSpec, check_spec
+import jsonschema
+
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.shared.grammar_spec import GrammarSpec, check_spec
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -52,8 +54,6 @@ def _check_cached(spec: GrammarSpec) -> str | None:
 
 
 def _check_json_schema(schema: Any) -> None:
-    import jsonschema
-
     if not isinstance(schema, dict | bool):
         raise ValueError("the schema must be a JSON object")
     try:
@@ -85,8 +85,9 @@ def _json_spec(value: Any, param: str) -> GrammarSpec | None:
         try:
             value = json.loads(value)
         except ValueError:
-            raise APIError(400, f"{param} must be a JSON schema (an object or a JSON string of one)",
-                           param=param) from None
+            raise APIError(
+                400, f"{param} must be a JSON schema (an object or a JSON string of one)", param=param
+            ) from None
     if not isinstance(value, dict | bool):
         raise APIError(400, f"{param} must be a JSON schema object", param=param)
     return GrammarSpec.json_schema(value)
@@ -99,11 +100,17 @@ def _choice(options: list[str], param: str) -> GrammarSpec:
 
 
 def _structured_outputs(so: Any) -> GrammarSpec | None:
-    given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
-             if getattr(so, name) not in (None, False)]
+    given = [
+        name
+        for name in ("json_", "regex", "choice", "grammar", "json_object")
+        if getattr(so, name) not in (None, False)
+    ]
     if len(given) > 1:
-        raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
-                       param="structured_outputs")
+        raise APIError(
+            400,
+            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+            param="structured_outputs",
+        )
     if not given:
         return None
     kind = given[0]
@@ -152,11 +159,20 @@ def tool_grammar(req: Any) -> GrammarSpec | None:
         if function is None:
             raise APIError(400, f"tool_choice names function '{name}', which is not in tools", param="tool_choice")
         return GrammarSpec.json_schema(function.parameters or _ANY_OBJECT)
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or _ANY_OBJECT},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or _ANY_OBJECT},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    }
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return GrammarSpec.json_schema(schema)

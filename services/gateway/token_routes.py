@@ -11,18 +11,21 @@ chat request would get.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.gateway.errors import APIError
-from services.gateway.frontend import Frontend
-from services.gateway.messages import ChatMessage, Strict
-from services.gateway.schemas import TokenId
-from services.gateway.validation import read_json, validate
-from shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.messages import ChatMessage, Strict
+from pagedserve.services.gateway.schemas import TokenId
+from pagedserve.services.gateway.validation import read_json, validate
+from pagedserve.shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
+
+log = logging.getLogger(__name__)
 
 
 class TokenizeText(Strict):
@@ -67,8 +70,11 @@ async def tokenize(request: Request) -> Response:
             ids = await asyncio.to_thread(
                 chat_prompt_ids, tokenizer, messages, template_kwargs, req.add_generation_prompt
             )
-        except Exception as exc:  # template errors come from user content
-            raise APIError(400, f"could not build the prompt: {exc}", param="messages") from None
+        except Exception as exc:  # template errors come from user content; the detail is logged, not sent
+            log.info("the chat template failed on a /tokenize request: %r", exc)
+            raise APIError(
+                400, "could not build the prompt from these messages with the model's chat template", param="messages"
+            ) from None
     else:
         ids = await asyncio.to_thread(text_prompt_ids, tokenizer, req.prompt, req.add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -17,8 +17,9 @@ from tokenizers.decoders import ByteLevel
 @functools.cache
 def _unicode_to_byte() -> dict[str, int]:
     """The inverse of GPT-2's bytes_to_unicode table."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in chars:

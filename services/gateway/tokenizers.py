@@ -7,25 +7,17 @@ stall every stream (and time out the Redis reads). Concurrent first requests sha
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
-from services.gateway.token_text import TokenTexts
-from shared.model_source import resolve_model_dir
-
-_import_lock = threading.Lock()  # transformers' lazy imports fail when two threads race through them
-
-
-def _load(source: str | None) -> Any:
-    with _import_lock:
-        from transformers import AutoTokenizer  # imported here, in a worker thread
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(source)))
+from pagedserve.services.gateway.token_text import TokenTexts
+from pagedserve.shared.config import ModelConfig
+from pagedserve.shared.tokenizer_loader import load_tokenizer
 
 
 class TokenizerCache:
-    def __init__(self) -> None:
+    def __init__(self, model_config: ModelConfig | None = None) -> None:
         self._loads: dict[str, asyncio.Task[tuple[Any, TokenTexts]]] = {}
+        self.model_config = model_config or ModelConfig()  # --chat-template applies to the configured model
 
     def has(self, model: str) -> bool:
         task = self._loads.get(model)
@@ -43,5 +35,10 @@ class TokenizerCache:
         return await asyncio.shield(task)  # a cancelled request must not cancel a shared load
 
     async def _load(self, source: str | None) -> tuple[Any, TokenTexts]:
-        tokenizer = await asyncio.to_thread(_load, source)
+        configured = self.model_config
+        if source == configured.model:  # the model this process was configured with: its --tokenizer/--chat-template
+            load = (configured.tokenizer or source, configured.chat_template)
+        else:
+            load = (source, None)
+        tokenizer = await asyncio.to_thread(load_tokenizer, *load)
         return tokenizer, TokenTexts(tokenizer)

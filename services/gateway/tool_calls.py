@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.tool_scanner import ToolCallScanner
+from pagedserve.services.gateway.tool_scanner import ToolCallScanner
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA3_PREFIX = "<|python_tag|>"
@@ -174,7 +174,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def tool_call_states(
-    mode: str, function_name: str | None, parser: str, num_choices: int,
+    mode: str,
+    function_name: str | None,
+    parser: str,
+    num_choices: int,
 ) -> list[ChoiceToolCalls] | None:
     """One parser per choice for a request's tool_choice mode (none/auto/required/named), or None."""
     if mode == "none":

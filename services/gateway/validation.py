@@ -4,21 +4,27 @@
        413 too large, 415 not JSON,          400 invalid_request_error, param = "messages[0].role"
        400 malformed / not an object
 
+`validate` refuses unknown fields (400 naming them); `validate_ignoring_unknown` drops them instead
+and says which (vLLM's behaviour: clients send fields of newer OpenAI APIs). Wrongly typed known
+fields are a 400 either way.
+
 Pydantic reports union members in error locations (`content.list[TextPart].0.type`); only real
 field names and list indexes make it into `param`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from services.gateway.errors import APIError
+from pagedserve.services.gateway.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
+_MAX_PASSES = 4  # dropping unknown fields can expose more (a model validator runs once its fields are valid)
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
@@ -36,8 +42,14 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity, deep nesting
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except json.JSONDecodeError as exc:  # where it broke helps the client; the parser's own text is not sent
+        raise APIError(
+            400, f"the request body is not valid JSON (line {exc.lineno}, column {exc.colno})", code="invalid_json"
+        ) from None
+    except (ValueError, RecursionError):  # bad UTF-8, NaN/Infinity, deep nesting
+        raise APIError(
+            400, "the request body is not valid JSON (bad UTF-8, NaN/Infinity or nesting too deep)", code="invalid_json"
+        ) from None
 
 
 def _reject_constant(name: str) -> Any:
@@ -45,12 +57,54 @@ def _reject_constant(name: str) -> Any:
 
 
 def validate(cls: type[M], body: Any) -> M:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _check_object(body)
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
         raise _to_api_error(cls, exc) from None
+
+
+def validate_ignoring_unknown(cls: type[M], body: Any) -> tuple[M, list[str]]:
+    """The request without its unknown fields, and their paths (`store_x`, `messages[0].extra`).
+
+    Pydantic names each unknown field (`extra_forbidden`) wherever it is, inside unions too; those
+    are dropped from a copy of the body and the rest validated again."""
+    _check_object(body)
+    ignored: list[str] = []
+    for _ in range(_MAX_PASSES):
+        try:
+            return cls.model_validate(body), ignored
+        except ValidationError as exc:
+            unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if not unknown:
+                raise _to_api_error(cls, exc) from None
+            if not ignored:
+                body = copy.deepcopy(body)  # the caller's body stays as it was
+            ignored += [path for path in (_drop(body, loc) for loc in unknown) if path is not None]
+    return validate(cls, body), ignored
+
+
+def _check_object(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+
+
+def _drop(body: Any, loc: tuple[int | str, ...]) -> str | None:
+    """Delete the field at `loc` from `body`; its path, or None when it is not there (already gone).
+
+    Error locations also name union members (`list[TextPart]`): a part that is neither a key of the
+    current object nor an index of the current list is such a name and is skipped."""
+    node, path = body, ""
+    for part in loc[:-1]:
+        if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node, path = node[part], f"{path}[{part}]"
+        elif isinstance(node, dict) and isinstance(part, str) and part in node:
+            node, path = node[part], f"{path}.{part}" if path else part
+    name = loc[-1] if loc else None
+    if not isinstance(node, dict) or not isinstance(name, str) or name not in node:
+        return None
+    del node[name]
+    return f"{path}.{name}" if path else name
 
 
 def _to_api_error(cls: type[BaseModel], exc: ValidationError) -> APIError:
@@ -63,11 +117,9 @@ def _to_api_error(cls: type[BaseModel], exc: ValidationError) -> APIError:
     param = param_path(loc, names)
     where = param or "body"
     if kind == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {where}", param=param,
-                        code="unknown_parameter")
+        return APIError(400, f"Unrecognized request argument supplied: {where}", param=param, code="unknown_parameter")
     if kind == "missing":
-        return APIError(400, f"Missing required parameter: '{where}'", param=param,
-                        code="missing_required_parameter")
+        return APIError(400, f"Missing required parameter: '{where}'", param=param, code="missing_required_parameter")
     message = error["msg"].removeprefix("Value error, ")
     code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
     return APIError(400, f"Invalid value for '{where}': {message}", param=param, code=code)

@@ -12,14 +12,23 @@ class TokenizerMetrics:
     def __init__(self, model: str) -> None:
         self.registry = r = CollectorRegistry()
         self.model = model
-        self.requests = Counter("pagedserve_tokenizer_requests", "Requests processed, by outcome",
-                                ["model", "outcome"], registry=r)
-        self.duration = Histogram("pagedserve_tokenizer_request_duration_seconds",
-                                  "Time to render and tokenize one request", ["model"], buckets=_TIME_BUCKETS,
-                                  registry=r).labels(model)
-        self.queue_lag = Histogram("pagedserve_tokenizer_queue_lag_seconds",
-                                   "Time a request waited in the request stream before a tokenizer read it",
-                                   ["model"], buckets=_LAG_BUCKETS, registry=r).labels(model)
+        self.requests = Counter(
+            "pagedserve_tokenizer_requests", "Requests processed, by outcome", ["model", "outcome"], registry=r
+        )
+        self.duration = Histogram(
+            "pagedserve_tokenizer_request_duration_seconds",
+            "Time to render and tokenize one request",
+            ["model"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.queue_lag = Histogram(
+            "pagedserve_tokenizer_queue_lag_seconds",
+            "Time a request waited in the request stream before a tokenizer read it",
+            ["model"],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        ).labels(model)
 
     def count(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()

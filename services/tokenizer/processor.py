@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
-from shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+from pagedserve.shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
+from pagedserve.shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+
+_TOKENIZER_ONLY = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side"})
 
 
 @dataclass(slots=True)
@@ -23,7 +25,9 @@ def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
     config = json.loads((model_dir / "config.json").read_text())
     text_config = config.get("text_config", config)
     native = int(
-        text_config.get("max_position_embeddings") or text_config.get("n_positions") or text_config.get("seq_length")
+        text_config.get("max_position_embeddings")
+        or text_config.get("n_positions")
+        or text_config.get("seq_length")
         or 2048
     )
     if max_model_len is not None and max_model_len > native:
@@ -36,18 +40,36 @@ def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
         eos = text_config.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     vocab = text_config.get("vocab_size")
-    return ModelLimits(max_model_len=max_model_len or native, eos_token_ids=eos_ids,
-                       vocab_size=int(vocab) if vocab else None)
+    return ModelLimits(
+        max_model_len=max_model_len or native, eos_token_ids=eos_ids, vocab_size=int(vocab) if vocab else None
+    )
 
 
 class PromptProcessor:
-    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+    def __init__(self, tokenizer: Any, limits: ModelLimits, default_max_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.default_max_tokens = default_max_tokens  # generation_config.json's max_new_tokens (--generation-config)
+        self.served_limit: int | None = None  # the smallest context the model's live engines serve (service.py)
+
+    @property
+    def context_limit(self) -> int:
+        """What a request is checked against: the model's limit, lowered to what its live engines serve, so
+        an over-long prompt gets its 400 here, before any header goes out, not an error from an engine."""
+        own = self.limits.max_model_len
+        return own if self.served_limit is None else min(own, self.served_limit)
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(req, ChatRequest):
-            return chat_prompt_ids(self.tokenizer, req.messages, req.chat_template_kwargs, tools=req.tools)
+            return chat_prompt_ids(
+                self.tokenizer,
+                req.messages,
+                req.chat_template_kwargs,
+                req.add_generation_prompt,
+                req.tools,
+                req.continue_final_message,
+                req.documents,
+            )
         return text_prompt_ids(self.tokenizer, req.prompt)
 
     def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
@@ -61,62 +83,106 @@ class PromptProcessor:
             prompt_ids = self.prompt_ids(req)
         except Exception as exc:  # template errors come from user content: answer 400, keep serving
             return RequestError(req.request_id, 400, f"could not build the prompt: {exc}", param=param)
+        prompt_ids = self._truncated(prompt_ids, req.sampling)
         vocab = len(self.tokenizer)
         if not prompt_ids:
             return RequestError(req.request_id, 400, "the prompt is empty", param=param)
         if first_out_of_vocab(prompt_ids, vocab) is not None:
             return RequestError(req.request_id, 400, f"prompt token ids must be in [0, {vocab})", param=param)
-        num_prompt, limit = len(prompt_ids), self.limits.max_model_len
+        num_prompt, limit = len(prompt_ids), self.context_limit
         if req.max_tokens is None:
             if num_prompt >= limit:
                 return _too_long(req.request_id, num_prompt, limit, param)
             max_tokens = limit - num_prompt
+            if self.default_max_tokens is not None:
+                max_tokens = min(max_tokens, self.default_max_tokens)
         else:
             max_tokens = req.max_tokens
             if num_prompt + max_tokens > limit:
                 return RequestError(
-                    req.request_id, 400,
+                    req.request_id,
+                    400,
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
                     f"completion). Please reduce the prompt or max_tokens.",
-                    param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded",
+                    param="max_tokens" if num_prompt < limit else param,
+                    code="context_length_exceeded",
                 )
         min_tokens = int(req.sampling.get("min_tokens", 0) or 0)
         if min_tokens > max_tokens:
             return RequestError(
-                req.request_id, 400, f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})",
+                req.request_id,
+                400,
+                f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})",
                 param="min_tokens",
             )
         bad_ids = self._check_token_ids(req)
         if bad_ids is not None:
             return bad_ids
-        sampling = {**req.sampling, "max_tokens": max_tokens}
+        sampling = {**self._engine_sampling(req.sampling), "max_tokens": max_tokens}
         accepted = Accepted(req.request_id, num_prompt, max_tokens, prompt_token_ids=prompt_ids)
         generate = GenerateRequest(
-            request_id=req.request_id, reply_to=req.reply_to, model=req.model, prompt_token_ids=prompt_ids,
-            sampling=sampling, arrival_time=req.arrival_time, traceparent=req.traceparent,
+            request_id=req.request_id,
+            reply_to=req.reply_to,
+            model=req.model,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            arrival_time=req.arrival_time,
+            traceparent=req.traceparent,
         )
         return accepted, generate
+
+    def _truncated(self, prompt_ids: list[int], sampling: dict[str, Any]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep that many prompt tokens (-1: the context's worth), cut from the
+        left by default (the end of a long prompt matters most), before the context check."""
+        keep = sampling.get("truncate_prompt_tokens")
+        if keep is None:
+            return prompt_ids
+        keep = self.context_limit if keep == -1 else keep
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if sampling.get("truncation_side") == "right" else prompt_ids[len(prompt_ids) - keep :]
+
+    def _engine_sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The engine's sampling fields: `bad_words` (text) becomes `bad_words_token_ids`; the tokenizer's own
+        fields (truncation) are dropped."""
+        engine = {k: v for k, v in sampling.items() if k not in _TOKENIZER_ONLY}
+        if sampling.get("bad_words"):
+            engine["bad_words_token_ids"] = bad_word_token_ids(self.tokenizer, sampling["bad_words"])
+        return engine
 
     def _check_token_ids(self, req: ChatRequest | CompletionRequest) -> RequestError | None:
         """stop_token_ids and logit_bias keys must be token ids of this model (checked before any SSE byte)."""
         vocab = self.limits.vocab_size or len(self.tokenizer)
-        for param in ("stop_token_ids", "logit_bias"):
+        for param in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             try:
                 ids = [int(t) for t in req.sampling.get(param) or []]  # logit_bias: its keys
             except (TypeError, ValueError):
                 return RequestError(req.request_id, 400, f"{param}: token ids must be integers", param=param)
             bad = first_out_of_vocab(ids, vocab)
             if bad is not None:
-                return RequestError(req.request_id, 400, f"{param}: token id {bad} is not in [0, {vocab})",
-                                    param=param)
+                return RequestError(req.request_id, 400, f"{param}: token id {bad} is not in [0, {vocab})", param=param)
         return None
+
+
+def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each word's tokens as it would start the text and as it would follow a space (vLLM's rule), without
+    duplicates: a model may write either form."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in found:
+                found.append(ids)
+    return found
 
 
 def _too_long(request_id: str, num_prompt: int, limit: int, param: str) -> RequestError:
     return RequestError(
-        request_id, 400,
+        request_id,
+        400,
         f"This model's maximum context length is {limit} tokens. However, your prompt has {num_prompt} "
         f"tokens, which leaves no room for the completion. Please reduce the length of the prompt.",
-        param=param, code="context_length_exceeded",
+        param=param,
+        code="context_length_exceeded",
     )

@@ -23,8 +23,17 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_bench(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "bench.serve", "--quick", "--result-dir", str(tmp_path), "--result-name", name,
-               *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "bench.serve",
+        "--quick",
+        "--result-dir",
+        str(tmp_path),
+        "--result-name",
+        name,
+        *args,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return dict(json.loads((tmp_path / f"{name}.json").read_text()))
@@ -45,8 +54,22 @@ def check_run(summary: dict[str, Any], num: int, output_len: int | None) -> None
 def test_quick_run_with_sweep_offline_and_two_client_processes(services: RunningServices, tmp_path: Path) -> None:
     offline = ["--offline", "--offline-device", "cpu", "--offline-dtype", "float32", "--offline-cpu-threads", "1"]
     slos = ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"]  # nothing can miss them
-    report = run_bench(["--url", services.base_url, "--model", services.model, "--concurrency-sweep", "1,4",
-                        "--client-processes", "2", *offline, *slos], tmp_path, "quick")  # fmt: skip
+    report = run_bench(
+        [
+            "--url",
+            services.base_url,
+            "--model",
+            services.model,
+            "--concurrency-sweep",
+            "1,4",
+            "--client-processes",
+            "2",
+            *offline,
+            *slos,
+        ],
+        tmp_path,
+        "quick",
+    )
     runs = report["runs"]
     check_run(runs["main"], 8, 8)
     assert runs["main"]["input_tokens"] == 8 * 32  # token-id prompts: exactly --input-len
@@ -71,9 +94,26 @@ def test_quick_run_with_sweep_offline_and_two_client_processes(services: Running
 
 
 def test_quick_chat_mix_over_the_chat_endpoint(services: RunningServices, tmp_path: Path) -> None:
-    report = run_bench(["--url", services.base_url, "--model", services.model, "--endpoint", "chat",
-                        "--dataset", "chat-mix", "--num-prompts", "6", "--max-concurrency", "3",
-                        "--request-rate", "20"], tmp_path, "chat")  # fmt: skip
+    report = run_bench(
+        [
+            "--url",
+            services.base_url,
+            "--model",
+            services.model,
+            "--endpoint",
+            "chat",
+            "--dataset",
+            "chat-mix",
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "20",
+        ],
+        tmp_path,
+        "chat",
+    )
     main = report["runs"]["main"]
     check_run(main, 6, None)
     assert report["workload"]["prompt_format"] == "text"
@@ -101,10 +141,12 @@ def test_length_distributions_stay_in_range() -> None:
 
 
 def test_summary_metrics_and_goodput() -> None:
-    fast = RequestResult(start_wall=100.0, prompt_len=10, expected_output_len=5, output_tokens=5, ttft=0.1,
-                         itl=[0.05] * 4, latency=0.3)  # fmt: skip
-    slow = RequestResult(start_wall=100.5, prompt_len=10, expected_output_len=5, output_tokens=5, ttft=1.0,
-                         itl=[0.05] * 4, latency=1.5)  # fmt: skip
+    fast = RequestResult(
+        start_wall=100.0, prompt_len=10, expected_output_len=5, output_tokens=5, ttft=0.1, itl=[0.05] * 4, latency=0.3
+    )
+    slow = RequestResult(
+        start_wall=100.5, prompt_len=10, expected_output_len=5, output_tokens=5, ttft=1.0, itl=[0.05] * 4, latency=1.5
+    )
     failed = RequestResult(start_wall=100.2, prompt_len=10, expected_output_len=5, error="HTTP 503: busy")
     s = summarize([fast, slow, failed], slo_ttft_ms=500, slo_tpot_ms=None)
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 503: busy"])

@@ -1,7 +1,7 @@
 """Read compose.yaml the way `docker compose` does (YAML anchors and merge keys, ${VAR:-default}
 interpolation, `$$` escapes), and turn a service's command and healthcheck into plain local
 processes: service hostnames become 127.0.0.1 (or a test's own endpoint), container paths become
-local ones, and the pagedserve image's entrypoint becomes `python -m services.cli`."""
+local ones, and the pagedserve image's entrypoint becomes `python -m pagedserve.services.cli`."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-
 def interpolate(value: Any, variables: dict[str, str]) -> Any:
     """Compose's interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}, $VAR; `$$` is a literal `$`."""
     if isinstance(value, str):
+
         def sub(m: re.Match[str]) -> str:
             if m.group(0) == "$$":
                 return "$"
             name = m.group(1) or m.group(3)
             found = variables.get(name)
             return found if found else (m.group(2) or "")
+
         return _VAR.sub(sub, value)
     if isinstance(value, list):
         return [interpolate(v, variables) for v in value]
@@ -59,13 +61,21 @@ def _entrypoint(service: dict[str, Any], python: str) -> list[str]:
         entry = list(service["entrypoint"])
         return [python if entry[0] == "python" else entry[0], *entry[1:]]
     if _is_pagedserve(service):
-        return [python, "-m", "services.cli"]  # the Dockerfile's ENTRYPOINT ["pagedserve"]
+        return [python, "-m", "pagedserve.services.cli"]  # the Dockerfile's ENTRYPOINT ["pagedserve"]
     return []
 
 
-def localize(name: str, service: dict[str, Any], *, python: str, hosts: dict[str, str], paths: dict[str, str],
-             env_overrides: dict[str, str]) -> LocalService:
+def localize(
+    name: str,
+    service: dict[str, Any],
+    *,
+    python: str,
+    hosts: dict[str, str],
+    paths: dict[str, str],
+    env_overrides: dict[str, str],
+) -> LocalService:
     """`hosts`: "name" or "name:port" -> local replacement; `paths`: container path -> local path."""
+
     def fix(text: str) -> str:
         for old, new in sorted(paths.items(), key=lambda kv: -len(kv[0])):  # the longest path first
             text = re.sub(rf"(?<![\w.]){re.escape(old)}(?=/|$|\s|\")", new, text)

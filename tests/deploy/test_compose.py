@@ -20,13 +20,17 @@ import httpx
 import pytest
 import yaml
 
-from shared.model_source import DEFAULT_MODEL, cache_root
-from shared.redis_server import free_port
+from pagedserve.shared.model_source import DEFAULT_MODEL, cache_root
+from pagedserve.shared.redis_server import free_port
 from tests.deploy.compose_runner import COMPOSE_FILE, REPO, LocalService, load_compose, localize
 from tests.otlp_receiver import OTLPReceiver
 
-NOT_RUN_HERE = {"jaeger": "image only", "grafana": "image only", "engine-gpu0": "needs a GPU",
-                "engine-gpu1": "needs a GPU"}
+NOT_RUN_HERE = {
+    "jaeger": "image only",
+    "grafana": "image only",
+    "engine-gpu0": "needs a GPU",
+    "engine-gpu1": "needs a GPU",
+}
 RUN_ORDER = ["redis", "prepare", "tokenizer", "engine", "gateway", "prometheus"]
 COMPOSE_SPEC = Path("/usr/lib/python3/dist-packages/compose/config/compose_spec.json")  # Debian's docker-compose
 
@@ -43,8 +47,13 @@ def test_compose_config_validates() -> None:
         pytest.skip("neither docker compose, docker-compose nor the compose-spec schema is installed")
     if cli is not None:
         for profiles in ("cpu", "gpu,gpu-2"):
-            result = subprocess.run([*cli, "-f", str(COMPOSE_FILE), "config", "-q"], cwd=REPO, capture_output=True,
-                                    text=True, env={**os.environ, "COMPOSE_PROFILES": profiles})
+            result = subprocess.run(
+                [*cli, "-f", str(COMPOSE_FILE), "config", "-q"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "COMPOSE_PROFILES": profiles},
+            )
             assert result.returncode == 0, result.stderr
     if COMPOSE_SPEC.exists():
         import jsonschema
@@ -103,37 +112,67 @@ def test_every_compose_command_and_healthcheck_runs(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)  # `python` in the commands: this interpreter
-    base_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/root"),
-                "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    hosts = {"jaeger:4318": receiver.endpoint.removeprefix("http://"), "redis": "127.0.0.1",
-             "prometheus": "127.0.0.1", "gateway": "127.0.0.1", "tokenizer": "127.0.0.1", "engine": "127.0.0.1"}
-    paths = {"/cache": str(cache_root().parent),  # PAGEDSERVE_CACHE: the cached default model is reused
-             "/etc/prometheus/prometheus.yml": str(REPO / "deploy/prometheus/prometheus.yml"),
-             "/prometheus": str(tmp_path / "prometheus-data")}
-    overrides = {"tokenizer": {"PAGEDSERVE_TOKENIZER_METRICS_PORT": str(ports["tokenizer"])},
-                 # one torch thread and a short context: the CI machine's 2 cores and memory are shared
-                 "engine": {"PAGEDSERVE_ENGINE_METRICS_PORT": str(ports["engine"]),
-                            "PAGEDSERVE_ENGINE_CPU_THREADS": "1", "PAGEDSERVE_ENGINE_MAX_MODEL_LEN": "2048"},
-                 "gateway": {"PAGEDSERVE_GATEWAY_PORT": str(ports["gateway"]), "PAGEDSERVE_GATEWAY_HOST": "127.0.0.1"}}
+    base_env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/root"),
+        "PYTHONPATH": str(REPO),
+        "TRITON_INTERPRET": "1",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    hosts = {
+        "jaeger:4318": receiver.endpoint.removeprefix("http://"),
+        "redis": "127.0.0.1",
+        "prometheus": "127.0.0.1",
+        "gateway": "127.0.0.1",
+        "tokenizer": "127.0.0.1",
+        "engine": "127.0.0.1",
+    }
+    paths = {
+        "/cache": str(cache_root().parent),  # PAGEDSERVE_CACHE: the cached default model is reused
+        "/etc/prometheus/prometheus.yml": str(REPO / "deploy/prometheus/prometheus.yml"),
+        "/prometheus": str(tmp_path / "prometheus-data"),
+    }
+    overrides = {
+        "tokenizer": {"PAGEDSERVE_TOKENIZER_METRICS_PORT": str(ports["tokenizer"])},
+        # one torch thread and a short context: the CI machine's 2 cores and memory are shared
+        "engine": {
+            "PAGEDSERVE_ENGINE_METRICS_PORT": str(ports["engine"]),
+            "PAGEDSERVE_CPU_THREADS": "1",
+            "PAGEDSERVE_MAX_MODEL_LEN": "2048",
+        },
+        "gateway": {"PAGEDSERVE_PORT": str(ports["gateway"]), "PAGEDSERVE_HOST": "127.0.0.1"},
+    }
     processes: dict[str, subprocess.Popen[bytes]] = {}
     timings: dict[str, float] = {}
     try:
         for name in RUN_ORDER:
-            svc = localize(name, compose["services"][name], python=sys.executable, hosts=hosts, paths=paths,
-                           env_overrides={**base_env, **overrides.get(name, {})})
+            svc = localize(
+                name,
+                compose["services"][name],
+                python=sys.executable,
+                hosts=hosts,
+                paths=paths,
+                env_overrides={**base_env, **overrides.get(name, {})},
+            )
             log = (tmp_path / f"{name}.log").open("wb")
             if name == "prepare":  # a one-shot job: it must exit 0 (service_completed_successfully)
-                assert subprocess.run(svc.argv, env=svc.env, stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=REPO, timeout=600).returncode == 0
+                assert (
+                    subprocess.run(
+                        svc.argv, env=svc.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=600
+                    ).returncode
+                    == 0
+                )
                 continue
             argv = ["prometheus", *svc.argv] if name == "prometheus" else svc.argv  # prometheus: the image's entrypoint
             processes[name] = subprocess.Popen(argv, env=svc.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
             timings[name] = _wait_healthy(svc, processes[name], timeout_s=300)
 
         # The stack answers, and its trace reaches the OTLP endpoint the compose file names (Jaeger's).
-        reply = httpx.post(f"http://127.0.0.1:{ports['gateway']}/v1/chat/completions", timeout=120,
-                           json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                 "max_tokens": 3})
+        reply = httpx.post(
+            f"http://127.0.0.1:{ports['gateway']}/v1/chat/completions",
+            timeout=120,
+            json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        )
         assert reply.status_code == 200, reply.text
         deadline = time.monotonic() + 20
         while {s.service for s in receiver.spans} < {"pagedserve-gateway", "pagedserve-tokenizer", "pagedserve-engine"}:

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared import streams
-from shared.model_source import DEFAULT_MODEL
+from pagedserve.shared import streams
+from pagedserve.shared.model_source import DEFAULT_MODEL
 
 K8S = Path(__file__).resolve().parents[2] / "deploy/k8s"
 K8S_VERSION = "1.30.0"
@@ -23,38 +23,67 @@ K8S_VERSION = "1.30.0"
 # schema of the fields we use instead (after KEDA's v1alpha1 CRDs), not against KEDA's own CRD.
 _KEDA_SCHEMAS: dict[str, dict[str, Any]] = {
     "ScaledObject": {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
             "apiVersion": {"const": "keda.sh/v1alpha1"},
             "spec": {
-                "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
+                "type": "object",
+                "required": ["scaleTargetRef", "triggers"],
+                "additionalProperties": False,
                 "properties": {
-                    "scaleTargetRef": {"type": "object", "required": ["name"],
-                                       "properties": {"name": {"type": "string"}, "kind": {"type": "string"},
-                                                      "apiVersion": {"type": "string"}},
-                                       "additionalProperties": False},
+                    "scaleTargetRef": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "kind": {"type": "string"},
+                            "apiVersion": {"type": "string"},
+                        },
+                        "additionalProperties": False,
+                    },
                     "minReplicaCount": {"type": "integer", "minimum": 0},
                     "maxReplicaCount": {"type": "integer", "minimum": 1},
-                    "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
-                    "triggers": {"type": "array", "minItems": 1, "items": {
-                        "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
-                        "properties": {
-                            "type": {"enum": ["redis-streams", "redis-sentinel-streams", "redis-cluster-streams"]},
-                            "authenticationRef": {"type": "object", "required": ["name"]},
-                            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
-                        }}},
+                    "pollingInterval": {"type": "integer"},
+                    "cooldownPeriod": {"type": "integer"},
+                    "triggers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "metadata"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "type": {"enum": ["redis-streams", "redis-sentinel-streams", "redis-cluster-streams"]},
+                                "authenticationRef": {"type": "object", "required": ["name"]},
+                                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                            },
+                        },
+                    },
                 },
             },
         },
     },
     "TriggerAuthentication": {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
             "apiVersion": {"const": "keda.sh/v1alpha1"},
-            "spec": {"type": "object", "additionalProperties": False, "properties": {
-                "secretTargetRef": {"type": "array", "items": {
-                    "type": "object", "required": ["parameter", "name", "key"], "additionalProperties": False,
-                    "properties": {k: {"type": "string"} for k in ("parameter", "name", "key")}}}}},
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "secretTargetRef": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["parameter", "name", "key"],
+                            "additionalProperties": False,
+                            "properties": {k: {"type": "string"} for k in ("parameter", "name", "key")},
+                        },
+                    }
+                },
+            },
         },
     },
 }
@@ -64,8 +93,9 @@ def _render(overlay: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed (.ci/run installs it)")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, check=True
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -91,9 +121,16 @@ def test_rendered_manifests_validate(overlay: str) -> None:
             jsonschema.validate(doc, _KEDA_SCHEMAS[doc["kind"]])
     assert sorted(crds) == ["ScaledObject", "TriggerAuthentication"]
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for expected in [("StatefulSet", "redis"), ("Deployment", "gateway"), ("Service", "gateway"),
-                     ("HorizontalPodAutoscaler", "gateway"), ("Deployment", "engine"), ("Deployment", "tokenizer"),
-                     ("PodDisruptionBudget", "engine"), ("PodDisruptionBudget", "gateway")]:
+    for expected in [
+        ("StatefulSet", "redis"),
+        ("Deployment", "gateway"),
+        ("Service", "gateway"),
+        ("HorizontalPodAutoscaler", "gateway"),
+        ("Deployment", "engine"),
+        ("Deployment", "tokenizer"),
+        ("PodDisruptionBudget", "engine"),
+        ("PodDisruptionBudget", "gateway"),
+    ]:
         assert expected in kinds, expected
     assert all(d["metadata"].get("namespace") == "pagedserve" for d in docs if d["kind"] != "Namespace")
 
@@ -109,8 +146,9 @@ def test_the_pieces_fit(overlay: str) -> None:
     assert scaled["spec"]["scaleTargetRef"]["name"] == "engine"
     auth = _find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    assert all(ref["name"] in secrets and ref["key"] in secrets[ref["name"]]["data"]
-               for ref in auth["spec"]["secretTargetRef"])
+    assert all(
+        ref["name"] in secrets and ref["key"] in secrets[ref["name"]]["data"] for ref in auth["spec"]["secretTargetRef"]
+    )
     assert _find(docs, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"]["name"] == "gateway"
 
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pagedserve-config"))
@@ -125,12 +163,14 @@ def test_the_pieces_fit(overlay: str) -> None:
         assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["PAGEDSERVE_REDIS_URL"].startswith("redis+sentinel://:$(REDIS_PASSWORD)@$(PAGEDSERVE_SENTINELS)/")
-    device = {e["name"]: e.get("value") for e in engine["env"]}["PAGEDSERVE_ENGINE_DEVICE"]
+    device = {e["name"]: e.get("value") for e in engine["env"]}["PAGEDSERVE_DEVICE"]
     gpus = engine["resources"].get("limits", {}).get("nvidia.com/gpu")
     assert (device, gpus) == (("cuda", 1) if overlay == "gpu" else ("cpu", None))
     redis = _find(docs, "StatefulSet", "redis")["spec"]
-    assert redis["replicas"] == 3 and [c["name"] for c in redis["template"]["spec"]["containers"]] == ["redis",
-                                                                                                       "sentinel"]
+    assert redis["replicas"] == 3 and [c["name"] for c in redis["template"]["spec"]["containers"]] == [
+        "redis",
+        "sentinel",
+    ]
 
 
 def test_redis_scripts_parse() -> None:

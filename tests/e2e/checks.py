@@ -7,14 +7,16 @@ import time
 import openai
 import redis
 
-from shared import streams
+from pagedserve.shared import streams
 
 
 def num_pending(r: redis.Redis, model: str) -> dict[str, int]:
     """Entries delivered but not acknowledged, per consumer group (tokenizers, engines)."""
     counts = {}
-    for stream, group in ((streams.request_stream(model), streams.TOKENIZER_GROUP),
-                          (streams.generate_stream(model), streams.engine_group(model))):
+    for stream, group in (
+        (streams.request_stream(model), streams.TOKENIZER_GROUP),
+        (streams.generate_stream(model), streams.engine_group(model)),
+    ):
         try:
             counts[group] = int(r.xpending(stream, group)["pending"])
         except redis.ResponseError:  # no such stream or group: nothing can be pending
@@ -36,8 +38,10 @@ def wait_nothing_pending(redis_url: str, model: str, timeout_s: float = 40) -> N
 def answer_normally(base_url: str, model: str) -> None:
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-            temperature=0, max_tokens=8,
+            model=model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=8,
         )
     assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage is not None
     assert reply.usage.completion_tokens >= 1

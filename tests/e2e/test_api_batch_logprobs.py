@@ -43,21 +43,25 @@ def hf_log_softmax(smollm2_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def answers(services: RunningServices) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
-        async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0,
-                                      timeout=600) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=600
+        ) as client:
             complete = client.completions.create
             greedy = {"model": services.model, "temperature": 0, "max_tokens": MAX_TOKENS}
             calls: dict[str, Any] = {
                 "batch": complete(**greedy, prompt=PROMPTS, n=N, logprobs=1),
-                "batch_stream": _joined(complete(**greedy, prompt=PROMPTS, n=N, stream=True,
-                                                 stream_options={"include_usage": True})),
+                "batch_stream": _joined(
+                    complete(**greedy, prompt=PROMPTS, n=N, stream=True, stream_options={"include_usage": True})
+                ),
                 "batch_ids": complete(**greedy, prompt=ID_PROMPTS),
                 "echo_logprobs": complete(**greedy, prompt=PROMPTS[0], echo=True, logprobs=3),
-                "echo_logprobs_stream": _joined(complete(**greedy, prompt=PROMPTS[0], echo=True, logprobs=3,
-                                                         stream=True)),
+                "echo_logprobs_stream": _joined(
+                    complete(**greedy, prompt=PROMPTS[0], echo=True, logprobs=3, stream=True)
+                ),
                 "prompt_logprobs": complete(**greedy, prompt=PROMPTS[1], extra_body={"prompt_logprobs": 2}),
                 "chat_prompt_logprobs": client.chat.completions.create(
-                    **greedy, messages=MESSAGES, extra_body={"prompt_logprobs": 0}),
+                    **greedy, messages=MESSAGES, extra_body={"prompt_logprobs": 0}
+                ),
             }
             for i, prompt in enumerate(PROMPTS):
                 calls[f"single_{i}"] = complete(**greedy, prompt=prompt, n=N, logprobs=1)
@@ -126,8 +130,9 @@ def test_batched_token_id_prompts(answers: dict[str, Any]) -> None:
     assert batch.usage.prompt_tokens == sum(len(ids) for ids in ID_PROMPTS)
 
 
-def test_echo_logprobs_cover_the_prompt_and_match_hf(answers: dict[str, Any], tokenizer: Any,
-                                                     hf_log_softmax: Any) -> None:  # fmt: skip
+def test_echo_logprobs_cover_the_prompt_and_match_hf(
+    answers: dict[str, Any], tokenizer: Any, hf_log_softmax: Any
+) -> None:
     choice = result(answers, "echo_logprobs").choices[0]
     prompt_ids = tokenizer.encode(PROMPTS[0])
     lp = choice.logprobs
@@ -149,8 +154,9 @@ def test_echo_logprobs_cover_the_prompt_and_match_hf(answers: dict[str, Any], to
     assert streamed["logprobs"][0]["text_offset"] == lp.text_offset
 
 
-def test_vllm_prompt_logprobs_match_hf(answers: dict[str, Any], tokenizer: Any, hf_log_softmax: Any,
-                                       services: RunningServices) -> None:  # fmt: skip
+def test_vllm_prompt_logprobs_match_hf(
+    answers: dict[str, Any], tokenizer: Any, hf_log_softmax: Any, services: RunningServices
+) -> None:
     chat_ids = httpx.post(f"{services.base_url}/tokenize", json={"model": services.model, "messages": MESSAGES})
     cases = [
         (result(answers, "prompt_logprobs").choices[0].model_extra["prompt_logprobs"], tokenizer.encode(PROMPTS[1]), 2),
@@ -172,8 +178,12 @@ def test_a_refused_prompt_refuses_the_batch_and_frees_the_rest(services: Running
     from tests.e2e.test_reliability import _engine_load, _wait_idle
 
     idle = _wait_idle(services, _engine_load(services).num_total_blocks, 30)
-    body = {"model": services.model, "prompt": ["Once upon a time", "hi " * 3000], "max_tokens": 1000,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": services.model,
+        "prompt": ["Once upon a time", "hi " * 3000],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+    }
     response = httpx.post(f"{services.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     _wait_idle(services, idle.num_free_blocks, timeout_s=10)  # 1000 tokens would take far longer

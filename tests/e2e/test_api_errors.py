@@ -34,7 +34,7 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, b'{"model": NaN}', 400, bad, None),
         (c, b"[1, 2, 3]", 400, bad, None),
         (p, b'"just a string"', 400, bad, None),
-        # missing, unknown and wrongly typed fields
+        # missing and wrongly typed fields (unknown ones are ignored: test_request_fields.py)
         (c, {"messages": MSG}, 400, bad, "model"),
         (c, {"model": model}, 400, bad, "messages"),
         (p, {"model": model}, 400, bad, "prompt"),
@@ -43,6 +43,7 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, temperature="hot"), 400, bad, "temperature"),
         (c, chat(model, n="2"), 400, bad, "n"),
         (c, chat(model, stream="yes"), 400, bad, "stream"),
+        (c, chat(model, store="yes"), 400, bad, "store"),  # accepted and unused, but typed
         (c, chat(model, stop=[1, 2]), 400, bad, "stop[0]"),
         (c, chat(model, logprobs=1), 400, bad, "logprobs"),
         (p, completion(model, logprobs=True), 400, bad, "logprobs"),
@@ -72,8 +73,13 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, logit_bias={"999999": 1}), 400, bad, "logit_bias"),  # not a token of this model
         (c, chat(model, stop_token_ids=[999999]), 400, bad, "stop_token_ids"),
         (c, chat(model, stop=""), 400, bad, "stop"),
-        (c, chat(model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
-         400, bad, "response_format"),
+        (
+            c,
+            chat(model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
+            400,
+            bad,
+            "response_format",
+        ),
         (c, chat(model, stream_options={"include_usage": True}), 400, bad, "stream_options"),
         (p, completion(model, suffix="x"), 400, bad, "suffix"),
         ("/v1/embeddings", {"model": model, "input": "hi"}, 404, bad, None),
@@ -87,9 +93,13 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         (c, chat(model, messages=[MSG[0], {"content": "x"}]), 400, bad, "messages[1].role"),
         (c, chat(model, messages=[{"role": "user"}]), 400, bad, "messages[0]"),
         (c, chat(model, messages=[{"role": "user", "content": 5}]), 400, bad, "messages[0].content"),
-        (c, chat(model, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, bad,
-         "messages[0].content[0].type"),
-        (c, chat(model, messages=[{"role": "user", "content": "x", "extra": 1}]), 400, bad, "messages[0].extra"),
+        (
+            c,
+            chat(model, messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            400,
+            bad,
+            "messages[0].content[0].type",
+        ),
         (c, chat(model, chat_template_kwargs={"chat_template": "{{ 7 }}"}), 400, bad, "chat_template_kwargs"),
         (p, completion(model, prompt=[]), 400, bad, "prompt"),
         (p, completion(model, prompt=[1, 99999999]), 400, bad, "prompt"),
@@ -149,7 +159,8 @@ def test_context_boundary_for_chat_exactly_at_the_limit_works_one_over_fails(ser
         assert err.value.code == "context_length_exceeded"
         assert err.value.body["param"] == field  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:  # no max_tokens: the prompt alone must leave room
-        client.completions.create(model=services.model, prompt=list(range(1000, 1000 + E2E_MAX_MODEL_LEN)),
-                                  max_tokens=None)
+        client.completions.create(
+            model=services.model, prompt=list(range(1000, 1000 + E2E_MAX_MODEL_LEN)), max_tokens=None
+        )
     assert err.value.code == "context_length_exceeded"
     assert err.value.body["param"] == "prompt"  # type: ignore[index]

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from shared.redis_server import free_port
+from pagedserve.shared.redis_server import free_port
 from tests.conftest import RunningServices, start_service, stop_all, wait_ready
 
 KEYS = ["first-key", "second-key"]
@@ -25,10 +25,24 @@ MSG = [{"role": "user", "content": "What is the capital of France?"}]
 def limited(services: RunningServices, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_dir: Path = tmp_path_factory.mktemp("limited-gateway")
     port = free_port()
-    env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url,
-           "PAGEDSERVE_GATEWAY_API_KEYS": ",".join(KEYS)}  # keys from the environment, comma-separated
-    args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--max-in-flight", "2",
-            "--max-body-bytes", str(MAX_BODY), "--request-timeout-s", str(TIMEOUT_S)]
+    env = {
+        **os.environ,
+        "PAGEDSERVE_REDIS_URL": services.redis_url,
+        "PAGEDSERVE_API_KEYS": ",".join(KEYS),
+    }  # keys from the environment, comma-separated
+    args = [
+        "gateway",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-in-flight",
+        "2",
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--request-timeout-s",
+        str(TIMEOUT_S),
+    ]
     processes = {"gateway": start_service("limited-gateway", args, env, log_dir)}
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -67,8 +81,12 @@ def test_oversized_body_is_413(limited: str, services: RunningServices) -> None:
 
 def test_beyond_the_in_flight_cap_is_429_with_retry_after(limited: str, services: RunningServices) -> None:
     api = client(limited)
-    streams = [api.chat.completions.create(model=services.model, messages=MSG, max_tokens=200, stream=True,
-                                           extra_body={"ignore_eos": True}) for _ in range(2)]
+    streams = [
+        api.chat.completions.create(
+            model=services.model, messages=MSG, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(2)
+    ]
     try:
         for stream in streams:
             next(iter(stream))  # both are in flight now
@@ -92,7 +110,8 @@ def test_beyond_the_in_flight_cap_is_429_with_retry_after(limited: str, services
 def test_per_request_timeout(limited: str, services: RunningServices) -> None:
     start = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
-        client(limited).chat.completions.create(model=services.model, messages=MSG, max_tokens=1800,
-                                                extra_body={"ignore_eos": True})
+        client(limited).chat.completions.create(
+            model=services.model, messages=MSG, max_tokens=1800, extra_body={"ignore_eos": True}
+        )
     assert err.value.status_code == 408 and err.value.code == "timeout"
     assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 30

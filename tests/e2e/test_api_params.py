@@ -60,8 +60,14 @@ async def collect_completion_stream(stream: Any) -> dict[str, Any]:
                 token_logprobs += choice.logprobs.token_logprobs
                 offsets += choice.logprobs.text_offset
             finish = choice.finish_reason or finish
-    return {"chunks": chunks, "text": text, "tokens": tokens, "token_logprobs": token_logprobs,
-            "text_offset": offsets, "finish": finish}
+    return {
+        "chunks": chunks,
+        "text": text,
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "text_offset": offsets,
+        "finish": finish,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +83,9 @@ def first_round(services: RunningServices, blue_id: int) -> dict[str, Any]:
     model = services.model
 
     async def go() -> dict[str, Any]:
-        async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0,
-                                      timeout=600) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=600
+        ) as client:
             chat, complete = client.chat.completions.create, client.completions.create
             greedy = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
             sampled = {"model": model, "messages": CREATIVE, "temperature": 1.0, "max_tokens": 8}
@@ -86,8 +93,10 @@ def first_round(services: RunningServices, blue_id: int) -> dict[str, Any]:
             logprobs = {"model": model, "prompt": HELLO, "temperature": 0, "max_tokens": 6, "logprobs": 2}
             calls = {
                 "greedy": chat(**greedy, logprobs=True, top_logprobs=3),
-                "greedy_stream": _stream(chat(**greedy, logprobs=True, top_logprobs=3, stream=True,
-                                              stream_options={"include_usage": True}), collect_chat_stream),
+                "greedy_stream": _stream(
+                    chat(**greedy, logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True}),
+                    collect_chat_stream,
+                ),
                 "greedy_n2": chat(**{**greedy, "max_tokens": 6}, n=2),
                 "top_k_1": chat(**{**greedy, "temperature": 1.0}, extra_body={"top_k": 1}, user="a-user"),
                 "top_p_tiny": chat(**{**greedy, "temperature": 1.0}, top_p=0.001),
@@ -100,8 +109,14 @@ def first_round(services: RunningServices, blue_id: int) -> dict[str, Any]:
                 "seed_b": chat(**sampled, n=3, seed=1234),
                 "seed_c": chat(**sampled, n=3, seed=4321),
                 "n3_stream": _stream(chat(**sampled, n=3, seed=7, stream=True), collect_chat_stream),
-                "continuous": _stream(chat(**{**greedy, "max_tokens": 4}, stream=True, stream_options={
-                    "include_usage": True, "continuous_usage_stats": True}), collect_chat_stream),
+                "continuous": _stream(
+                    chat(
+                        **{**greedy, "max_tokens": 4},
+                        stream=True,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True},
+                    ),
+                    collect_chat_stream,
+                ),
                 "repeat": complete(**plain),
                 "presence": complete(**plain, presence_penalty=2.0),
                 "frequency": complete(**plain, frequency_penalty=2.0),
@@ -110,8 +125,10 @@ def first_round(services: RunningServices, blue_id: int) -> dict[str, Any]:
                 "logprobs": complete(**logprobs),
                 "logprobs_stream": _stream(complete(**logprobs, stream=True), collect_completion_stream),
                 "echo": complete(model=model, prompt=HELLO, temperature=0, max_tokens=4, echo=True),
-                "echo_stream": _stream(complete(model=model, prompt=HELLO, temperature=0, max_tokens=4, echo=True,
-                                                stream=True), collect_completion_stream),
+                "echo_stream": _stream(
+                    complete(model=model, prompt=HELLO, temperature=0, max_tokens=4, echo=True, stream=True),
+                    collect_completion_stream,
+                ),
                 "echo_ids": complete(model=model, prompt=[19556, 905], temperature=0, max_tokens=2, echo=True),
             }
             results = await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -131,8 +148,9 @@ def result(first_round: dict[str, Any], name: str) -> Any:
     return value
 
 
-def test_greedy_logprobs_are_the_models_and_stream_agrees(first_round: dict[str, Any], tokenizer: Any,
-                                                           smollm2_dir: Path) -> None:
+def test_greedy_logprobs_are_the_models_and_stream_agrees(
+    first_round: dict[str, Any], tokenizer: Any, smollm2_dir: Path
+) -> None:
     reply = result(first_round, "greedy")
     stream = result(first_round, "greedy_stream")
     text, choice = reply.choices[0].message.content, reply.choices[0]
@@ -155,7 +173,7 @@ def test_greedy_logprobs_are_the_models_and_stream_agrees(first_round: dict[str,
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([list(prompt_ids) + output_ids])).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt_ids) - 1: -1], dim=-1)
+    expected = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
     for i, (token_id, entry) in enumerate(zip(output_ids, content)):
         assert abs(expected[i, token_id].item() - entry.logprob) < 2e-3, (i, tokenizer.decode([token_id]))
 
@@ -256,8 +274,9 @@ def test_continuous_usage_stats(first_round: dict[str, Any]) -> None:
     assert counts == sorted(counts) and counts[-1] == 4 and stream["chunks"][-1].choices == []
 
 
-def test_stop_strings_stop_token_ids_and_negative_bias(services: RunningServices, first_round: dict[str, Any],
-                                                       tokenizer: Any) -> None:
+def test_stop_strings_stop_token_ids_and_negative_bias(
+    services: RunningServices, first_round: dict[str, Any], tokenizer: Any
+) -> None:
     """Second round (sync client, from threads): requests built from the greedy answer."""
     greedy = result(first_round, "greedy")
     text = greedy.choices[0].message.content
@@ -280,8 +299,9 @@ def test_stop_strings_stop_token_ids_and_negative_bias(services: RunningServices
         "stop": lambda: client.chat.completions.create(**base, stop=["never-appears", stop_word]),
         "stop_stream_n2": lambda: stream_text(stop=stop_word, n=2),
         "stop_token": lambda: client.chat.completions.create(**base, extra_body={"stop_token_ids": [greedy_ids[2]]}),
-        "ban_first": lambda: client.chat.completions.create(**base, logit_bias={str(greedy_ids[0]): -100},
-                                                            logprobs=True),
+        "ban_first": lambda: client.chat.completions.create(
+            **base, logit_bias={str(greedy_ids[0]): -100}, logprobs=True
+        ),
     }
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = {name: pool.submit(call) for name, call in calls.items()}

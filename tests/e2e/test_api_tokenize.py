@@ -23,8 +23,12 @@ def test_tokenize_and_detokenize(services: RunningServices, smollm2_dir: Path) -
     text = "Héllo wörld, 😀!"
     plain = post(services, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
     expected = tokenizer.encode(text)
-    assert plain == {"count": len(expected), "max_model_len": E2E_MAX_MODEL_LEN, "tokens": expected,
-                     "token_strs": tokenizer.convert_ids_to_tokens(expected)}
+    assert plain == {
+        "count": len(expected),
+        "max_model_len": E2E_MAX_MODEL_LEN,
+        "tokens": expected,
+        "token_strs": tokenizer.convert_ids_to_tokens(expected),
+    }
     assert post(services, "/detokenize", {"tokens": expected}).json() == {"prompt": text}
 
     chat = post(services, "/tokenize", {"messages": MESSAGES}).json()

@@ -26,8 +26,9 @@ def tokenizer(smollm2_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
-def test_capital_of_france_non_streaming_and_streaming_agree(client: openai.OpenAI, services: RunningServices,
-                                                             tokenizer: Any) -> None:
+def test_capital_of_france_non_streaming_and_streaming_agree(
+    client: openai.OpenAI, services: RunningServices, tokenizer: Any
+) -> None:
     reply = client.chat.completions.create(model=services.model, messages=QUESTION, temperature=0, logprobs=True)
     text = reply.choices[0].message.content
     assert text is not None and "Paris" in text
@@ -56,10 +57,22 @@ def test_capital_of_france_non_streaming_and_streaming_agree(client: openai.Open
 
 
 PROMPTS = [
-    "Name a color.", "What is 2+2?", "Say hello in French.", "Name a planet.", "What is water made of?",
-    "Name a fruit.", "What day comes after Monday?", "Give me a synonym for happy.", "What is the opposite of hot?",
-    "Name an ocean.", "How many legs does a spider have?", "Name a musical instrument.", "What color is the sky?",
-    "Write one word about winter.", "Name a programming language.", "What is the largest animal?",
+    "Name a color.",
+    "What is 2+2?",
+    "Say hello in French.",
+    "Name a planet.",
+    "What is water made of?",
+    "Name a fruit.",
+    "What day comes after Monday?",
+    "Give me a synonym for happy.",
+    "What is the opposite of hot?",
+    "Name an ocean.",
+    "How many legs does a spider have?",
+    "Name a musical instrument.",
+    "What color is the sky?",
+    "Write one word about winter.",
+    "Name a programming language.",
+    "What is the largest animal?",
 ]
 
 
@@ -69,8 +82,9 @@ def test_sixteen_concurrent_streams_match_their_sequential_answers(services: Run
     async def ask(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
         messages = [{"role": "user", "content": prompt}]
         if not stream:
-            r = await client.chat.completions.create(model=services.model, messages=messages, temperature=0,
-                                                     max_tokens=20)
+            r = await client.chat.completions.create(
+                model=services.model, messages=messages, temperature=0, max_tokens=20
+            )
             return r.choices[0].message.content or ""
         parts: list[str] = []
         async for chunk in await client.chat.completions.create(
@@ -103,9 +117,15 @@ def test_too_long_prompt_is_a_400_before_any_sse_byte_and_unknown_model_a_404(
     assert err.value.code == "context_length_exceeded"
     assert err.value.body["param"] == "messages"  # type: ignore[index]
 
-    raw = httpx.post(f"{services.base_url}/v1/chat/completions", timeout=60, json={
-        "model": services.model, "messages": [{"role": "user", "content": long_prompt}], "stream": True,
-    })
+    raw = httpx.post(
+        f"{services.base_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": services.model,
+            "messages": [{"role": "user", "content": long_prompt}],
+            "stream": True,
+        },
+    )
     assert raw.status_code == 400 and raw.headers["content-type"].startswith("application/json")
     assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -117,11 +137,13 @@ def test_too_long_prompt_is_a_400_before_any_sse_byte_and_unknown_model_a_404(
     assert "Paris" in (after.choices[0].message.content or "")
 
 
-def test_max_tokens_exactly_at_the_limit_works_and_one_over_fails(client: openai.OpenAI,
-                                                                   services: RunningServices) -> None:
+def test_max_tokens_exactly_at_the_limit_works_and_one_over_fails(
+    client: openai.OpenAI, services: RunningServices
+) -> None:
     prompt = [1] * 100  # token ids, so the prompt length is exact
-    with client.completions.create(model=services.model, prompt=prompt, max_tokens=E2E_MAX_MODEL_LEN - 100,
-                                   temperature=0, stream=True) as stream:
+    with client.completions.create(
+        model=services.model, prompt=prompt, max_tokens=E2E_MAX_MODEL_LEN - 100, temperature=0, stream=True
+    ) as stream:
         first = next(iter(stream))  # accepted: headers and a first chunk came; closing aborts the rest
     assert first.object == "text_completion"
     with pytest.raises(openai.BadRequestError) as err:

@@ -14,13 +14,15 @@ import openai
 import pytest
 import redis
 
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
 from tests.conftest import RunningServices, start_service, stop_all
 from tests.e2e.checks import wait_nothing_pending
 
-PROMPTS = [f"Write a long story about a {thing}." for thing in
-           ("cat", "dog", "ship", "tree", "robot", "river", "castle", "comet")]
+PROMPTS = [
+    f"Write a long story about a {thing}."
+    for thing in ("cat", "dog", "ship", "tree", "robot", "river", "castle", "comet")
+]
 MAX_TOKENS = 48
 
 
@@ -29,16 +31,22 @@ def _heartbeat(r: redis.Redis, model: str, engine_id: str) -> EngineHeartbeat | 
     return None if raw is None else decode_as(raw, EngineHeartbeat)
 
 
-@pytest.mark.parametrize(("sig", "exit_code"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 0)],
-                         ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize(
+    ("sig", "exit_code"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 0)], ids=["sigkill", "sigterm"]
+)
 def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
     services: RunningServices, sig: signal.Signals, exit_code: int
 ) -> None:
     base_url = f"{services.base_url}/v1"
 
     async def ask(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
-        kwargs = {"model": services.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                  "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+        kwargs = {
+            "model": services.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "extra_body": {"ignore_eos": True},
+        }
         if not stream:
             reply = await client.chat.completions.create(**kwargs)
             return reply.choices[0].message.content or ""
@@ -57,9 +65,24 @@ def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
     replica_id = f"eng-doomed-{sig.name.lower()}"
     replica = start_service(
-        "doomed-engine", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1",
-                          "--max-model-len", "2048", "--engine-id", replica_id, "--heartbeat-ttl-s", "3"],
-        env, services.log_dir,
+        "doomed-engine",
+        [
+            "engine",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--cpu-threads",
+            "1",
+            "--max-model-len",
+            "2048",
+            "--engine-id",
+            replica_id,
+            "--heartbeat-ttl-s",
+            "3",
+        ],
+        env,
+        services.log_dir,
     )
     try:
         deadline = time.monotonic() + 120

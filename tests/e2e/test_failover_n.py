@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import openai
 import redis
 
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
 from tests.conftest import E2E_MAX_MODEL_LEN, RunningServices, start_service, stop_all
 from tests.e2e.checks import wait_nothing_pending
 
@@ -41,8 +41,15 @@ class Answer:
 async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: float) -> Answer:
     answer = Answer()
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], n=2, temperature=temperature, seed=7,
-        max_tokens=MAX_TOKENS, logprobs=True, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        n=2,
+        temperature=temperature,
+        seed=7,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
@@ -69,22 +76,37 @@ def _num_moves(services: RunningServices) -> int:
 
 def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: RunningServices) -> None:
     async def run() -> tuple[list[Answer], list[Answer]]:
-        async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0,
-                                      timeout=300) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300
+        ) as client:
             greedy = [ask(client, services.model, p, 0.0) for p in GREEDY_PROMPTS]
             sampled = [ask(client, services.model, p, 0.9) for p in SAMPLED_PROMPTS]
             answers = await asyncio.gather(*greedy, *sampled)
-            return list(answers[: len(greedy)]), list(answers[len(greedy):])
+            return list(answers[: len(greedy)]), list(answers[len(greedy) :])
 
     expected_greedy, _ = asyncio.run(run())  # one healthy engine
     assert all(a.texts[0] == a.texts[1] for a in expected_greedy)
 
     r = redis.Redis.from_url(services.redis_url)
     replica = start_service(
-        "doomed-engine-n2", ["engine", "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1",
-                             "--max-model-len", str(E2E_MAX_MODEL_LEN), "--engine-id", REPLICA_ID,
-                             "--heartbeat-ttl-s", "3"],
-        {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}, services.log_dir,
+        "doomed-engine-n2",
+        [
+            "engine",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--cpu-threads",
+            "1",
+            "--max-model-len",
+            str(E2E_MAX_MODEL_LEN),
+            "--engine-id",
+            REPLICA_ID,
+            "--heartbeat-ttl-s",
+            "3",
+        ],
+        {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url},
+        services.log_dir,
     )
     try:
         deadline = time.monotonic() + 120
@@ -126,6 +148,7 @@ def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: Runni
         r.close()
 
     with openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-        reply = client.chat.completions.create(model=services.model, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=4)
+        reply = client.chat.completions.create(
+            model=services.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
     assert reply.choices[0].finish_reason in ("length", "stop")

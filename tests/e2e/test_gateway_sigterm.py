@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import redis
 
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
-from shared.redis_server import free_port
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared.redis_server import free_port
 from tests.conftest import RunningServices, start_service, stop_all, wait_ready
 from tests.e2e.checks import answer_normally, wait_nothing_pending
 
@@ -29,8 +29,12 @@ from tests.e2e.checks import answer_normally, wait_nothing_pending
 def start_gateway(services: RunningServices, name: str, drain_timeout_s: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
-    gateway = start_service(name, ["gateway", "--host", "127.0.0.1", "--port", str(port),
-                                   "--drain-timeout-s", str(drain_timeout_s)], env, services.log_dir)
+    gateway = start_service(
+        name,
+        ["gateway", "--host", "127.0.0.1", "--port", str(port), "--gateway-drain-timeout-s", str(drain_timeout_s)],
+        env,
+        services.log_dir,
+    )
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, {name: gateway})
@@ -64,8 +68,9 @@ def assert_refusing(base_url: str, model: str) -> None:
         assert time.monotonic() < deadline, "still ready after SIGTERM"
         time.sleep(0.05)
     assert ready.json()["ready"] is False
-    refused = httpx.post(f"{base_url}/v1/completions", timeout=10,
-                         json={"model": model, "prompt": "Hello", "max_tokens": 4})
+    refused = httpx.post(
+        f"{base_url}/v1/completions", timeout=10, json={"model": model, "prompt": "Hello", "max_tokens": 4}
+    )
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
     assert "shutting down" in refused.json()["error"]["message"]
 
@@ -82,8 +87,15 @@ def num_running(services: RunningServices) -> int:
 def test_a_stream_in_flight_finishes_after_sigterm_and_the_gateway_exits_0(services: RunningServices) -> None:
     gateway, base_url = start_gateway(services, "gateway-sigterm-drain", drain_timeout_s=60)
     try:
-        body = {"model": services.model, "prompt": "Once upon a time", "max_tokens": 64, "stream": True,
-                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": services.model,
+            "prompt": "Once upon a time",
+            "max_tokens": 64,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             stream = events(response.iter_lines())
@@ -103,8 +115,14 @@ def test_a_stream_in_flight_finishes_after_sigterm_and_the_gateway_exits_0(servi
 def test_a_stream_beyond_the_drain_timeout_ends_in_band_and_its_engine_stops(services: RunningServices) -> None:
     gateway, base_url = start_gateway(services, "gateway-sigterm-cut", drain_timeout_s=1)
     try:
-        body = {"model": services.model, "prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": services.model,
+            "prompt": "Once upon a time",
+            "max_tokens": 1500,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             stream = events(response.iter_lines())

@@ -12,10 +12,11 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.grpc_api import pagedserve_pb2 as pb
-from services.gateway.grpc_api import pagedserve_pb2_grpc as pb_grpc
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2 as pb
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2_grpc as pb_grpc
 from tests.conftest import RunningServices, start_service, stop_all, wait_ready
 from tests.e2e.test_reliability import _engine_load, _wait_idle
 
@@ -26,13 +27,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def channel(services: RunningServices, tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
-    from shared.redis_server import free_port
+    from pagedserve.shared.redis_server import free_port
 
     http_port, grpc_port = free_port(), free_port()
     log_dir: Path = tmp_path_factory.mktemp("grpc-gateway")
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
-    args = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--grpc-port", str(grpc_port),
-            "--api-key", KEY]  # fmt: skip
+    args = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--grpc-port", str(grpc_port), "--api-key", KEY]
     processes = {"gateway": start_service("gateway", args, env, log_dir)}
     try:
         wait_ready(f"http://127.0.0.1:{http_port}", processes)
@@ -50,8 +50,9 @@ def stub(channel: grpc.Channel) -> pb_grpc.GenerationStub:
 
 def _chat(model: str, **sampling: Any) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION]
-    return pb.GenerateRequest(model=model, chat=pb.ChatMessages(messages=messages),
-                              sampling=pb.SamplingParams(**sampling))  # fmt: skip
+    return pb.GenerateRequest(
+        model=model, chat=pb.ChatMessages(messages=messages), sampling=pb.SamplingParams(**sampling)
+    )
 
 
 def test_health_is_serving_without_a_key(channel: grpc.Channel) -> None:
@@ -67,8 +68,9 @@ def test_list_models(stub: pb_grpc.GenerationStub, services: RunningServices) ->
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", KEY),)])
-def test_a_bad_key_is_unauthenticated(stub: pb_grpc.GenerationStub, services: RunningServices,
-                                      metadata: tuple[tuple[str, str], ...]) -> None:  # fmt: skip
+def test_a_bad_key_is_unauthenticated(
+    stub: pb_grpc.GenerationStub, services: RunningServices, metadata: tuple[tuple[str, str], ...]
+) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(_chat(services.model, max_tokens=2), metadata=metadata, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -80,8 +82,9 @@ def test_a_bad_key_is_unauthenticated(stub: pb_grpc.GenerationStub, services: Ru
 def test_streaming_generate_equals_http_greedy(stub: pb_grpc.GenerationStub, services: RunningServices) -> None:
     client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300)
     http_chat = client.chat.completions.create(model=services.model, messages=QUESTION, temperature=0, max_tokens=16)
-    http_text = client.completions.create(model=services.model, prompt="The capital of France is", temperature=0,
-                                          max_tokens=8, logprobs=2)  # fmt: skip
+    http_text = client.completions.create(
+        model=services.model, prompt="The capital of France is", temperature=0, max_tokens=8, logprobs=2
+    )
 
     responses = list(stub.Generate(_chat(services.model, temperature=0, max_tokens=16), metadata=AUTH, timeout=300))
     assert len(responses) > 2  # streamed, not one message
@@ -90,8 +93,11 @@ def test_streaming_generate_equals_http_greedy(stub: pb_grpc.GenerationStub, ser
     assert responses[-1].usage.completion_tokens == http_chat.usage.completion_tokens
     assert sum(len(r.token_ids) for r in responses) == http_chat.usage.completion_tokens
 
-    request = pb.GenerateRequest(model=services.model, prompt="The capital of France is",
-                                 sampling=pb.SamplingParams(temperature=0, max_tokens=8, logprobs=2))  # fmt: skip
+    request = pb.GenerateRequest(
+        model=services.model,
+        prompt="The capital of France is",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+    )
     responses = list(stub.Generate(request, metadata=AUTH, timeout=300))
     assert "".join(r.text for r in responses) == http_text.choices[0].text
     logprobs = [lp for r in responses for lp in r.logprobs]
@@ -100,22 +106,66 @@ def test_streaming_generate_equals_http_greedy(stub: pb_grpc.GenerationStub, ser
     assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
 
 
-@pytest.mark.parametrize(("request_fields", "sampling", "code", "named"), [
-    ({"prompt": "hi"}, {"temperature": 5.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ({"prompt": "hi"}, {"n": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
-    ({"prompt": "hi"}, {"logit_bias": {"not-a-token": 1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
-    ({"chat": pb.ChatMessages()}, {}, grpc.StatusCode.INVALID_ARGUMENT, "messages"),
-    ({"chat": pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])}, {},
-     grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"),
-    ({}, {}, grpc.StatusCode.INVALID_ARGUMENT, "input"),
-    ({"prompt": "hi " * 3000}, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),  # longer than the context
-    ({"prompt": "hi", "model": "no-such-model"}, {}, grpc.StatusCode.NOT_FOUND, "model"),
-])
-def test_bad_input_is_invalid_argument(stub: pb_grpc.GenerationStub, services: RunningServices,
-                                       request_fields: dict[str, Any], sampling: dict[str, Any],
-                                       code: grpc.StatusCode, named: str) -> None:  # fmt: skip
-    request = pb.GenerateRequest(**{"model": services.model, **request_fields},
-                                 sampling=pb.SamplingParams(**sampling))  # fmt: skip
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_reach_the_chat_template_as_over_http(stub: pb_grpc.GenerationStub, services: RunningServices) -> None:
+    """One request builder for both front doors: the same tools give the same prompt over gRPC and HTTP."""
+    client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+    plain = client.chat.completions.create(model=services.model, messages=QUESTION, temperature=0, max_tokens=1)
+    http = client.chat.completions.create(
+        model=services.model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=1,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+    )
+    assert http.usage is not None and plain.usage is not None
+    assert http.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tool
+    tool = struct_pb2.Struct()
+    tool.update(WEATHER_TOOL)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in QUESTION], tools=[tool])
+    request = pb.GenerateRequest(
+        model=services.model, chat=chat, sampling=pb.SamplingParams(temperature=0, max_tokens=1)
+    )
+    responses = list(stub.Generate(request, metadata=AUTH, timeout=300))
+    assert responses[-1].usage.prompt_tokens == http.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "sampling", "code", "named"),
+    [
+        ({"prompt": "hi"}, {"temperature": 5.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ({"prompt": "hi"}, {"n": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
+        ({"prompt": "hi"}, {"logit_bias": {"not-a-token": 1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"chat": pb.ChatMessages()}, {}, grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        (
+            {"chat": pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])},
+            {},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].role",
+        ),
+        ({}, {}, grpc.StatusCode.INVALID_ARGUMENT, "input"),
+        ({"prompt": "hi " * 3000}, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),  # longer than the context
+        ({"prompt": "hi", "model": "no-such-model"}, {}, grpc.StatusCode.NOT_FOUND, "model"),
+    ],
+)
+def test_bad_input_is_invalid_argument(
+    stub: pb_grpc.GenerationStub,
+    services: RunningServices,
+    request_fields: dict[str, Any],
+    sampling: dict[str, Any],
+    code: grpc.StatusCode,
+    named: str,
+) -> None:
+    request = pb.GenerateRequest(**{"model": services.model, **request_fields}, sampling=pb.SamplingParams(**sampling))
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(request, metadata=AUTH, timeout=60))
     assert err.value.code() == code
@@ -123,8 +173,12 @@ def test_bad_input_is_invalid_argument(stub: pb_grpc.GenerationStub, services: R
 
 
 def _long_generation(model: str, request_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(model=model, request_id=request_id, prompt="Once upon a time",
-                              sampling=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    return pb.GenerateRequest(
+        model=model,
+        request_id=request_id,
+        prompt="Once upon a time",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True),
+    )
 
 
 def _read_until_running(responses: Any, services: RunningServices, idle_free: int) -> None:

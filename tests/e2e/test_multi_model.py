@@ -35,8 +35,10 @@ def second_model(services: RunningServices, tiny_model_dir: Path) -> Iterator[di
     processes = {
         "tiny-tokenizer": start_service("tiny-tokenizer", ["tokenizer", *common], env, services.log_dir),
         "tiny-engine": start_service(
-            "tiny-engine", ["engine", *common, "--device", "cpu", "--cpu-threads", "1", "--heartbeat-ttl-s", "3"],
-            env, services.log_dir,
+            "tiny-engine",
+            ["engine", *common, "--device", "cpu", "--cpu-threads", "1", "--heartbeat-ttl-s", "3"],
+            env,
+            services.log_dir,
         ),
     }
     deadline = time.monotonic() + 120
@@ -59,17 +61,20 @@ def test_two_models_answer_concurrently_each_by_its_own_engine(
 
     async def go() -> list[openai.types.Completion]:
         async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0) as client:
-            return await asyncio.gather(*(
-                client.completions.create(model=m, prompt=prompt_ids, max_tokens=8, temperature=0,
-                                          extra_body={"ignore_eos": True})
-                for m in (services.model, TINY)
-            ))
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=m, prompt=prompt_ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                    for m in (services.model, TINY)
+                )
+            )
 
     big, tiny = asyncio.run(go())
     assert (big.model, tiny.model) == (services.model, TINY)
     # The tiny model's answer must be the tiny model's own greedy continuation (HF as the oracle).
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    expected_ids = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0, len(prompt_ids):]
+    expected_ids = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0, len(prompt_ids) :]
     assert tiny.usage is not None and tiny.usage.completion_tokens == 8
     from transformers import AutoTokenizer
 
@@ -93,7 +98,9 @@ def test_a_model_whose_engine_dies_drops_out_and_answers_503(
     assert err.value.status_code == 503
     assert err.value.response.headers.get("retry-after")
     ok = client.chat.completions.create(
-        model=services.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=12,
+        model=services.model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=12,
     )
     assert "Paris" in (ok.choices[0].message.content or "")

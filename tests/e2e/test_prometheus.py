@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from shared.redis_server import free_port
+from pagedserve.shared.redis_server import free_port
 from tests.conftest import RunningServices
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/pagedserve.json"
@@ -31,16 +31,30 @@ def prometheus(services: RunningServices, tmp_path_factory: pytest.TempPathFacto
     assert services.metrics_ports is not None
     work = tmp_path_factory.mktemp("prometheus")
     gateway = services.base_url.removeprefix("http://")
-    jobs = {"gateway": gateway, "tokenizer": f"127.0.0.1:{services.metrics_ports['tokenizer']}",
-            "engine": f"127.0.0.1:{services.metrics_ports['engine']}"}
-    config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": f"pagedserve-{job}", "static_configs": [{"targets": [target]}]}
-                                 for job, target in jobs.items()]}
+    jobs = {
+        "gateway": gateway,
+        "tokenizer": f"127.0.0.1:{services.metrics_ports['tokenizer']}",
+        "engine": f"127.0.0.1:{services.metrics_ports['engine']}",
+    }
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": f"pagedserve-{job}", "static_configs": [{"targets": [target]}]} for job, target in jobs.items()
+        ],
+    }
     (work / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     log = (work / "prometheus.log").open("wb")
-    process = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work}/data",
-                                f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work}/data",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -83,13 +97,23 @@ def test_prometheus_scrapes_every_service(services: RunningServices, prometheus:
 
     client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0)
     for i in range(3):
-        client.chat.completions.create(model=services.model, messages=[{"role": "user", "content": f"Count to {i}"}],
-                                       max_tokens=4, extra_body={"ignore_eos": True})
+        client.chat.completions.create(
+            model=services.model,
+            messages=[{"role": "user", "content": f"Count to {i}"}],
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
+        )
 
-    _wait_for(prometheus, 'sum(pagedserve_requests_total{route="/v1/chat/completions",status="200"})',
-              lambda r: float(r[0]["value"][1]) >= start + 3)
-    buckets = _wait_for(prometheus, f'pagedserve_time_to_first_token_seconds_bucket{{model="{services.model}"}}',
-                        lambda r: any(s["metric"]["le"] == "+Inf" and float(s["value"][1]) >= 3 for s in r))
+    _wait_for(
+        prometheus,
+        'sum(pagedserve_requests_total{route="/v1/chat/completions",status="200"})',
+        lambda r: float(r[0]["value"][1]) >= start + 3,
+    )
+    buckets = _wait_for(
+        prometheus,
+        f'pagedserve_time_to_first_token_seconds_bucket{{model="{services.model}"}}',
+        lambda r: any(s["metric"]["le"] == "+Inf" and float(s["value"][1]) >= 3 for s in r),
+    )
     assert len({s["metric"]["le"] for s in buckets}) >= 10  # a real histogram: one series per bucket
     kv = _wait_for(prometheus, "pagedserve_engine_kv_cache_usage_ratio", lambda r: len(r) == 1)
     assert 0.0 <= float(kv[0]["value"][1]) <= 1.0 and kv[0]["metric"]["job"] == "pagedserve-engine"
@@ -99,8 +123,9 @@ def test_prometheus_scrapes_every_service(services: RunningServices, prometheus:
     # The dashboard: valid PromQL over exported names only.
     panels = json.loads(DASHBOARD.read_text())["panels"]
     expressions = [t["expr"].replace("$__rate_interval", "1m") for p in panels for t in p["targets"]]
-    exported = {s["metric"]["__name__"] for s in _query(prometheus, '{__name__=~"pagedserve_.*"}')}
-    used = {name for e in expressions for name in re.findall(r"pagedserve_\w+", e)}
+    exported = {s["metric"]["__name__"] for s in _query(prometheus, '{__name__=~"pagedserve_.*|vllm:.*"}')}
+    used = {name for e in expressions for name in re.findall(r"\b(?:pagedserve_|vllm:)[\w:]+", e)}
+    assert any(name.startswith("vllm:") for name in used)  # the dashboard speaks vLLM's names
     assert used <= exported, f"dashboard metrics not exported: {sorted(used - exported)}"
     for expr in expressions:
         _query(prometheus, expr)

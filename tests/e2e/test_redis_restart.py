@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.model_source import DEFAULT_MODEL
-from shared.redis_server import PrivateRedis
+from pagedserve.shared.model_source import DEFAULT_MODEL
+from pagedserve.shared.redis_server import PrivateRedis
 from tests.conftest import running_stack
 from tests.e2e.checks import answer_normally, wait_nothing_pending
 
@@ -58,8 +58,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 async def stream_until_done(client: httpx.AsyncClient, prompt: str, first_token: asyncio.Event) -> list[Any]:
-    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 300, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": DEFAULT_MODEL,
+        "prompt": prompt,
+        "max_tokens": 300,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     events: list[Any] = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -73,8 +79,9 @@ async def stream_until_done(client: httpx.AsyncClient, prompt: str, first_token:
 
 def refused_quickly(base_url: str) -> httpx.Response:
     started = time.monotonic()
-    response = httpx.post(f"{base_url}/v1/completions", timeout=10,
-                          json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4})
+    response = httpx.post(
+        f"{base_url}/v1/completions", timeout=10, json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4}
+    )
     assert time.monotonic() - started < 3, "a request during the outage waited instead of failing fast"
     return response
 
@@ -84,8 +91,11 @@ def first_success_after(base_url: str, limit_s: float) -> float:
     started = time.monotonic()
     while True:
         try:
-            response = httpx.post(f"{base_url}/v1/completions", timeout=5,
-                                  json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4})
+            response = httpx.post(
+                f"{base_url}/v1/completions",
+                timeout=5,
+                json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4},
+            )
             if response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4:
                 return time.monotonic() - started
         except httpx.HTTPError:
@@ -100,8 +110,10 @@ def test_redis_restart_under_load(stack: Stack) -> None:
     async def scenario() -> tuple[list[list[Any]], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             started = [asyncio.Event() for _ in range(NUM_STREAMS)]
-            tasks = [asyncio.create_task(stream_until_done(client, f"Tell a long story number {i}.", started[i]))
-                     for i in range(NUM_STREAMS)]
+            tasks = [
+                asyncio.create_task(stream_until_done(client, f"Tell a long story number {i}.", started[i]))
+                for i in range(NUM_STREAMS)
+            ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
             assert stack.redis.process is not None
             stack.redis.process.kill()  # a crash: no clean shutdown, everything in memory is lost

@@ -10,8 +10,8 @@ import httpx
 import openai
 import redis
 
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
 from tests.conftest import RunningServices
 
 
@@ -39,8 +39,14 @@ def _wait_idle(services: RunningServices, idle_free: int, timeout_s: float) -> E
 
 def test_client_disconnect_mid_stream_frees_the_sequence(services: RunningServices) -> None:
     idle = _wait_idle(services, _engine_load(services).num_total_blocks, 30)
-    body = {"model": services.model, "prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": services.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 1500,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{services.base_url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -67,10 +73,15 @@ def test_cancellation_storm_then_a_normal_request(services: RunningServices) -> 
 
     async def abandon(client: openai.AsyncOpenAI, i: int) -> None:
         with contextlib.suppress(TimeoutError, openai.APIError):
-            await asyncio.wait_for(client.chat.completions.create(
-                model=services.model, messages=[{"role": "user", "content": f"Tell me a long story number {i}."}],
-                max_tokens=400, stream=(i % 2 == 0),
-            ), timeout=0.3)
+            await asyncio.wait_for(
+                client.chat.completions.create(
+                    model=services.model,
+                    messages=[{"role": "user", "content": f"Tell me a long story number {i}."}],
+                    max_tokens=400,
+                    stream=(i % 2 == 0),
+                ),
+                timeout=0.3,
+            )
 
     async def storm() -> None:
         async with openai.AsyncOpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0) as aclient:

@@ -17,9 +17,9 @@ import openai
 import pytest
 import redis
 
-from shared import streams
-from shared.protocol import EngineHeartbeat, decode_as
-from shared.redis_server import free_port
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared.redis_server import free_port
 from tests.conftest import RunningServices, start_service, stop_all
 from tests.e2e.checks import num_pending
 from tests.e2e.tiny_llama import build_tiny_llama
@@ -39,8 +39,9 @@ class ScaledServices:
 
 
 @pytest.fixture(scope="module")
-def scaled(services: RunningServices, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ScaledServices]:
+def scaled(
+    services: RunningServices, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ScaledServices]:
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
     common = ["--model", str(model_dir), "--served-model-name", MODEL]
@@ -48,14 +49,31 @@ def scaled(services: RunningServices, smollm2_dir: Path, tmp_path_factory: pytes
     processes = {
         "scale-tokenizer": start_service("scale-tokenizer", ["tokenizer", *common], env, services.log_dir),
         **{
-            engine_id: start_service(engine_id, ["engine", *common, "--engine-id", engine_id, "--device", "cpu",
-                                                 "--cpu-threads", "1"], env, services.log_dir)
+            engine_id: start_service(
+                engine_id,
+                ["engine", *common, "--engine-id", engine_id, "--device", "cpu", "--cpu-threads", "1"],
+                env,
+                services.log_dir,
+            )
             for engine_id in ENGINE_IDS
         },
         "scale-gateway": start_service(
-            "scale-gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
-                              "--gateway-id", GATEWAY_ID, "--max-in-flight", str(2 * NUM_STREAMS)],
-            env, services.log_dir,
+            "scale-gateway",
+            [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+                "--gateway-id",
+                GATEWAY_ID,
+                "--max-in-flight",
+                str(2 * NUM_STREAMS),
+            ],
+            env,
+            services.log_dir,
         ),
     }
     scaled = ScaledServices(f"http://127.0.0.1:{port}", services.redis_url, processes)
@@ -93,8 +111,13 @@ def _heartbeats(scaled: ScaledServices) -> dict[str, EngineHeartbeat]:
 async def _stream(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int, str | None]:
     text, finish, usage = "", None, 0
     stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
         if chunk.choices:
@@ -108,9 +131,12 @@ async def _stream(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int, st
 def test_1024_concurrent_streams_over_two_workers_and_two_engines(scaled: ScaledServices) -> None:
     async def run() -> tuple[dict[str, str], list[tuple[str, int, str | None]]]:
         limits = httpx.Limits(max_connections=NUM_STREAMS, max_keepalive_connections=NUM_STREAMS)
-        async with httpx.AsyncClient(limits=limits, timeout=300) as http, openai.AsyncOpenAI(
-            base_url=f"{scaled.base_url}/v1", api_key="x", max_retries=0, http_client=http
-        ) as client:
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=300) as http,
+            openai.AsyncOpenAI(
+                base_url=f"{scaled.base_url}/v1", api_key="x", max_retries=0, http_client=http
+            ) as client,
+        ):
             expected = {p: (await _stream(client, p))[0] for p in PROMPTS}  # one at a time: the reference
             results = await asyncio.gather(*(_stream(client, PROMPTS[i % len(PROMPTS)]) for i in range(NUM_STREAMS)))
             return expected, results

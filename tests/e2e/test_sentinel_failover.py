@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.model_source import DEFAULT_MODEL
+from pagedserve.shared.model_source import DEFAULT_MODEL
 from tests.conftest import running_stack
 from tests.sentinel_cluster import SentinelCluster
 
@@ -36,13 +36,19 @@ def sentinel_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
 
 def _stream_outcome(base_url: str, i: int) -> str:
     """'complete', 'in-band error', or 'rejected <status>' for a request refused before its stream began."""
-    body = {"model": DEFAULT_MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 40, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": DEFAULT_MODEL,
+        "prompt": f"Story {i}: once upon a time",
+        "max_tokens": 40,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     timeout = httpx.Timeout(10, read=30)  # a stream silent for 30 s counts as a hang
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as response:
         if response.status_code != 200:
             return f"rejected {response.status_code}"
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", f"stream {i} did not end with [DONE]: {events[-3:]}"
     chunks = [json.loads(e) for e in events[:-1]]
     if any("error" in c for c in chunks):
@@ -108,8 +114,10 @@ def test_killing_the_master_under_load(sentinel_stack: tuple[SentinelCluster, st
     assert not errors, errors
     at_kill = [o for start, end, o in outcomes if start < killed_at < end]
     after = [o for start, _, o in outcomes if start > recovered_at]
-    print(f"recovered {recovered_after:.1f}s after the kill; streams in flight at the kill: {at_kill}; "
-          f"all: { {o: [x for _, _, x in outcomes].count(o) for o in {x for _, _, x in outcomes}} }")
+    print(
+        f"recovered {recovered_after:.1f}s after the kill; streams in flight at the kill: {at_kill}; "
+        f"all: { {o: [x for _, _, x in outcomes].count(o) for o in {x for _, _, x in outcomes}} }"
+    )
     assert at_kill  # the kill hit streams mid-way
     assert set(at_kill) <= {"complete", "in-band error"}, at_kill
     assert {o for _, _, o in outcomes} <= {"complete", "in-band error", "rejected 503"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,19 +15,69 @@ import openai
 import psutil
 import pytest
 
-from shared.redis_server import free_port
-from tests.conftest import wait_ready
+from pagedserve.shared.redis_server import free_port
+
+# Typed as a `vllm serve` user types them; each must reach the process that honours it.
+VLLM_FLAGS = [
+    "--served-model-name",
+    "smol",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "6",
+    "--block-size",
+    "8",
+    "--max-num-batched-tokens",
+    "512",
+    "--enforce-eager",
+    "--dtype",
+    "float",
+    "--kv-cache-dtype",
+    "auto",
+    "--load-format",
+    "safetensors",
+    "--seed",
+    "3",
+    "--no-enable-prefix-caching",
+    "--api-key",
+    "k",
+    "--gpu-memory-utilization",
+    "0.8",
+    "--generation-config",
+    "vllm",
+    "--uvicorn-log-level",
+    "warning",
+    "--disable-log-requests",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--trust-remote-code",
+    "-tp",
+    "1",
+]
 
 
 def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_REDIS_URL"}  # no Redis configured
-    env["PAGEDSERVE_ENGINE_CPU_THREADS"] = "1"
+    env["PAGEDSERVE_CPU_THREADS"] = "1"
     log = (tmp_path / "serve.log").open("wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "1024"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "pagedserve",
+            "serve",
+            str(smollm2_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *VLLM_FLAGS,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -35,17 +86,41 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
             assert serve.poll() is None and time.monotonic() < deadline, "serve never said it was ready"
             time.sleep(0.2)
         assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
-        assert [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=5).json()["data"]] == [
-            "SmolLM2-135M-Instruct"]
-        wait_ready(base_url, {"serve": serve})
+        assert httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 401  # --api-key
+        models = httpx.get(f"{base_url}/v1/models", headers={"Authorization": "Bearer k"}, timeout=5).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("smol", 1024)]
+        output = (tmp_path / "serve.log").read_text()
+        assert "ignoring --trust-remote-code" in output
+        engine_line = next(line for line in output.splitlines() if "engine settings: " in line)
+        engine = json.loads(engine_line.split("engine settings: ", 1)[1])
+        assert engine["scheduler"] == {**engine["scheduler"], "max_num_seqs": 6, "max_num_batched_tokens": 512}
+        assert engine["cache"] == {
+            **engine["cache"],
+            "block_size": 8,
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.8,
+            "kv_cache_dtype": "auto",
+        }
+        assert engine["model"] == {
+            **engine["model"],
+            "dtype": "float32",
+            "seed": 3,
+            "load_format": "auto",
+            "generation_config": "vllm",
+            "served_model_name": "smol",
+        }
+        assert engine["runner"]["enforce_eager"] is True and engine["parallel"]["tensor_parallel_size"] == 1
+        assert "KV blocks of 8 tokens, max_model_len 1024" in output
         children = psutil.Process(serve.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and all(s in names for s in ("tokenizer", "engine", "gateway"))
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         reply = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            temperature=0, max_tokens=12,
+            model="smol",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=12,
         )
         assert "Paris" in (reply.choices[0].message.content or "")
 

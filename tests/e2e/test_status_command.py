@@ -8,13 +8,13 @@ import time
 
 import redis
 
-from shared import streams
+from pagedserve.shared import streams
 from tests.conftest import RunningServices
 
 
 def _status(services: RunningServices) -> str:
-    result = subprocess.run([sys.executable, "-m", "services.cli", "status", "--redis-url", services.redis_url],
-                            capture_output=True, text=True, timeout=60, check=True)
+    command = [sys.executable, "-m", "pagedserve", "status", "--redis-url", services.redis_url]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     return result.stdout
 
 

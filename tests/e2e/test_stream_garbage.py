@@ -7,7 +7,7 @@ import time
 import openai
 import redis
 
-from shared import streams
+from pagedserve.shared import streams
 from tests.conftest import RunningServices
 
 
@@ -25,13 +25,17 @@ def test_garbage_entries_are_skipped_and_acked(services: RunningServices) -> Non
 
     client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
         max_tokens=12,
     )
     assert "Paris" in (reply.choices[0].message.content or "")
 
-    groups = {streams.request_stream(model): streams.TOKENIZER_GROUP,
-              streams.generate_stream(model): streams.engine_group(model)}
+    groups = {
+        streams.request_stream(model): streams.TOKENIZER_GROUP,
+        streams.generate_stream(model): streams.engine_group(model),
+    }
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         pending = {s: r.xpending_range(s, g, min="-", max="+", count=100) for s, g in groups.items()}

@@ -75,14 +75,21 @@ def is_valid(text: str | None, schema: dict[str, Any]) -> bool:
     return True
 
 
-def test_random_json_schemas_validate_and_unconstrained_fail(aclient: openai.AsyncOpenAI,
-                                                             services: RunningServices) -> None:
+def test_random_json_schemas_validate_and_unconstrained_fail(
+    aclient: openai.AsyncOpenAI, services: RunningServices
+) -> None:
     messages = [{"role": "user", "content": PROMPT}]
 
     async def ask(i: int, constrained: bool) -> Any:
         extra: dict[str, Any] = {"response_format": schema_format(i, SCHEMAS[i])} if constrained else {}
-        return await aclient.chat.completions.create(model=services.model, messages=messages, temperature=1.0,
-                                                     max_tokens=160 if constrained else 48, seed=i, **extra)
+        return await aclient.chat.completions.create(
+            model=services.model,
+            messages=messages,
+            temperature=1.0,
+            max_tokens=160 if constrained else 48,
+            seed=i,
+            **extra,
+        )
 
     async def run_all() -> tuple[list[Any], list[Any]]:  # sent together: the engine batches them
         constrained = asyncio.gather(*(ask(i, True) for i in range(NUM_SCHEMAS)))
@@ -99,8 +106,13 @@ def test_random_json_schemas_validate_and_unconstrained_fail(aclient: openai.Asy
 
 def test_json_object_always_parses(client: openai.OpenAI, services: RunningServices) -> None:
     reply = client.chat.completions.create(
-        model=services.model, messages=[{"role": "user", "content": "Describe a cat as JSON."}], temperature=1.0,
-        n=2, seed=7, max_tokens=120, response_format={"type": "json_object"},
+        model=services.model,
+        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        temperature=1.0,
+        n=2,
+        seed=7,
+        max_tokens=120,
+        response_format={"type": "json_object"},
     )
     for choice in reply.choices:
         if choice.finish_reason == "stop":
@@ -111,39 +123,72 @@ def test_json_object_always_parses(client: openai.OpenAI, services: RunningServi
 
 
 def test_vllm_extras_on_chat_and_completions(client: openai.OpenAI, services: RunningServices) -> None:
-    choice = client.completions.create(model=services.model, prompt="Is water wet? Answer:", max_tokens=8,
-                                       temperature=1.0, n=4, seed=1, extra_body={"guided_choice": ["yes", "no"]})
+    choice = client.completions.create(
+        model=services.model,
+        prompt="Is water wet? Answer:",
+        max_tokens=8,
+        temperature=1.0,
+        n=4,
+        seed=1,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
     assert {c.text for c in choice.choices} <= {"yes", "no"} and all(c.finish_reason == "stop" for c in choice.choices)
     regex = client.chat.completions.create(
-        model=services.model, messages=[{"role": "user", "content": "A date?"}], max_tokens=16, temperature=1.0,
+        model=services.model,
+        messages=[{"role": "user", "content": "A date?"}],
+        max_tokens=16,
+        temperature=1.0,
         extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"}},
     )
     text = regex.choices[0].message.content or ""
     assert len(text) == 10 and text.startswith("20") and text[4] == "-" and text[7] == "-", text
     streamed = client.completions.create(
-        model=services.model, prompt="Numbers:", max_tokens=24, temperature=1.0, stream=True, seed=3,
-        extra_body={"guided_json": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
-                                    "minItems": 2, "maxItems": 4}},
+        model=services.model,
+        prompt="Numbers:",
+        max_tokens=24,
+        temperature=1.0,
+        stream=True,
+        seed=3,
+        extra_body={
+            "guided_json": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                "minItems": 2,
+                "maxItems": 4,
+            }
+        },
     )
     chunks = list(streamed)
     values = json.loads("".join(c.choices[0].text for c in chunks if c.choices))
     assert 2 <= len(values) <= 4 and all(0 <= v <= 99 for v in values)
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                 "schema": {"type": "integer", "minimum": "a"}}}},
-     "response_format"),
-    ({"guided_regex": "([a-z"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),  # two constraints
-    ({"tool_choice": "required"}, "tool_choice"),  # no tools
-])
-def test_invalid_constraint_is_a_400_before_any_sse_byte(services: RunningServices, extra: dict[str, Any],
-                                                         param: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "a"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),  # two constraints
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ],
+)
+def test_invalid_constraint_is_a_400_before_any_sse_byte(
+    services: RunningServices, extra: dict[str, Any], param: str
+) -> None:
     body = {"model": services.model, "messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
     with httpx.stream("POST", f"{services.base_url}/v1/chat/completions", json=body, timeout=60) as response:
         raw = response.read()

@@ -18,8 +18,18 @@ TP_MODEL = "smollm2-tp2"
 def test_tensor_parallel_engine_answers_through_the_gateway(services: RunningServices) -> None:
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
     common = ["--served-model-name", TP_MODEL, "--max-model-len", "2048"]
-    engine_args = ["engine", *common, "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1",
-                   "--tensor-parallel-size", "2"]  # fmt: skip
+    engine_args = [
+        "engine",
+        *common,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cpu-threads",
+        "1",
+        "--tensor-parallel-size",
+        "2",
+    ]
     processes = {
         "tp-tokenizer": start_service("tp-tokenizer", ["tokenizer", *common], env, services.log_dir),
         "tp-engine": start_service("tp-engine", engine_args, env, services.log_dir),
@@ -31,12 +41,14 @@ def test_tensor_parallel_engine_answers_through_the_gateway(services: RunningSer
             assert time.monotonic() < deadline, "the TP=2 engine did not register"
             time.sleep(0.25)
         workers = psutil.Process(processes["tp-engine"].pid).children()
-        assert len(workers) == 1 and "services.engine.parallel.worker" in " ".join(workers[0].cmdline())
+        assert len(workers) == 1 and "pagedserve.services.engine.executor.worker" in " ".join(workers[0].cmdline())
 
         client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        answers = [client.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=12)
-                   for m in (services.model, TP_MODEL)]  # fmt: skip
+        answers = [
+            client.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=12)
+            for m in (services.model, TP_MODEL)
+        ]
         one_rank, two_ranks = (a.choices[0].message.content for a in answers)
         assert two_ranks and "Paris" in two_ranks
         assert two_ranks == one_rank

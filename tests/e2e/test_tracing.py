@@ -10,17 +10,32 @@ from tests.conftest import RunningServices
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
-EXPECTED = {"gateway.generate", "tokenizer.process", "tokenizer.tokenize", "stream.wait", "engine.generate",
-            "engine.queue", "engine.prefill", "engine.decode"}
+EXPECTED = {
+    "gateway.generate",
+    "tokenizer.process",
+    "tokenizer.tokenize",
+    "stream.wait",
+    "engine.generate",
+    "engine.queue",
+    "engine.prefill",
+    "engine.decode",
+}
 
 
 def test_a_request_is_one_trace_with_every_phase(services: RunningServices) -> None:
     assert services.otlp is not None
     reply = httpx.post(
-        f"{services.base_url}/v1/chat/completions", timeout=120,
+        f"{services.base_url}/v1/chat/completions",
+        timeout=120,
         headers={"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"},
-        json={"model": services.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-              "temperature": 0.5, "top_p": 0.9, "ignore_eos": True},
+        json={
+            "model": services.model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "ignore_eos": True,
+        },
     )
     assert reply.status_code == 200
     request_id = reply.json()["id"]

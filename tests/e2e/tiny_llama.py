@@ -11,8 +11,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 def build_tiny_llama(out: Path, smollm2_dir: Path) -> Path:
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
         eos_token_id=2,
     )
     torch.manual_seed(0)

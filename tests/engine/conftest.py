@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import load_model
-from services.engine.models.base import CausalLM
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.shared.config import Config
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +34,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
         initializer_range=0.5,  # sharper logits than the default, so tokens depend on the context
     )
     torch.manual_seed(0)
@@ -53,4 +61,4 @@ def tiny_model(tiny_model_dir: Path) -> CausalLM:
 @pytest.fixture()
 def engine(tiny_model: CausalLM, tiny_model_dir: Path) -> Engine:
     """A small paged engine over the tiny model (64 blocks of 4 tokens)."""
-    return Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
+    return Engine(Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4), model=tiny_model)

@@ -6,10 +6,10 @@ import itertools
 
 import torch
 
-from services.engine.engine import Engine
-from services.engine.outputs import RequestOutput
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.outputs import RequestOutput
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 
@@ -24,8 +24,15 @@ def make_request(
     arrival = next(_arrivals)
     params = params or SamplingParams(max_tokens=max_tokens)
     return Request.create(
-        request_id or f"req-{arrival}", 0, prompt_token_ids, [], params, params.max_tokens or max_tokens,
-        eos_token_ids, arrival, torch.device("cpu"),
+        request_id or f"req-{arrival}",
+        0,
+        prompt_token_ids,
+        [],
+        params,
+        params.max_tokens or max_tokens,
+        eos_token_ids,
+        arrival,
+        torch.device("cpu"),
     )
 
 

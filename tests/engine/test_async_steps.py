@@ -14,22 +14,33 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.engine import Engine
-from services.engine.input_batch import PLACEHOLDER_TOKEN_ID, InputBuffers, build_host_batch, pad_decode_batch
-from services.engine.models.base import CausalLM
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
+from pagedserve.services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.input_batch import (
+    PLACEHOLDER_TOKEN_ID,
+    InputBuffers,
+    build_host_batch,
+    pad_decode_batch,
+)
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.outputs import RequestOutput
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.scheduler import ScheduledRequest
+from pagedserve.shared.config import Config
 from tests.engine.engine_helpers import make_request
 
 EOS = 2
 
 
 def make_engine(model: CausalLM, model_dir: Path, is_async: bool, num_kv_blocks: int = 64) -> Engine:
-    config = EngineConfig(model_dir=model_dir, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=8,
-                          max_num_batched_tokens=24, async_scheduling=is_async)  # fmt: skip
+    config = Config.of(
+        model=str(model_dir),
+        num_kv_blocks=num_kv_blocks,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        async_scheduling=is_async,
+    )
     return Engine(config, model=model)
 
 
@@ -65,14 +76,16 @@ def workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
     cases = []
     for i in range(14):
         prompt = (shared if i % 3 == 0 else []) + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))]
-        params = rng.choice([
-            SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=i, max_tokens=10, logit_bias={EOS: 3.0}),  # EOS stops
-            SamplingParams(temperature=0.8, seed=i, max_tokens=9, min_tokens=4, logit_bias={EOS: 4.0}),
-            SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[rng.randrange(3, 256)], logprobs=2),
-            SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=7, logit_bias={EOS: 2.0}),
-            SamplingParams(temperature=1.0, seed=i, max_tokens=6, repetition_penalty=1.3),  # no overlap
-        ])  # fmt: skip
+        params = rng.choice(
+            [
+                SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True),
+                SamplingParams(temperature=1.0, seed=i, max_tokens=10, logit_bias={EOS: 3.0}),  # EOS stops
+                SamplingParams(temperature=0.8, seed=i, max_tokens=9, min_tokens=4, logit_bias={EOS: 4.0}),
+                SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[rng.randrange(3, 256)], logprobs=2),
+                SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=7, logit_bias={EOS: 2.0}),
+                SamplingParams(temperature=1.0, seed=i, max_tokens=6, repetition_penalty=1.3),  # no overlap
+            ]
+        )
         cases.append((f"r{i}", prompt, params))
     return cases
 
@@ -176,8 +189,9 @@ def test_persistent_buffers_and_padded_graph_batches_match(tiny_model: CausalLM,
         if is_cuda_like:
             runner = engine.runner
             runner.buffers = InputBuffers(24, 8, -(-engine.max_model_len // 4), torch.device("cpu"))
-            runner.graphs = EagerGraphs(tiny_model, runner.kv_caches, runner.buffers, [1, 2, 4, 8],
-                                        engine.max_model_len)  # fmt: skip
+            runner.graphs = EagerGraphs(
+                tiny_model, runner.kv_caches, runner.buffers, [1, 2, 4, 8], engine.max_model_len
+            )
             runner.capture_graphs()
         for request_id, prompt, params in cases:
             engine.add_request(request_id, prompt, params)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
-from services.engine.service import _resumed_choices
-from shared.protocol import GenerateRequest
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.service import _resumed_choices
+from pagedserve.shared.protocol import GenerateRequest
 from tests.engine.engine_helpers import run, tokens_of
 
 PROMPT = [5, 6, 7]
@@ -51,13 +51,16 @@ def test_a_choice_already_at_max_tokens_finishes_without_tokens(engine: Engine) 
     assert len(tokens_of(results["full", 1])) == 1 and results["full", 1][-1].finish_reason == "length"
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"choice_output_token_ids": {2: [9]}}, "n"),  # index outside 0..n-1
-    ({"choice_output_token_ids": {}}, "n"),  # nothing to resume
-    ({"output_token_ids": [9]}, "n"),  # one shared list for n = 2
-    ({"output_token_ids": [9], "choice_output_token_ids": {0: [9]}}, "output_token_ids"),
-    ({"choice_output_token_ids": {0: [999]}}, "prompt"),  # outside the vocabulary
-])
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"choice_output_token_ids": {2: [9]}}, "n"),  # index outside 0..n-1
+        ({"choice_output_token_ids": {}}, "n"),  # nothing to resume
+        ({"output_token_ids": [9]}, "n"),  # one shared list for n = 2
+        ({"output_token_ids": [9], "choice_output_token_ids": {0: [9]}}, "output_token_ids"),
+        ({"choice_output_token_ids": {0: [999]}}, "prompt"),  # outside the vocabulary
+    ],
+)
 def test_bad_continuations_are_refused(engine: Engine, kwargs: dict, param: str) -> None:
     with pytest.raises(ValueError, match=f"^{param}:"):
         engine.add_request("bad", PROMPT, greedy(4, n=2), **kwargs)
@@ -70,5 +73,6 @@ def test_the_wire_form_maps_indexes_to_tokens() -> None:
     assert _resumed_choices(GenerateRequest("r", "gw", "m", PROMPT, {}, output_token_ids=[4])) is None
     for indexes, tokens in (([0], [[1], [2]]), ([1, 1], [[1], [2]])):
         with pytest.raises(ValueError, match=r"^choice_indexes:"):
-            _resumed_choices(GenerateRequest("r", "gw", "m", PROMPT, {}, choice_indexes=indexes,
-                                             choice_output_token_ids=tokens))
+            _resumed_choices(
+                GenerateRequest("r", "gw", "m", PROMPT, {}, choice_indexes=indexes, choice_output_token_ids=tokens)
+            )

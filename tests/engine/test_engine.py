@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 from tests.engine.engine_helpers import run, tokens_of
 
 EOS = 2
@@ -108,9 +108,12 @@ def test_same_seed_same_tokens_with_different_neighbours(engine: Engine) -> None
     alone = engine.generate([prompt], params)[0].token_ids
     rng = random.Random(0)
     others = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 30))] for _ in range(6)]
-    mixed = engine.generate([*others[:3], prompt, *others[3:]],
-                            [SamplingParams(temperature=1.0, max_tokens=9)] * 3 + [params]
-                            + [SamplingParams(temperature=0.5, max_tokens=15)] * 3)
+    mixed = engine.generate(
+        [*others[:3], prompt, *others[3:]],
+        [SamplingParams(temperature=1.0, max_tokens=9)] * 3
+        + [params]
+        + [SamplingParams(temperature=0.5, max_tokens=15)] * 3,
+    )
     assert mixed[3].token_ids == alone
     other_seed = engine.generate([prompt], SamplingParams(temperature=1.0, seed=43, max_tokens=12, ignore_eos=True))
     assert other_seed[0].token_ids != alone
@@ -118,8 +121,9 @@ def test_same_seed_same_tokens_with_different_neighbours(engine: Engine) -> None
 
 def test_presence_penalty_avoids_repeats(engine: Engine) -> None:
     plain = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    penalized = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                                                                 presence_penalty=2.0))
+    penalized = engine.generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=2.0)
+    )
     assert len(set(penalized[0].token_ids)) > len(set(plain[0].token_ids))
 
 
@@ -141,8 +145,9 @@ def test_add_request_rejects_bad_input(engine: Engine) -> None:
 
 
 def test_has_room_tracks_waiting_queue(tiny_model: CausalLM, tiny_model_dir) -> None:
-    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4, max_num_waiting=2),
-                    model=tiny_model)
+    engine = Engine(
+        Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_waiting=2), model=tiny_model
+    )
     assert engine.has_room()
     engine.add_request("a", [5], GREEDY)
     engine.add_request("b", [5], GREEDY)
@@ -152,8 +157,10 @@ def test_has_room_tracks_waiting_queue(tiny_model: CausalLM, tiny_model_dir) -> 
 
 
 def test_a_full_engine_takes_only_a_few_more(tiny_model: CausalLM, tiny_model_dir) -> None:
-    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=256, block_size=4, max_num_seqs=4,
-                                 max_num_waiting=64), model=tiny_model)
+    engine = Engine(
+        Config.of(model=str(tiny_model_dir), num_kv_blocks=256, block_size=4, max_num_seqs=4, max_num_waiting=64),
+        model=tiny_model,
+    )
     assert engine.num_wanted() == 4 + 8  # every slot, plus the few that wait for one
     for i in range(4):
         engine.add_request(f"r{i}", [5], GREEDY)

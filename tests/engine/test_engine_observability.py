@@ -4,6 +4,7 @@ moves through queue → prefill → decode with a first-token event (in-memory s
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -11,16 +12,27 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.engine.metrics import EngineMetrics
-from services.engine.outputs import EngineStats
-from services.engine.request_trace import RequestTrace
-from shared.protocol import GenerateRequest
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.metrics import EngineMetrics
+from pagedserve.services.engine.outputs import EngineStats
+from pagedserve.services.engine.request_trace import RequestTrace
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.protocol import GenerateRequest
 
 
-def _stats(**overrides: int) -> EngineStats:
-    values = dict(num_running=0, num_waiting=0, num_free_blocks=100, num_total_blocks=100, num_preemptions=0,
-                  num_prefix_cache_query_tokens=0, num_prefix_cache_hit_tokens=0, num_computed_tokens=0,
-                  num_generated_tokens=0, num_steps=0)
+def _stats(**overrides: Any) -> EngineStats:
+    values = dict(
+        num_running=0,
+        num_waiting=0,
+        num_free_blocks=100,
+        num_total_blocks=100,
+        num_preemptions=0,
+        num_prefix_cache_query_tokens=0,
+        num_prefix_cache_hit_tokens=0,
+        num_computed_tokens=0,
+        num_generated_tokens=0,
+        num_steps=0,
+    )
     values.update(overrides)
     return EngineStats(**values)
 
@@ -35,12 +47,29 @@ def test_metrics_follow_the_engine_stats() -> None:
     metrics = EngineMetrics("m", "e")
     metrics.observe_load(_stats())
     metrics.observe_step(0.02, _stats(num_running=3))
-    metrics.observe_load(_stats(num_running=3, num_waiting=2, num_free_blocks=75, num_preemptions=1,
-                                num_prefix_cache_query_tokens=64, num_prefix_cache_hit_tokens=32,
-                                num_generated_tokens=3, num_computed_tokens=67))
-    metrics.observe_load(_stats(num_running=1, num_free_blocks=90, num_preemptions=1,
-                                num_prefix_cache_query_tokens=64, num_prefix_cache_hit_tokens=32,
-                                num_generated_tokens=7, num_computed_tokens=71))
+    metrics.observe_load(
+        _stats(
+            num_running=3,
+            num_waiting=2,
+            num_free_blocks=75,
+            num_preemptions=1,
+            num_prefix_cache_query_tokens=64,
+            num_prefix_cache_hit_tokens=32,
+            num_generated_tokens=3,
+            num_computed_tokens=67,
+        )
+    )
+    metrics.observe_load(
+        _stats(
+            num_running=1,
+            num_free_blocks=90,
+            num_preemptions=1,
+            num_prefix_cache_query_tokens=64,
+            num_prefix_cache_hit_tokens=32,
+            num_generated_tokens=7,
+            num_computed_tokens=71,
+        )
+    )
     assert _value(metrics, "pagedserve_engine_num_running") == 1
     assert _value(metrics, "pagedserve_engine_kv_cache_usage_ratio") == pytest.approx(0.10)
     assert _value(metrics, "pagedserve_engine_preemptions_total") == 1
@@ -50,6 +79,55 @@ def test_metrics_follow_the_engine_stats() -> None:
     assert _value(metrics, "pagedserve_engine_steps_total") == 1
     assert _value(metrics, "pagedserve_engine_batch_size_sum") == 3
     assert _value(metrics, "pagedserve_engine_step_duration_seconds_sum") == pytest.approx(0.02)
+
+
+def test_vllm_series_follow_the_engine_stats() -> None:
+    metrics = EngineMetrics("m", "e")
+    vllm = {"model_name": "m", "engine": "e"}
+    metrics.observe_load(_stats())
+    assert metrics.registry.get_sample_value("vllm:request_success_total", {**vllm, "finished_reason": "stop"}) == 0
+    metrics.observe_load(
+        _stats(
+            num_running=2,
+            num_waiting=1,
+            num_free_blocks=60,
+            num_prefix_cache_query_tokens=40,
+            num_prefix_cache_hit_tokens=16,
+            num_generated_tokens=9,
+            num_prompt_tokens=40,
+            num_finished_by_reason={"stop": 1, "length": 2},
+        )
+    )
+    metrics.observe_load(
+        _stats(
+            num_running=2,
+            num_waiting=1,
+            num_free_blocks=60,
+            num_prefix_cache_query_tokens=40,
+            num_prefix_cache_hit_tokens=16,
+            num_generated_tokens=11,
+            num_prompt_tokens=40,
+            num_finished_by_reason={"stop": 1, "length": 3},
+        )
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {**vllm, **labels})
+
+    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (2, 1)
+    assert value("vllm:kv_cache_usage_perc") == pytest.approx(0.4)  # a 0..1 fraction, as vLLM v1's
+    assert (value("vllm:prefix_cache_queries_total"), value("vllm:prefix_cache_hits_total")) == (40, 16)
+    assert (value("vllm:prompt_tokens_total"), value("vllm:generation_tokens_total")) == (40, 11)
+    assert value("vllm:request_success_total", finished_reason="length") == 3
+    assert value("vllm:request_success_total", finished_reason="stop") == 1
+
+
+def test_core_counts_prefilled_prompt_tokens_and_finishes_by_reason(engine: Engine) -> None:
+    before = engine.stats()
+    engine.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(max_tokens=3, ignore_eos=True))
+    after = engine.stats()
+    assert after.num_prompt_tokens - before.num_prompt_tokens == 8  # once each, not once per step
+    assert after.num_finished_by_reason.get("length", 0) - before.num_finished_by_reason.get("length", 0) == 2
 
 
 @pytest.fixture
@@ -67,8 +145,9 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 def test_request_trace_phases(spans: InMemorySpanExporter) -> None:
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    req = GenerateRequest("r1", "gw", "m", [1, 2, 3, 4], {"temperature": 0.7, "max_tokens": 5, "n": 1},
-                          traceparent=parent)
+    req = GenerateRequest(
+        "r1", "gw", "m", [1, 2, 3, 4], {"temperature": 0.7, "max_tokens": 5, "n": 1}, traceparent=parent
+    )
     rt = RequestTrace(req, "e")
     assert rt.admitted() >= 0
     rt.first_token()

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 NUM_NEW = 32
 TEXTS = [
@@ -21,7 +21,7 @@ TEXTS = [
     "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize "
     "foods from carbon dioxide and water. In plants, it",
     "Q: What is the boiling point of water at sea level?\nA:",
-    "import numpy as np\n\ndef normalize(x):\n    \"\"\"Scale a vector to unit length.\"\"\"\n",
+    'import numpy as np\n\ndef normalize(x):\n    """Scale a vector to unit length."""\n',
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown "
     "fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Then the fox",
 ]
@@ -52,7 +52,7 @@ def hf_greedy(hf_smol, prompts: list[list[int]]) -> list[list[int]]:
 
 def make_engine(model: CausalLM, model_dir: Path, **overrides) -> Engine:
     options = {"num_kv_blocks": 128, **overrides}
-    return Engine(EngineConfig(model_dir=model_dir, **options), model=model)
+    return Engine(Config.of(model=str(model_dir), **options), model=model)
 
 
 def test_batched_greedy_matches_hf(smol_model, smollm2_dir, prompts, hf_greedy) -> None:

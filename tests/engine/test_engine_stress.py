@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 NUM_REQUESTS = 1000
 BLOCK_SIZE = 4
@@ -35,8 +35,9 @@ def test_thousand_requests_in_a_small_cache(tiny_model: CausalLM, tiny_model_dir
     requests = workload(rng)
     blocks_needed = sum(-(-(len(p) + (s.max_tokens or 0)) // BLOCK_SIZE) for p, s in requests)
     num_blocks = blocks_needed // 20  # ~5% of what all requests would hold at once
-    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE),
-                    model=tiny_model)
+    engine = Engine(
+        Config.of(model=str(tiny_model_dir), num_kv_blocks=num_blocks, block_size=BLOCK_SIZE), model=tiny_model
+    )
     idle = engine.stats().num_free_blocks
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, params)

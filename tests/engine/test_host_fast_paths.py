@@ -13,18 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.engine.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, build_host_batch
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.models.base import CausalLM
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest, Scheduler
+from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, build_host_batch
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.scheduler import ScheduledRequest, Scheduler
 from tests.engine.engine_helpers import make_request
 from tests.engine.test_async_steps import make_engine, run, summary, workload
 
 
-def reference_host_batch(scheduled: list[ScheduledRequest], block_tables: list[list[int]], block_size: int,
-                         pending_rows: dict[Request, int]) -> HostBatch:  # fmt: skip
+def reference_host_batch(
+    scheduled: list[ScheduledRequest], block_tables: list[list[int]], block_size: int, pending_rows: dict[Request, int]
+) -> HostBatch:
     """The per-row construction the fast path replaced."""
     token_ids: list[int] = []
     patch_rows: list[int] = []
@@ -53,9 +54,19 @@ def reference_host_batch(scheduled: list[ScheduledRequest], block_tables: list[l
     tables = np.zeros((len(scheduled), num_cols), dtype=np.int32)
     for row, blocks in enumerate(tables_rows):
         tables[row, : min(len(blocks), num_cols)] = blocks[:num_cols]
-    return HostBatch(np.array(token_ids), np.array(positions), np.array(slots), np.array(query_start_loc),
-                     np.array(seq_lens), tables, np.array(logits_rows), np.array(patch_rows), np.array(patch_src),
-                     max(s.num_new_tokens for s in scheduled), max(seq_lens))  # fmt: skip
+    return HostBatch(
+        np.array(token_ids),
+        np.array(positions),
+        np.array(slots),
+        np.array(query_start_loc),
+        np.array(seq_lens),
+        tables,
+        np.array(logits_rows),
+        np.array(patch_rows),
+        np.array(patch_src),
+        max(s.num_new_tokens for s in scheduled),
+        max(seq_lens),
+    )
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
@@ -74,9 +85,12 @@ def test_host_batch_matches_per_row_reference(decode_only: bool) -> None:
             scheduled.append(ScheduledRequest(request, start, num_new, start + num_new == num_tokens))
             num_blocks = -(-(start + num_new) // block_size) + rng.choice([0, 0, 0, 2])  # sometimes spare blocks
             tables.append(rng.sample(range(500), num_blocks))
-        if any(r.all_token_ids[s.num_computed_tokens + s.num_new_tokens - 1] == PLACEHOLDER_TOKEN_ID
-               and s.num_computed_tokens + s.num_new_tokens < r.num_tokens
-               for s in scheduled for r in [s.request]):  # fmt: skip
+        if any(
+            r.all_token_ids[s.num_computed_tokens + s.num_new_tokens - 1] == PLACEHOLDER_TOKEN_ID
+            and s.num_computed_tokens + s.num_new_tokens < r.num_tokens
+            for s in scheduled
+            for r in [s.request]
+        ):
             continue  # (cannot happen: a placeholder is a sequence's last token, scheduled last)
         got = build_host_batch(scheduled, tables, block_size, pending)
         want = reference_host_batch(scheduled, tables, block_size, pending)
@@ -96,19 +110,25 @@ def scheduler_trace(fast: bool, seed: int) -> list[tuple]:
     for step in range(300):
         if step < 200 and rng.random() < 0.3:
             prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 12))]
-            scheduler.add(make_request(prompt, SamplingParams(max_tokens=rng.randint(1, 40)),
-                                       request_id=f"s{step}"))  # fmt: skip
+            scheduler.add(make_request(prompt, SamplingParams(max_tokens=rng.randint(1, 40)), request_id=f"s{step}"))
         output = scheduler.schedule()
         num_sampling = sum(s.is_sampling for s in output.scheduled)
         sampled = [2 if rng.random() < 0.03 else rng.randrange(5, 12) for _ in range(num_sampling)]  # 2: EOS
         scheduler.update(output, sampled)
         kv.check_invariants()
-        trace.append((
-            [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.is_sampling) for s in output.scheduled],
-            [r.request_id for r in output.preempted],
-            {r.request_id: kv.block_ids(r) for r in scheduler.running},
-            dict(kv._num_published), kv.pool.num_cached_blocks, kv.num_free_blocks,
-        ))  # fmt: skip
+        trace.append(
+            (
+                [
+                    (s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.is_sampling)
+                    for s in output.scheduled
+                ],
+                [r.request_id for r in output.preempted],
+                {r.request_id: kv.block_ids(r) for r in scheduler.running},
+                dict(kv._num_published),
+                kv.pool.num_cached_blocks,
+                kv.num_free_blocks,
+            )
+        )
     return trace
 
 
@@ -125,8 +145,9 @@ class EveryToken(set):
 
 
 @pytest.mark.parametrize("num_kv_blocks", [64, 20])
-def test_stop_token_prefilter_matches_checking_every_row(tiny_model: CausalLM, tiny_model_dir: Path,
-                                                         num_kv_blocks: int) -> None:  # fmt: skip
+def test_stop_token_prefilter_matches_checking_every_row(
+    tiny_model: CausalLM, tiny_model_dir: Path, num_kv_blocks: int
+) -> None:
     summaries = []
     for prefilter in (True, False):
         engine = make_engine(tiny_model, tiny_model_dir, is_async=True, num_kv_blocks=num_kv_blocks)

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
+from pagedserve.services.engine.block_pool import BlockPool
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager
+from pagedserve.services.engine.request import Request
 from tests.engine.engine_helpers import make_request
 
 BLOCK_SIZE = 4

@@ -13,9 +13,9 @@ import pytest
 import safetensors
 import torch
 
-from services.engine.models import load_model
-from services.engine.parallel.linear import attention_parts
-from services.engine.parallel.state import ParallelContext
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.parallel.linear import attention_parts
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 CPU = torch.device("cpu")
 
@@ -33,8 +33,10 @@ def _heads(num_heads: int, num_kv: int, world: int) -> list[tuple[list[int], lis
     return out
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv", "world"), [(32, 8, 2), (32, 8, 16), (9, 3, 2), (71, 1, 2),
-                                                             (64, 8, 8), (4, 4, 2), (64, 8, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv", "world"),
+    [(32, 8, 2), (32, 8, 16), (9, 3, 2), (71, 1, 2), (64, 8, 8), (4, 4, 2), (64, 8, 4)],
+)
 def test_every_query_head_sits_with_its_kv_head_exactly_once(num_heads: int, num_kv: int, world: int) -> None:
     parts = _heads(num_heads, num_kv, world)
     group = num_heads // num_kv
@@ -80,9 +82,11 @@ def test_rank_shards_are_slices_of_the_full_weights(tiny_model_dir: Path, monkey
             whole_reads.append(name)
             return self._handle.get_tensor(name)
 
-    monkeypatch.setattr("services.engine.parallel.loading.safe_open", CountingHandle)
-    shards = [dict(load_model(tiny_model_dir, "float32", CPU, show_progress=False,
-                              parallel=_ctx(rank, 2)).named_parameters()) for rank in range(2)]  # fmt: skip
+    monkeypatch.setattr("pagedserve.services.engine.parallel.loading.safe_open", CountingHandle)
+    shards = [
+        dict(load_model(tiny_model_dir, "float32", CPU, show_progress=False, parallel=_ctx(rank, 2)).named_parameters())
+        for rank in range(2)
+    ]
     assert whole_reads == []  # Llama tensors: get_slice only
 
     def joined(name: str, dim: int) -> torch.Tensor:
@@ -95,8 +99,9 @@ def test_rank_shards_are_slices_of_the_full_weights(tiny_model_dir: Path, monkey
     q, k, v = qkv.split([64, 32, 32])
     for rank, shard in enumerate(shards):
         rows = shard[layer + "self_attn.qkv_proj.weight"]
-        expected = torch.cat([q[rank * 32 : (rank + 1) * 32], k[rank * 16 : (rank + 1) * 16],
-                              v[rank * 16 : (rank + 1) * 16]])  # fmt: skip
+        expected = torch.cat(
+            [q[rank * 32 : (rank + 1) * 32], k[rank * 16 : (rank + 1) * 16], v[rank * 16 : (rank + 1) * 16]]
+        )
         assert torch.equal(rows, expected)
     gate, up = full[layer + "mlp.gate_up_proj.weight"].split(128)
     assert torch.equal(shards[1][layer + "mlp.gate_up_proj.weight"], torch.cat([gate[64:], up[64:]]))

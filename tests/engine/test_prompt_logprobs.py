@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.prompt_logprobs import PromptLogprobs, accumulate
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Then the fox",
@@ -34,7 +36,7 @@ def hf_prompt_logprobs(hf_smol, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def _engine(model: CausalLM, model_dir: Path, **overrides) -> Engine:
-    return Engine(EngineConfig(model_dir=model_dir, **{"num_kv_blocks": 128, **overrides}), model=model)
+    return Engine(Config.of(model=str(model_dir), **{"num_kv_blocks": 128, **overrides}), model=model)
 
 
 def _check(prompt: list[int], got, expected: torch.Tensor, k: int) -> None:
@@ -72,8 +74,10 @@ def test_chunked_prefill_and_prefix_cache(smol_model, smollm2_dir, prompts, hf_p
 
 def test_n_choices_and_neighbours_pay_nothing(smol_model, smollm2_dir, prompts, hf_prompt_logprobs) -> None:
     engine = _engine(smol_model, smollm2_dir)
-    params = [SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=1),
-              SamplingParams(temperature=0.0, max_tokens=4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=4),
+    ]
     with_logprobs, without = engine.generate(prompts, params)
     _check(prompts[0], with_logprobs.prompt_logprobs, hf_prompt_logprobs[0], 1)
     assert without.prompt_logprobs is None
@@ -84,3 +88,17 @@ def test_prompt_logprobs_are_validated(smol_model, smollm2_dir) -> None:
     engine = _engine(smol_model, smollm2_dir)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.add_request("bad", [1, 2, 3], SamplingParams(prompt_logprobs=21))
+
+
+def test_chunks_accumulate_each_position_once() -> None:
+    """Chunked prefill (and a recompute after preemption) may report a position twice: the first stays."""
+
+    def entry(token_id: int) -> TokenLogprob:
+        return TokenLogprob(token_id, -float(token_id), [])
+
+    collected: list[TokenLogprob | None] = []
+    accumulate(collected, PromptLogprobs(None, 1, [entry(1), entry(2)]))
+    accumulate(collected, PromptLogprobs(None, 2, [entry(99), entry(3)]))
+    accumulate(collected, PromptLogprobs(None, 5, [entry(5)]))  # a gap: not appended
+    assert collected[0] is None
+    assert [e.token_id for e in collected[1:] if e is not None] == [1, 2, 3]

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from services.engine.request import Request
-from services.engine.sampler import Sampler, apply_logit_edits, sampling_probs
-from services.engine.sampling_metadata import build_sampling_metadata
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.sampler import Sampler, apply_logit_edits, sampling_probs
+from pagedserve.services.engine.sampling_metadata import build_sampling_metadata
+from pagedserve.services.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_request
 
 VOCAB = 8

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.sampling_metadata import SamplingMetadataCache
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.sampling_metadata import SamplingMetadataCache
+from pagedserve.services.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_request
 
 CPU = torch.device("cpu")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager
+from pagedserve.services.engine.request import RequestStatus
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.scheduler import Scheduler, SchedulerOutput
 from tests.engine.engine_helpers import make_request
 
 BLOCK_SIZE = 4
@@ -178,4 +178,3 @@ def test_update_rejects_mismatched_samples() -> None:
     output = scheduler.schedule()
     with pytest.raises(ValueError):
         scheduler.update(output, [])
-

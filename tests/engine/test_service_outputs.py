@@ -6,17 +6,26 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.service import EngineService, _without_requests
-from shared.protocol import GenerateRequest, TokenDeltas
-from shared.settings import EngineSettings
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.service import EngineService, _without_requests
+from pagedserve.shared.config import Config
+from pagedserve.shared.protocol import GenerateRequest, TokenDeltas
 
 
 def deltas() -> TokenDeltas:
-    return TokenDeltas("eng", 7, ["a", "b", "a"], [0, 0, 1], [[1], [2], [3]], [None, None, None],
-                       [None, "length", None], [4, 5, 4], [1, 9, 1], [0, 0, 0])
+    return TokenDeltas(
+        "eng",
+        7,
+        ["a", "b", "a"],
+        [0, 0, 1],
+        [[1], [2], [3]],
+        [None, None, None],
+        [None, "length", None],
+        [4, 5, 4],
+        [1, 9, 1],
+        [0, 0, 0],
+    )
 
 
 def test_lost_requests_are_dropped_column_by_column() -> None:
@@ -24,7 +33,11 @@ def test_lost_requests_are_dropped_column_by_column() -> None:
     assert (kept.engine_id, kept.step) == ("eng", 7)
     assert (kept.request_ids, kept.indexes, kept.token_ids, kept.finish_reasons) == (["b"], [0], [[2]], ["length"])
     assert (kept.num_prompt_tokens, kept.num_output_tokens, kept.num_cached_tokens, kept.logprobs) == (
-        [5], [9], [0], [None])
+        [5],
+        [9],
+        [0],
+        [None],
+    )
 
 
 def test_nothing_lost_keeps_the_message() -> None:
@@ -34,8 +47,8 @@ def test_nothing_lost_keeps_the_message() -> None:
 
 
 def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
-    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=4), model=tiny_model)
-    service = EngineService(EngineSettings(), "m", engine, model_source=None)
+    engine = Engine(Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4), model=tiny_model)
+    service = EngineService(Config.of(engine_id="eng-test"), "m", engine, model_source=None)
     sent: list[tuple[str, Any]] = []
     service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
     params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}

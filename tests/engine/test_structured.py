@@ -14,18 +14,24 @@ import jsonschema
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_metadata import build_sampling_metadata
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured.compiler import compile_spec
-from shared.grammar_spec import GrammarSpec
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_metadata import build_sampling_metadata
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.compiler import compile_spec
+from pagedserve.shared.config import Config
+from pagedserve.shared.grammar_spec import GrammarSpec
 from tests.engine.engine_helpers import make_request
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +48,23 @@ def prompt(tokenizer: Any) -> list[int]:
 
 
 def make_engine(smollm2_dir: Path, model: CausalLM, **changes: Any) -> Engine:
-    settings: dict[str, Any] = dict(model_dir=smollm2_dir, num_kv_blocks=256, max_num_seqs=16, seed=1)
-    return Engine(EngineConfig(**{**settings, **changes}), model=model)
+    settings: dict[str, Any] = dict(model=str(smollm2_dir), num_kv_blocks=256, max_num_seqs=16, seed=1)
+    return Engine(Config.of(**{**settings, **changes}), model=model)
 
 
 def json_params(seed: int, max_tokens: int = 64) -> SamplingParams:
-    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                          structured_output=GrammarSpec.json_schema(PERSON))
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=max_tokens, structured_output=GrammarSpec.json_schema(PERSON)
+    )
 
 
 def output_text(tokenizer: Any, token_ids: list[int]) -> str:
     return str(tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
-def test_json_schema_outputs_validate_under_sampling(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any,
-                                                     prompt: list[int]) -> None:
+def test_json_schema_outputs_validate_under_sampling(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
     engine = make_engine(smollm2_dir, smol_model)
     results = engine.generate([prompt] * 4, [json_params(seed) for seed in range(4)])
     for result in results:
@@ -66,10 +74,12 @@ def test_json_schema_outputs_validate_under_sampling(smollm2_dir: Path, smol_mod
 
 def test_choice_and_regex(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]) -> None:
     engine = make_engine(smollm2_dir, smol_model)
-    choice = SamplingParams(temperature=1.5, n=6, seed=3, max_tokens=16,
-                            structured_output=GrammarSpec.choice(["yes", "no", "maybe later"]))
-    regex = SamplingParams(temperature=1.5, n=4, seed=4, max_tokens=16,
-                           structured_output=GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}"))
+    choice = SamplingParams(
+        temperature=1.5, n=6, seed=3, max_tokens=16, structured_output=GrammarSpec.choice(["yes", "no", "maybe later"])
+    )
+    regex = SamplingParams(
+        temperature=1.5, n=4, seed=4, max_tokens=16, structured_output=GrammarSpec("regex", r"[0-9]{3}-[a-z]{2}")
+    )
     by_choice, by_regex = engine.generate([prompt, prompt], [choice, regex])
     assert {output_text(tokenizer, t) for c in by_choice.choices for t in [c.token_ids]} <= {"yes", "no", "maybe later"}
     for token_ids in (c.token_ids for c in by_regex.choices):
@@ -94,8 +104,9 @@ class SlowPool:
             future.set_result(compile_spec(self.real._compiler, spec))
 
 
-def test_compiling_grammar_does_not_stall_the_batch(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any,
-                                                    prompt: list[int]) -> None:
+def test_compiling_grammar_does_not_stall_the_batch(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
     engine = make_engine(smollm2_dir, smol_model)
     slow = SlowPool(engine.grammars.pool)
     engine.grammars._pool = slow
@@ -120,8 +131,9 @@ def test_compiling_grammar_does_not_stall_the_batch(smollm2_dir: Path, smol_mode
     jsonschema.validate(json.loads(output_text(tokenizer, finished["json"])), PERSON)
 
 
-def test_grammar_survives_preemption_and_async_steps(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any,
-                                                     prompt: list[int]) -> None:
+def test_grammar_survives_preemption_and_async_steps(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
     # 8 distinct sequences of ~60 tokens (4 blocks of 16 each) in 14 blocks: some must be preempted.
     engine = make_engine(smollm2_dir, smol_model, num_kv_blocks=14, async_scheduling=True)
     params = [json_params(seed, max_tokens=40) for seed in range(8)]
@@ -143,8 +155,9 @@ def test_grammar_survives_preemption_and_async_steps(smollm2_dir: Path, smol_mod
     assert sum(r.finish_reason == "stop" for r in results) >= 6
 
 
-def test_continuation_replays_tokens_into_the_grammar(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any,
-                                                      prompt: list[int]) -> None:
+def test_continuation_replays_tokens_into_the_grammar(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
     engine = make_engine(smollm2_dir, smol_model)
     prefix = tokenizer.encode('{"name":"Zed","age":', add_special_tokens=False)
     engine.add_request("cont", prompt, json_params(5), output_token_ids=prefix)
@@ -155,8 +168,9 @@ def test_continuation_replays_tokens_into_the_grammar(smollm2_dir: Path, smol_mo
     assert value["name"] == "Zed" and 0 <= value["age"] <= 120
 
 
-def test_plain_batches_never_touch_the_grammar_library(smollm2_dir: Path, smol_model: CausalLM,
-                                                       monkeypatch: pytest.MonkeyPatch, prompt: list[int]) -> None:
+def test_plain_batches_never_touch_the_grammar_library(
+    smollm2_dir: Path, smol_model: CausalLM, monkeypatch: pytest.MonkeyPatch, prompt: list[int]
+) -> None:
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # any `import xgrammar` now raises ImportError
     requests = [make_request([1, 2, 3]), make_request([4, 5], SamplingParams(temperature=0.5, top_p=0.9))]
     assert build_sampling_metadata(requests, 49152, torch.device("cpu")).token_bitmask is None
@@ -165,8 +179,9 @@ def test_plain_batches_never_touch_the_grammar_library(smollm2_dir: Path, smol_m
     assert len(result[0].token_ids) == 6 and engine.grammars._pool is None
 
 
-def test_bitmask_is_applied_in_the_sampler(smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any,
-                                           prompt: list[int]) -> None:
+def test_bitmask_is_applied_in_the_sampler(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
     """Rows with a grammar get -inf outside it (so even their top logprobs are allowed tokens); others do not."""
     engine = make_engine(smollm2_dir, smol_model)
     spec = GrammarSpec.choice(["yes", "no"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
+from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -16,8 +16,9 @@ def test_bitmask_on_cuda_matches_cpu(vocab_size: int) -> None:
     generator = torch.Generator().manual_seed(0)
     num_rows = 64
     logits = torch.randn(num_rows, vocab_size, generator=generator)
-    bits = torch.randint(-(2**31), 2**31 - 1, xgr.get_bitmask_shape(num_rows, vocab_size), generator=generator,
-                         dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(
+        -(2**31), 2**31 - 1, xgr.get_bitmask_shape(num_rows, vocab_size), generator=generator, dtype=torch.int64
+    ).to(torch.int32)
     rows = list(range(0, num_rows, 3))
     on_cpu = logits.clone()
     apply_token_bitmask(on_cpu, TokenBitmask(bits, rows))

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models.base import CausalLM
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -43,7 +43,7 @@ def prompts(smollm2_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(smol_model: CausalLM, smollm2_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """One rank, the plain (unsharded) model."""
-    engine = Engine(EngineConfig(model_dir=smollm2_dir, num_kv_blocks=128), model=smol_model)
+    engine = Engine(Config.of(model=str(smollm2_dir), num_kv_blocks=128), model=smol_model)
     return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
 
@@ -51,8 +51,14 @@ def reference(smol_model: CausalLM, smollm2_dir: Path, prompts: list[list[int]])
 def tp_engine(smollm2_dir: Path) -> Iterator[Engine]:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # two ranks share this machine's cores
-    config = EngineConfig(model_dir=smollm2_dir, tensor_parallel_size=2, num_kv_blocks=12,
-                          max_num_batched_tokens=64, async_scheduling=True, parallel_timeout_s=60)  # fmt: skip
+    config = Config.of(
+        model=str(smollm2_dir),
+        tensor_parallel_size=2,
+        num_kv_blocks=12,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+        parallel_timeout_s=60,
+    )
     engine = Engine(config)
     yield engine
     engine.shutdown()
@@ -62,7 +68,7 @@ def tp_engine(smollm2_dir: Path) -> Iterator[Engine]:
 def test_rank_shards_are_uneven_for_smollm2(tp_engine: Engine) -> None:
     spec = tp_engine.runner.spec
     assert (spec.num_heads, spec.num_kv_heads) == (3, 1)  # rank 0 of 9/3 heads; rank 1 holds 6/2
-    assert tp_engine.parallel is not None and tp_engine.parallel.ctx.world_size == 2
+    assert tp_engine.executor.world_size == 2 and len(tp_engine.executor.worker_pids) == 1
     assert tp_engine.runner.kv_caches[0].shape[3] == 1
 
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.engine.parallel.launcher import EXIT_RANK_DIED
+from pagedserve.services.engine.executor.multiproc import EXIT_RANK_DIED
 
 _RANK0 = """
 import sys, torch
 torch.set_num_threads(1)
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
-engine = Engine(EngineConfig(model_dir=sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64, parallel_timeout_s=20))
-print("READY", engine.parallel.worker_pids[0], flush=True)
+from pagedserve.shared.config import Config
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+engine = Engine(Config.of(model=str(sys.argv[1]), tensor_parallel_size=2, num_kv_blocks=64, parallel_timeout_s=20))
+print("READY", engine.executor.worker_pids[0], flush=True)
 while True:
     engine.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
 """
@@ -33,8 +33,13 @@ while True:
 
 def _start_replica(model_dir: Path) -> tuple[subprocess.Popen[str], int]:
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", _RANK0, str(model_dir)], cwd=root, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RANK0, str(model_dir)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("READY"), line

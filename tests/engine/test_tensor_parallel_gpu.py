@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +27,15 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def run(tp: int) -> tuple[list[list[int]], int]:
-        config = EngineConfig(model_dir=tiny_model_dir, dtype="float32", device="cuda", tensor_parallel_size=tp,
-                              gpu_memory_utilization=0.3, max_model_len=512, cuda_graph_max_batch=8)  # fmt: skip
+        config = Config.of(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            device="cuda",
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=0.3,
+            max_model_len=512,
+            cuda_graph_max_batch=8,
+        )
         engine = Engine(config)
         try:
             graphs = engine.runner.graphs

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from services.gateway.app import build_app
-from services.gateway.auth import ApiKeyMiddleware
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway.app import build_app
+from pagedserve.services.gateway.auth import ApiKeyMiddleware
+from pagedserve.shared.config import Config
+from pagedserve.shared.redis_server import free_port
 
 KEYS = ["key-one", "key-two"]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -22,8 +22,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    settings = GatewaySettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", api_keys=KEYS, max_body_bytes=2000)
-    with TestClient(build_app(settings)) as test_client:
+    config = Config.of(redis_url=f"redis://127.0.0.1:{free_port()}/0", api_keys=KEYS, max_body_bytes=2000)
+    with TestClient(build_app(config)) as test_client:
         yield test_client
 
 
@@ -75,9 +75,10 @@ def test_body_limits_and_encoding(client: TestClient) -> None:
     assert_error(response, 413, "invalid_request_error")
     response = client.post("/v1/chat/completions", content=b"{}", headers={**auth(), "content-type": "text/plain"})
     assert_error(response, 415, "invalid_request_error")
-    for raw in (b"{not json", b"{\"model\": NaN}", b"\xff\xfe", b"[" * 900 + b"]" * 900):
-        response = client.post("/v1/chat/completions", content=raw,
-                               headers={**auth(), "content-type": "application/json"})
+    for raw in (b"{not json", b'{"model": NaN}', b"\xff\xfe", b"[" * 900 + b"]" * 900):
+        response = client.post(
+            "/v1/chat/completions", content=raw, headers={**auth(), "content-type": "application/json"}
+        )
         assert_error(response, 400, "invalid_request_error")
     response = client.post("/v1/completions", content=b"[1, 2]", headers={**auth(), "content-type": "application/json"})
     assert_error(response, 400, "invalid_request_error")
@@ -98,3 +99,33 @@ def test_errors_before_any_backend(client: TestClient) -> None:
     assert_error(response, 405, "invalid_request_error")
     assert "POST" in response.headers["allow"]
     assert_error(client.get("/v1/models/nope", headers=auth()), 404, "invalid_request_error", "model")
+
+
+def test_unknown_fields_pass_validation_unless_strict(client: TestClient) -> None:
+    """Lenient (the default) drops them and goes on (to a 404 here: no engine serves "m"); strict mode
+    answers 400 naming the field, as OpenAI does."""
+    unknown = {**CHAT, "frobnicate": 1, "messages": [{"role": "user", "content": "hi", "x": 1}]}
+    for route, body in (("/v1/chat/completions", unknown), ("/v1/completions", {"model": "m", "prompt": "p", "y": 2})):
+        assert_error(client.post(route, json=body, headers=auth()), 404, "invalid_request_error", "model")
+    response = client.post("/v1/chat/completions", json={**unknown, "store": "yes"}, headers=auth())
+    assert_error(response, 400, "invalid_request_error", "store")  # a wrong type is still refused
+
+    strict = Config.of(redis_url=f"redis://127.0.0.1:{free_port()}/0", strict_request_fields=True)
+    with TestClient(build_app(strict)) as strict_client:
+        for route, body, param in (
+            ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, "frobnicate"),
+            ("/v1/chat/completions", unknown, "messages[0].x"),
+            ("/v1/completions", {"model": "m", "prompt": "p", "y": 2}, "y"),
+        ):
+            error = assert_error(strict_client.post(route, json=body), 400, "invalid_request_error", param)
+            assert error["code"] == "unknown_parameter" and param in error["message"]
+        store = {**CHAT, "store": True, "metadata": {"a": "b"}}  # known fields are not unknown in strict mode
+        assert_error(strict_client.post("/v1/chat/completions", json=store), 404, "invalid_request_error", "model")
+
+
+def test_ready_names_the_models_only_to_a_caller_with_a_key(client: TestClient) -> None:
+    anonymous = client.get("/ready")
+    assert anonymous.status_code == 503 and "models" not in anonymous.json()  # a probe still reads ready/redis
+    assert set(anonymous.json()) == {"ready", "redis"}
+    assert client.get("/ready", headers=auth("wrong")).json().keys() == {"ready", "redis"}
+    assert client.get("/ready", headers=auth()).json()["models"] == []

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.detokenizer import ChoiceText
-from services.gateway.errors import APIError
-from services.gateway.frontend import ChoiceUpdate, Frontend, Generation
-from services.gateway.registry import ModelEntry
-from services.gateway.router import Delta
-from services.gateway.token_text import TokenTexts
-from shared.protocol import Accepted, EngineHeartbeat, RequestError
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway.detokenizer import ChoiceText
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.frontend import ChoiceUpdate, Frontend, Generation
+from pagedserve.services.gateway.registry import ModelEntry
+from pagedserve.services.gateway.router import Delta
+from pagedserve.services.gateway.token_text import TokenTexts
+from pagedserve.shared.config import Config
+from pagedserve.shared.protocol import Accepted, CompletionRequest, EngineHeartbeat, RequestError
+from pagedserve.shared.redis_server import free_port
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ class Recorder:
 
 
 def make_generation(tokenizer: Any, n: int, stop: list[str], can_abort_choices: bool) -> tuple[Generation, Recorder]:
-    frontend = Frontend(GatewaySettings(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    frontend = Frontend(Config.of(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
     beat = EngineHeartbeat("e1", "m", 2048, supports_choice_abort=can_abort_choices)
     frontend.registry.models["m"] = ModelEntry("m", engines=[beat])
     recorder = Recorder()
@@ -91,7 +92,8 @@ def test_stop_string_in_one_choice_aborts_only_that_choice_where_engines_can(
 
     updates = asyncio.run(scenario())
     assert [(u.index, u.text, u.finish_reason) for u in updates] == [
-        (0, " Paris", "stop"), (1, " London was nice", "length"),
+        (0, " Paris", "stop"),
+        (1, " London was nice", "length"),
     ]
     # Choice 0 never finished at the engine: the whole request is aborted when the generation ends.
     assert recorder.aborts[-1] == ("r1", None)
@@ -103,3 +105,64 @@ def test_errors_end_the_generation_with_the_tokenizers_status(tokenizer: Any) ->
         asyncio.run(run(gen, [delta(0, [5]), RequestError("r1", 400, "bad", param="logit_bias")]))
     assert (err.value.status, err.value.param) == (400, "logit_bias")
     assert gen.frontend.num_in_flight == 0 and recorder.aborts == [("r1", None)]
+
+
+def test_a_redis_down_error_names_no_host_port_or_exception_text(tokenizer: Any) -> None:
+    gen, recorder = make_generation(tokenizer, 1, [], False)  # its Redis URL points at a closed port
+    frontend = gen.frontend
+    port = str(frontend.redis.connection_pool.connection_kwargs["port"])
+
+    async def tokenizer_of(model: str, source: str | None) -> tuple[Any, TokenTexts]:
+        return tokenizer, TokenTexts(tokenizer)
+
+    frontend.tokenizers.get = tokenizer_of  # type: ignore[method-assign]
+    request = CompletionRequest("r2", "gw", "m", "Hello", max_tokens=4)
+
+    async def submit() -> APIError:
+        publisher = asyncio.create_task(frontend.publisher.run())  # what sends the XADDs
+        try:
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(frontend.submit(request, [], 1), 10)
+            await asyncio.sleep(0.1)  # the abort of the given-up request runs (and fails quietly: Redis is down)
+        finally:
+            publisher.cancel()
+        return info.value
+
+    error = asyncio.run(submit())
+    message = error.body()["error"]["message"]
+    assert error.status == 503 and error.retry_after is not None
+    assert "Redis" in message and "retry" in message
+    for leak in ("127.0.0.1", "localhost", port, "Error 111", "Connection refused"):
+        assert leak not in message
+    assert frontend.num_in_flight == 1 and "r2" not in frontend.router.queues  # only make_generation's r1 left
+    assert recorder.aborts == [("r2", None)]  # in case the XADD reached Redis after all
+
+
+@pytest.mark.parametrize("ending", ["accept_timeout", "client_leaves"])
+def test_a_request_given_up_before_acceptance_is_aborted(tokenizer: Any, ending: str) -> None:
+    gen, recorder = make_generation(tokenizer, 1, [], False)
+    frontend = gen.frontend
+    frontend.settings.accept_timeout_s = 0.2  # no tokenizer answers in this test
+
+    async def tokenizer_of(model: str, source: str | None) -> tuple[Any, TokenTexts]:
+        return tokenizer, TokenTexts(tokenizer)
+
+    async def published(stream: str, msg: Any, maxlen: int = 0) -> bytes:
+        return b"0-1"
+
+    frontend.tokenizers.get = tokenizer_of  # type: ignore[method-assign]
+    frontend.publisher.publish = published  # type: ignore[method-assign]
+    request = CompletionRequest("r3", "gw", "m", "Hello", max_tokens=4)
+
+    async def give_up() -> None:
+        submit = asyncio.create_task(frontend.submit(request, [], 1))
+        if ending == "client_leaves":
+            await asyncio.sleep(0.05)
+            submit.cancel()
+        with contextlib.suppress(APIError, asyncio.CancelledError):
+            await submit
+        await asyncio.sleep(0)  # the spawned abort runs
+
+    asyncio.run(give_up())
+    assert recorder.aborts == [("r3", None)]  # a tokenizer or engine that has it drops it
+    assert frontend.num_in_flight == 1 and "r3" not in frontend.router.queues  # r3's slot freed

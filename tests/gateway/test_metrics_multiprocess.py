@@ -12,7 +12,7 @@ from prometheus_client import multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 _WORKER = """
-from services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.metrics import GatewayMetrics
 m = GatewayMetrics()
 assert m.multiprocess
 m.requests.labels("/v1/chat/completions", "200").inc({n})
@@ -26,8 +26,9 @@ sys.stdout.write(m.exposition().decode() if {scrape} else str(os.getpid()))
 
 
 def _run(code: str, env: dict[str, str]) -> str:
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).parents[2]).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    ).stdout
 
 
 def test_workers_share_one_view_of_the_metrics(tmp_path: Path) -> None:
@@ -35,8 +36,11 @@ def test_workers_share_one_view_of_the_metrics(tmp_path: Path) -> None:
     first_pid = int(_run(_WORKER.format(n=2, scrape=False), env))  # an earlier worker, exited
     multiprocess.mark_process_dead(first_pid, str(tmp_path))  # what the worker manager does when one exits
     text = _run(_WORKER.format(n=3, scrape=True), env)  # the worker that answers the scrape
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     assert samples[("pagedserve_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 5
     assert samples[("pagedserve_time_to_first_token_seconds_count", (("model", "m"),))] == 2
     # livesum: only live workers count (the first one exited), so in-flight is this worker's 3.

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.errors import APIError
-from services.gateway.frontend import Generation
-from shared import streams
-from shared.protocol import GenerateRequest
-from shared.publisher import Publisher
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.frontend import Generation
+from pagedserve.services.gateway.router import Disconnected
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import GenerateRequest
+from pagedserve.shared.publisher import Publisher
 from tests.gateway.test_generation import delta, make_generation
 
 
@@ -87,3 +90,47 @@ def test_engines_that_cannot_continue_choices_end_an_n_choice_request(tokenizer:
     with pytest.raises(APIError) as info:
         migrate(gen)
     assert info.value.status == 503 and info.value.code == "engine_lost" and published == []
+
+
+@pytest.mark.parametrize("ending", ["finish", "client_leaves", "error"])
+def test_a_migrated_request_is_released_once_under_every_id(tokenizer: Any, published: list, ending: str) -> None:
+    gen, recorder = make_generation(tokenizer, 1, [], False)
+    words = tokenizer.encode(" one two three")
+    gen._apply(delta(0, words[:1]))
+    migrate(gen)
+    migrate(gen)  # moved twice: three ids
+    frontend = gen.frontend
+
+    async def end() -> None:
+        if ending == "finish":
+            gen.queue.put_nowait(delta(0, words[1:], "length"))
+        elif ending == "error":
+            gen.queue.put_nowait(Disconnected("lost the request queue"))
+        updates = gen.updates()
+        if ending == "client_leaves":  # the client goes away after one more token
+            gen.queue.put_nowait(delta(0, words[1:2]))
+            await anext(updates)
+            await updates.aclose()  # type: ignore[attr-defined]  # an async generator
+        else:
+            with contextlib.suppress(APIError):
+                _ = [u async for u in updates]
+        frontend.release(gen)  # a second caller (the response's own end): a no-op
+        await asyncio.sleep(0)  # let the spawned abort run
+
+    asyncio.run(end())
+    assert frontend.num_in_flight == 0 and gen.released
+    assert not frontend.router.queues  # r1, r1.r1 and r1.r2 all unregistered
+    final_aborts = [a for a in recorder.aborts if a[0] == "r1.r2"]
+    assert final_aborts == ([] if ending == "finish" else [("r1.r2", None)])  # unfinished work aborted, once
+
+
+def test_tokens_of_a_replica_that_claimed_the_request_from_scratch_are_dropped(tokenizer: Any, published: list) -> None:
+    gen, _ = make_generation(tokenizer, 1, [], False)
+    words = tokenizer.encode(" one two three")
+    gen._apply(delta(0, words[:2]))  # streaming on e1
+    restarted = dataclasses.replace(delta(0, words[:1]), engine_id="e2")  # e2 claimed e1's entry: from token 0
+    assert gen._apply(restarted) is None
+    assert gen.choices[0].token_ids == words[:2] and gen.engine_id == "e1"  # the move continues it instead
+    migrate(gen)
+    assert gen._apply(dataclasses.replace(delta(0, words[2:3]), engine_id="e2")) is not None  # the continuation
+    assert gen.choices[0].token_ids == words[:3] and gen.engine_id == "e2"

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.detokenizer import ChoiceText
-from services.gateway.token_text import TokenTexts
+from pagedserve.services.gateway.detokenizer import ChoiceText
+from pagedserve.services.gateway.token_text import TokenTexts
 
 TEXT = "Héllo 😀 wörld, the end."
 

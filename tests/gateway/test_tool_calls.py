@@ -8,20 +8,27 @@ from typing import Any
 
 import pytest
 
-from services.gateway import schemas, structured
-from services.gateway.tool_calls import ChoiceToolCalls, finish_reason
-from services.gateway.validation import validate
-from shared.grammar_spec import GrammarSpec
-from shared.prompts import chat_prompt_ids, hermes_messages
+from pagedserve.services.gateway import schemas, structured
+from pagedserve.services.gateway.tool_calls import ChoiceToolCalls, finish_reason
+from pagedserve.services.gateway.validation import validate
+from pagedserve.shared.grammar_spec import GrammarSpec
+from pagedserve.shared.prompts import chat_prompt_ids, hermes_messages
 
 HERMES_OUTPUT = (
-    "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": "
-    "\"celsius\", \"note\": \"a } and a \\\"quote\\\" <tool_call>\"}}\n</tool_call>\n"
-    "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+    '"celsius", "note": "a } and a \\"quote\\" <tool_call>"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
 )
-TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time"}}]
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
 
 
 def stream(state: ChoiceToolCalls, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
@@ -88,21 +95,33 @@ def test_required_and_named_modes() -> None:
     assert content == "" and {i: c["name"] for i, c in assemble(deltas).items()} == {0: "get_weather", 1: "get_time"}
     named = ChoiceToolCalls("named", "get_weather")
     content, deltas = stream(named, '{"city":"Oslo"}', 4)
-    assert content == "" and assemble(deltas)[0] == {"id": deltas[0]["id"], "name": "get_weather",
-                                                     "arguments": '{"city":"Oslo"}'}
+    assert content == "" and assemble(deltas)[0] == {
+        "id": deltas[0]["id"],
+        "name": "get_weather",
+        "arguments": '{"city":"Oslo"}',
+    }
 
 
 def chat(**fields: Any) -> schemas.ChatCompletionRequest:
-    return validate(schemas.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                    **fields})
+    return validate(
+        schemas.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
 
 
 def test_request_fields_map_to_one_grammar_spec() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases: list[tuple[dict[str, Any], GrammarSpec, str]] = [
         ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object"), "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}},
-         GrammarSpec.json_schema(schema), "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": schema, "strict": True},
+                }
+            },
+            GrammarSpec.json_schema(schema),
+            "response_format",
+        ),
         ({"guided_json": json.dumps(schema)}, GrammarSpec.json_schema(schema), "guided_json"),
         ({"guided_choice": ["a", "b"]}, GrammarSpec.choice(["a", "b"]), "guided_choice"),
         ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+"), "structured_outputs"),
@@ -120,9 +139,12 @@ def test_tool_choice_grammars() -> None:
     assert required is not None
     schema = json.loads(required.value)
     assert schema["maxItems"] == 1 and [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]] == [
-        "get_weather", "get_time"]
-    named = structured.tool_grammar(chat(tools=TOOLS, tool_choice={"type": "function",
-                                                                   "function": {"name": "get_weather"}}))
+        "get_weather",
+        "get_time",
+    ]
+    named = structured.tool_grammar(
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    )
     assert named == GrammarSpec.json_schema(TOOLS[0]["function"]["parameters"])
     assert structured.tool_grammar(chat(tools=TOOLS)) is None  # auto: the parser, no grammar
     assert structured.template_tools(chat(tools=TOOLS, tool_choice="none")) is None
@@ -134,11 +156,17 @@ def test_tools_reach_the_template(smollm2_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    messages = [{"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
     text = tokenizer.decode(chat_prompt_ids(tokenizer, messages, tools=TOOLS))
     assert "<tools>" in text and '"get_weather"' in text and '<tool_call>\n{"name": "get_weather"' in text
     assert text == tokenizer.decode(chat_prompt_ids(tokenizer, hermes_messages(messages, TOOLS)))

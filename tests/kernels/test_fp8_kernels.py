@@ -1,4 +1,4 @@
-"""FP8 kernels vs torch: the e4m3 KV cache with per-layer scales (kernels vs `kernels.reference` on the
+"""FP8 kernels vs torch: the e4m3 KV cache with per-layer scales (kernels vs `pagedserve.kernels.reference` on the
 same cache), and per-token activation quantisation for the fp8 linears.
 
 The interpreter stores and loads float8 (checked here), so the Triton fp8 path runs on CPU too.
@@ -12,14 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.kv_write import write_kv_cache
-from kernels.launch_config import AttentionConfig
-from kernels.paged_attention import paged_attention
-from kernels.paged_batch import PagedBatch, make_paged_batch
-from kernels.rotary_kv_write import rotary_write_kv_cache
-from services.engine.attention import AttentionMetadata, _torch_attend
-from services.engine.models.rotary import RopeParams, RotaryEmbedding
+from pagedserve.kernels import reference
+from pagedserve.kernels.kv_write import write_kv_cache
+from pagedserve.kernels.launch_config import AttentionConfig
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch
+from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
+from pagedserve.services.engine.attention import AttentionMetadata, _torch_attend
+from pagedserve.services.engine.models.rotary import RopeParams, RotaryEmbedding
 
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.25, 2.0
@@ -44,8 +44,9 @@ def assert_fp8_equal(got: torch.Tensor, want: torch.Tensor, exact_on_gpu: bool =
 
 
 def _fp8_batch(dtype: torch.dtype, device: torch.device) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch = make_paged_batch(*MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                             dtype=torch.float32, device=device, seed=4)  # fmt: skip
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device, seed=4
+    )
     full = batch.kv_cache
     fp8 = torch.stack([reference.to_cache(full[0], FP8, K_SCALE), reference.to_cache(full[1], FP8, V_SCALE)])
     return batch, full, fp8, batch.query.to(dtype)
@@ -59,8 +60,9 @@ def test_paged_attention_reads_fp8_cache_like_reference(
     batch, full, fp8, query = _fp8_batch(dtype, device)
     args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 32**-0.5)
     expected = reference.paged_attention(query, fp8, *args, k_scale=K_SCALE, v_scale=V_SCALE)
-    config = AttentionConfig(block_m=16, tile_n=16, num_segments=num_segments, num_warps=4, num_stages=2,
-                             is_decode_only=False)  # fmt: skip
+    config = AttentionConfig(
+        block_m=16, tile_n=16, num_segments=num_segments, num_warps=4, num_stages=2, is_decode_only=False
+    )
     out = torch.full_like(query, float("nan"))
     paged_attention(query, fp8, *args, config, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
     assert not out.isnan().any()
@@ -73,10 +75,17 @@ def test_paged_attention_reads_fp8_cache_like_reference(
 
 def test_torch_path_reads_fp8_cache_like_reference(device: torch.device) -> None:
     batch, _, fp8, query = _fp8_batch(torch.float32, device)
-    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                             batch.max_query_len, batch.max_seq_len)  # fmt: skip
-    expected = reference.paged_attention(query, fp8, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                         0.2, k_scale=K_SCALE, v_scale=V_SCALE)  # fmt: skip
+    meta = AttentionMetadata(
+        batch.slot_mapping,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
+    expected = reference.paged_attention(
+        query, fp8, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.2, k_scale=K_SCALE, v_scale=V_SCALE
+    )
     got = _torch_attend(query, fp8, meta, 0.2, K_SCALE, V_SCALE)
     rows = batch.query_start_loc[-1]
     torch.testing.assert_close(got[:rows], expected[:rows], atol=1e-5, rtol=1e-5)
@@ -124,8 +133,8 @@ def test_rotary_kv_write_quantises_like_reference(device: torch.device) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", [96, 576, 4500])
 def test_per_token_activation_quantisation_matches_torch(device: torch.device, dtype: torch.dtype, k: int) -> None:
-    from kernels.fp8_quant import quantize_rows_fp8
-    from services.engine.models.fp8 import quantize_rows
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+    from pagedserve.services.engine.models.fp8 import quantize_rows
 
     x = (torch.randn((5, k), device=device) * torch.logspace(-2, 2, 5, device=device)[:, None]).to(dtype)
     x[3] = 0  # an all-zero token: a tiny scale, zeros out
@@ -139,14 +148,25 @@ def test_per_token_activation_quantisation_matches_torch(device: torch.device, d
 def test_decode_on_fp8_cache_with_the_chosen_tile(device: torch.device) -> None:
     """Decode-only batches on a 1-byte cache get their own tile (launch_config.FP8_DECODE_TILE_N): it must
     still match the reference on a poisoned cache (make_paged_batch builds it in e4m3, NaN where unowned)."""
-    from kernels.launch_config import choose_config
+    from pagedserve.kernels.launch_config import choose_config
 
     seq_lens = [1, 130, 257, 64]
-    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
-                             block_size=16, dtype=torch.float16, device=device, seed=5, kv_dtype=FP8)  # fmt: skip
+    batch = make_paged_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=5,
+        kv_dtype=FP8,
+    )
     assert batch.kv_cache.dtype == FP8 and batch.kv_cache.float().isnan().any()  # the poison survives e4m3
-    config = choose_config(num_seqs=len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, max_query_len=1,
-                           num_sms=4, kv_dtype_bytes=1)  # fmt: skip
+    config = choose_config(
+        num_seqs=len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, max_query_len=1, num_sms=4, kv_dtype_bytes=1
+    )
     assert config.is_decode_only and config.num_segments > 1
     args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 64**-0.5)
     expected = reference.paged_attention(batch.query, batch.kv_cache, *args, k_scale=K_SCALE, v_scale=V_SCALE)

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.fused_norm import add_rms_norm_
-from kernels.rotary_kv_write import rotary_write_kv_cache
-from kernels.silu_mul import silu_mul
-from services.engine.models.rotary import RopeParams, RotaryEmbedding
+from pagedserve.kernels import reference
+from pagedserve.kernels.fused_norm import add_rms_norm_
+from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
+from pagedserve.kernels.silu_mul import silu_mul
+from pagedserve.services.engine.models.rotary import RopeParams, RotaryEmbedding
 
 _TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -71,9 +71,14 @@ def test_silu_mul_matches_reference(device: torch.device, dtype: torch.dtype, in
     ],
 )
 def test_rotary_kv_write_matches_unfused(
-    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, block_size: int,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    block_size: int,
     dtype: torch.dtype,
-) -> None:  # fmt: skip
+) -> None:
     gen = torch.Generator(device=device).manual_seed(3)
     num_tokens, num_blocks = 19, 5
     rotary = RotaryEmbedding(RopeParams("default", 10000.0, rotary_dim), max_position=512)
@@ -85,8 +90,11 @@ def test_rotary_kv_write_matches_unfused(
 
     def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-                v.view(num_tokens, num_kv_heads, head_dim))  # fmt: skip
+        return (
+            q.view(num_tokens, num_heads, head_dim),
+            k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim),
+        )
 
     q0, k0, v0 = views(qkv)
     q_ref, k_ref = rotary(positions, q0, k0)

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from services.engine import attention
-from services.engine.models import fused_ops, load_model
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.models import fused_ops, load_model
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -64,8 +64,8 @@ def test_padding_tokens_change_nothing(lens: tuple[int, int], device: torch.devi
     the last sequence, with slot -1, must leave the real rows' logits and the KV cache as they were."""
     import numpy as np
 
-    from services.engine.attention import AttentionMetadata
-    from services.engine.input_batch import HostBatch, eager_token_bucket, pad_eager_batch
+    from pagedserve.services.engine.attention import AttentionMetadata
+    from pagedserve.services.engine.input_batch import HostBatch, eager_token_bucket, pad_eager_batch
 
     build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
     model = load_model(tmp_path, dtype="fp32", device=device, show_progress=False)
@@ -80,13 +80,18 @@ def test_padding_tokens_change_nothing(lens: tuple[int, int], device: torch.devi
     seq_of = np.repeat(np.arange(len(lens)), lens)
     ids = torch.randint(3, 256, (sum(lens),), generator=torch.Generator().manual_seed(3)).numpy()
     batch = HostBatch(
-        input_ids=ids.astype(np.int64), positions=positions,
+        input_ids=ids.astype(np.int64),
+        positions=positions,
         slot_mapping=tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size,
-        query_start_loc=np.array([0, lens[0], sum(lens)], dtype=np.int32), seq_lens=np.array(lens, dtype=np.int32),
-        block_tables=tables, logits_rows=np.array([lens[0] - 1, sum(lens) - 1]),
-        patch_rows=np.zeros(0, dtype=np.int64), patch_src=np.zeros(0, dtype=np.int64), max_query_len=max(lens),
+        query_start_loc=np.array([0, lens[0], sum(lens)], dtype=np.int32),
+        seq_lens=np.array(lens, dtype=np.int32),
+        block_tables=tables,
+        logits_rows=np.array([lens[0] - 1, sum(lens) - 1]),
+        patch_rows=np.zeros(0, dtype=np.int64),
+        patch_src=np.zeros(0, dtype=np.int64),
+        max_query_len=max(lens),
         max_seq_len=max(lens),
-    )  # fmt: skip
+    )
     assert eager_token_bucket(16) == 16 and eager_token_bucket(17) == 32 and eager_token_bucket(2049) == 2304
 
     def run(b: HostBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -96,8 +101,9 @@ def test_padding_tokens_change_nothing(lens: tuple[int, int], device: torch.devi
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
 
-        meta = AttentionMetadata(t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables),
-                                 b.max_query_len, b.max_seq_len)  # fmt: skip
+        meta = AttentionMetadata(
+            t(b.slot_mapping), t(b.query_start_loc), t(b.seq_lens), t(b.block_tables), b.max_query_len, b.max_seq_len
+        )
         with torch.inference_mode():
             hidden = model(t(b.input_ids), t(b.positions), caches, meta)
             return model.compute_logits(hidden[t(b.logits_rows)]), caches
@@ -119,7 +125,7 @@ def test_fused_prefill_kernel_matches_unfused(
 ) -> None:
     """Prompts long enough for the prefill kernel (new K/V read from the qkv output), then a chunk after
     each cached prefix, then decodes (paged kernel): fused logits must match the unfused path's."""
-    from kernels import triton_backend
+    from pagedserve.kernels import triton_backend
 
     launches: list[int] = []
     prefill = triton_backend.prefill_attention

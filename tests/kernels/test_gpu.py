@@ -19,14 +19,14 @@ if pytest is not None:
         pytest.skip("needs a CUDA GPU", allow_module_level=True)
     pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.kv_write import write_kv_cache
-from kernels.launch_config import KV_LOADS, AttentionConfig, choose_config, choose_prefill_config
-from kernels.paged_attention import paged_attention
-from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
-from kernels.prefill_attention import prefill_attention
-from kernels.triton_backend import attend
-from services.engine.attention import AttentionMetadata
+from pagedserve.kernels import reference
+from pagedserve.kernels.kv_write import write_kv_cache
+from pagedserve.kernels.launch_config import KV_LOADS, AttentionConfig, choose_config, choose_prefill_config
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
+from pagedserve.kernels.prefill_attention import prefill_attention
+from pagedserve.kernels.triton_backend import attend
+from pagedserve.services.engine.attention import AttentionMetadata
 
 BF16_BOUND = 1e-2
 DEVICE = torch.device("cuda")
@@ -34,10 +34,18 @@ NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
 
 # (num_heads, num_kv_heads, head_dim, block_size)
 SHAPES = [
-    (32, 8, 128, 16), (32, 8, 128, 32), (9, 3, 64, 16), (9, 3, 64, 32), (8, 8, 64, 16),
-    (16, 1, 128, 16), (32, 4, 128, 32), (12, 4, 80, 16), (16, 2, 96, 32), (8, 2, 256, 16),
+    (32, 8, 128, 16),
+    (32, 8, 128, 32),
+    (9, 3, 64, 16),
+    (9, 3, 64, 32),
+    (8, 8, 64, 16),
+    (16, 1, 128, 16),
+    (32, 4, 128, 32),
+    (12, 4, 80, 16),
+    (16, 2, 96, 32),
+    (8, 2, 256, 16),
     (64, 8, 128, 16),
-]  # fmt: skip
+]
 MIXED = ([1, 300, 77, 1, 513, 1, 6], [4097, 300, 1000, 70, 2100, 1, 6])
 DECODE_LENS = [1, 17, 511, 4096, 9000, 64, 3000, 128]
 
@@ -48,10 +56,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _config(batch: PagedBatch) -> AttentionConfig:
     return choose_config(
-        num_seqs=batch.seq_lens.shape[0], num_heads=batch.query.shape[1],
-        num_kv_heads=batch.kv_cache.shape[3], head_dim=batch.query.shape[2],
-        max_query_len=batch.max_query_len, num_sms=NUM_SMS,
-    )  # fmt: skip
+        num_seqs=batch.seq_lens.shape[0],
+        num_heads=batch.query.shape[1],
+        num_kv_heads=batch.kv_cache.shape[3],
+        head_dim=batch.query.shape[2],
+        max_query_len=batch.max_query_len,
+        num_sms=NUM_SMS,
+    )
 
 
 def _check(batch: PagedBatch, config: AttentionConfig | None = None) -> float:
@@ -61,9 +72,15 @@ def _check(batch: PagedBatch, config: AttentionConfig | None = None) -> float:
     )
     out = torch.full_like(batch.query, float("nan"))
     paged_attention(
-        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        scale, config or _config(batch), out=out,
-    )  # fmt: skip
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        config or _config(batch),
+        out=out,
+    )
     return rel_err(out, ref)
 
 
@@ -72,9 +89,16 @@ def test_bf16_many_shapes() -> None:
     for heads, kv_heads, head_dim, block_size in SHAPES:
         for name, (query_lens, seq_lens) in (("mixed", MIXED), ("decode", ([1] * 8, DECODE_LENS))):
             batch = make_paged_batch(
-                query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                block_size=block_size, dtype=torch.bfloat16, device=DEVICE, seed=head_dim + heads,
-            )  # fmt: skip
+                query_lens,
+                seq_lens,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=torch.bfloat16,
+                device=DEVICE,
+                seed=head_dim + heads,
+            )
             err = _check(batch)
             if not err < BF16_BOUND:
                 failures.append((heads, kv_heads, head_dim, block_size, name, err))
@@ -95,9 +119,16 @@ def test_offsets_past_2_to_the_31() -> None:
     # K half of the cache: 600k blocks x 16 x 2 x 128 = 2.46e9 elements > 2^31; used blocks at the top.
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 128, 16, 600_000
     batch = make_paged_batch(
-        [1, 40, 1], [3000, 40, 700], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=torch.bfloat16, device=DEVICE, num_blocks=num_blocks,
-    )  # fmt: skip
+        [1, 40, 1],
+        [3000, 40, 700],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        num_blocks=num_blocks,
+    )
     lowest_used = int(batch.block_tables[batch.block_tables > 0].min())  # 0 = table padding
     assert lowest_used * block_size * kv_heads * head_dim > 2**31
     assert _check(batch) < BF16_BOUND
@@ -115,9 +146,15 @@ def test_cuda_graph_replay_as_contexts_grow() -> None:
     heads, kv_heads, head_dim = 9, 3, 64
     full_lens = torch.tensor([5000, 100, 9, 2000, 64, 777], device=DEVICE)
     batch = make_paged_batch(
-        [1] * 6, full_lens.tolist(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        block_size=16, dtype=torch.bfloat16, device=DEVICE,
-    )  # fmt: skip
+        [1] * 6,
+        full_lens.tolist(),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
     batch.seq_lens.copy_(full_lens - 8)
     meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1, 5000)
     scale = head_dim**-0.5
@@ -153,8 +190,18 @@ def _check_prefill(batch: PagedBatch, **changes: int | bool | str) -> float:
     config = base.with_(**changes)
     out = torch.full_like(query, float("nan"))
     n = batch.num_tokens
-    prefill_attention(query[:n], key, value, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
-                      batch.block_tables, scale, config, out=out[:n])  # fmt: skip
+    prefill_attention(
+        query[:n],
+        key,
+        value,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        config,
+        out=out[:n],
+    )
     assert out[n:].isnan().all(), "wrote past the last sequence"
     return rel_err(out[:n], ref)
 
@@ -163,9 +210,15 @@ def test_prefill_kernel_bf16_shapes_and_loads() -> None:
     failures = []
     for heads, kv_heads, head_dim, block_size in SHAPES:
         batch = make_paged_batch(
-            *PREFILL_MIXED, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-            dtype=torch.bfloat16, device=DEVICE, seed=head_dim + heads,
-        )  # fmt: skip
+            *PREFILL_MIXED,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            seed=head_dim + heads,
+        )
         for kv_load in KV_LOADS:
             for pack_gqa in (True, False):
                 err = _check_prefill(batch, kv_load=kv_load, pack_gqa=pack_gqa)
@@ -177,9 +230,14 @@ def test_prefill_kernel_bf16_shapes_and_loads() -> None:
 def test_prefill_kernel_warp_specialized() -> None:
     """tl.range(warp_specialize=True): it may not compile on every Triton/GPU pair, but must be right if it does."""
     batch = make_paged_batch(
-        *PREFILL_MIXED, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+        *PREFILL_MIXED,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
         device=DEVICE,
-    )  # fmt: skip
+    )
     errors, unsupported = {}, {}
     for kv_load in KV_LOADS:
         try:
@@ -192,15 +250,28 @@ def test_prefill_kernel_warp_specialized() -> None:
 
 def test_attend_routes_prefill_with_new_kv() -> None:
     batch = make_paged_batch(
-        [512, 300, 200], [512, 1324, 200], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-        dtype=torch.bfloat16, device=DEVICE,
-    )  # fmt: skip
+        [512, 300, 200],
+        [512, 1324, 200],
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
     query, key, value = step_qkv(batch)
-    meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                             batch.max_query_len, batch.max_seq_len)  # fmt: skip
+    meta = AttentionMetadata(
+        batch.slot_mapping,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
     scale = 128**-0.5
-    ref = reference.paged_attention(query, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
-                                    batch.block_tables, scale)  # fmt: skip
+    ref = reference.paged_attention(
+        query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
     assert rel_err(attend(query, batch.kv_cache, meta, scale, key=key, value=value), ref) < BF16_BOUND
 
 

@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.kv_write import write_kv_cache
+from pagedserve.kernels import reference
+from pagedserve.kernels.kv_write import write_kv_cache
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import launch_config
-from kernels.launch_config import (
+from pagedserve.kernels import launch_config
+from pagedserve.kernels.launch_config import (
     FP8_DECODE_TILE_N,
     MAX_SEGMENTS,
     AttentionConfig,
@@ -48,9 +48,13 @@ def test_segments_are_powers_of_two_for_the_reduce_tile() -> None:
 @pytest.mark.parametrize("max_query_len", [1, 5, 63, 64, 2048])
 def test_every_program_holds_a_whole_head_group(heads: tuple[int, int], head_dim: int, max_query_len: int) -> None:
     cfg = choose_config(
-        num_seqs=8, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-        max_query_len=max_query_len, num_sms=132,
-    )  # fmt: skip
+        num_seqs=8,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        max_query_len=max_query_len,
+        num_sms=132,
+    )
     group = heads[0] // heads[1]
     assert cfg.block_m >= max(16, group) and cfg.block_m & (cfg.block_m - 1) == 0
     assert cfg.block_q(group) >= 1 and cfg.block_q(group) * group <= cfg.block_m
@@ -73,8 +77,9 @@ def test_split_kv_matches_the_measured_best() -> None:
 def test_decode_prefetches_block_ids_only_where_measured_faster() -> None:
     # The H100 sweep (bench/kernels.py --sweep): prefetch at 2 stages won with one segment at head_dim 128;
     # with split-KV, and at head_dim 64, today's kernel stayed best.
-    one_segment = AttentionConfig(block_m=16, tile_n=64, num_segments=1, num_warps=4, num_stages=2,
-                                  is_decode_only=True, prefetch=1)  # fmt: skip
+    one_segment = AttentionConfig(
+        block_m=16, tile_n=64, num_segments=1, num_warps=4, num_stages=2, is_decode_only=True, prefetch=1
+    )
     assert _decode(4096) == one_segment
     assert _decode(64).prefetch == 0 and _decode(64).num_stages == 3
     assert _decode(32, heads=(9, 3), head_dim=64).prefetch == 0
@@ -91,7 +96,7 @@ def test_decode_variant_is_one_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_prefill_kernel_takes_prefill_heavy_steps_only() -> None:
-    from kernels.launch_config import uses_prefill_kernel
+    from pagedserve.kernels.launch_config import uses_prefill_kernel
 
     assert uses_prefill_kernel(num_tokens=8 * 2048, num_seqs=8, max_query_len=2048)
     assert uses_prefill_kernel(num_tokens=16 * 512, num_seqs=16, max_query_len=512)
@@ -102,7 +107,7 @@ def test_prefill_kernel_takes_prefill_heavy_steps_only() -> None:
 
 
 def test_prefill_config_packs_gqa_rows_into_full_tiles() -> None:
-    from kernels.launch_config import choose_prefill_config
+    from pagedserve.kernels.launch_config import choose_prefill_config
 
     for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64), (8, 8, 64), (64, 1, 128), (8, 2, 256)):
         config = choose_prefill_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
@@ -114,12 +119,17 @@ def test_prefill_config_packs_gqa_rows_into_full_tiles() -> None:
 def test_fp8_cache_decode_tile_moves_the_same_bytes_per_load() -> None:
     # Split-KV (64 sequences): only the tile differs. One segment: bf16's block-id prefetch (measured on bf16
     # only) stays off on an fp8 cache.
-    bf16, fp8 = _decode(64), choose_config(num_seqs=64, num_heads=32, num_kv_heads=8, head_dim=128,
-                                           max_query_len=1, num_sms=132, kv_dtype_bytes=1)  # fmt: skip
+    bf16, fp8 = (
+        _decode(64),
+        choose_config(
+            num_seqs=64, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=1, num_sms=132, kv_dtype_bytes=1
+        ),
+    )
     assert fp8.tile_n == FP8_DECODE_TILE_N and fp8.tile_n % 16 == 0
     assert fp8.with_(tile_n=bf16.tile_n) == bf16
-    one_segment = choose_config(num_seqs=256, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=1,
-                                num_sms=132, kv_dtype_bytes=1)  # fmt: skip
+    one_segment = choose_config(
+        num_seqs=256, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=1, num_sms=132, kv_dtype_bytes=1
+    )
     assert one_segment.tile_n == FP8_DECODE_TILE_N and one_segment.prefetch == 0
     prefill = dict(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
     assert choose_config(**prefill, kv_dtype_bytes=1) == choose_config(**prefill)  # prefill tiles unchanged

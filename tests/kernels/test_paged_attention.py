@@ -1,4 +1,4 @@
-"""Kernel vs `kernels.reference` on small ragged mixes (interpreter on CPU: fp32/fp16 only)."""
+"""Kernel vs `pagedserve.kernels.reference` on small ragged mixes (interpreter on CPU: fp32/fp16 only)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.launch_config import AttentionConfig, choose_config, decode_rows_fixed
-from kernels.paged_attention import paged_attention
-from kernels.paged_batch import PagedBatch, make_paged_batch
+from pagedserve.kernels import reference
+from pagedserve.kernels.launch_config import AttentionConfig, choose_config, decode_rows_fixed
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch
 
 # (query_lens, seq_lens): decode, prompt, prompt after a cached prefix, chunked-prefill piece,
 # a one-token prompt and a sequence with no query this step.
@@ -25,9 +25,15 @@ def _run(batch: PagedBatch, config: AttentionConfig) -> torch.Tensor:
     )
     out = torch.full_like(batch.query, float("nan"))  # poisoned: every row must be written
     result = paged_attention(
-        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        scale, config, out=out,
-    )  # fmt: skip
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        config,
+        out=out,
+    )
     assert result is out
     assert not out.isnan().any()
     tol = 1e-4 if batch.query.dtype == torch.float32 else 2e-3
@@ -37,10 +43,13 @@ def _run(batch: PagedBatch, config: AttentionConfig) -> torch.Tensor:
 
 def _default(batch: PagedBatch, num_sms: int = 1) -> AttentionConfig:
     return choose_config(
-        num_seqs=batch.seq_lens.shape[0], num_heads=batch.query.shape[1],
-        num_kv_heads=batch.kv_cache.shape[3], head_dim=batch.query.shape[2],
-        max_query_len=batch.max_query_len, num_sms=num_sms,
-    )  # fmt: skip
+        num_seqs=batch.seq_lens.shape[0],
+        num_heads=batch.query.shape[1],
+        num_kv_heads=batch.kv_cache.shape[3],
+        head_dim=batch.query.shape[2],
+        max_query_len=batch.max_query_len,
+        num_sms=num_sms,
+    )
 
 
 @pytest.mark.parametrize(
@@ -56,9 +65,14 @@ def test_mixed_batch(
     device: torch.device, heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype
 ) -> None:
     batch = make_paged_batch(
-        *MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=device,
-    )  # fmt: skip
+        *MIXED,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+    )
     _run(batch, _default(batch))
 
 
@@ -73,9 +87,15 @@ def test_mixed_batch(
 )
 def test_mixed_batch_tilings(device: torch.device, config: AttentionConfig) -> None:
     batch = make_paged_batch(
-        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32,
-        device=device, seed=3,
-    )  # fmt: skip
+        *MIXED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=32,
+        dtype=torch.float32,
+        device=device,
+        seed=3,
+    )
     _run(batch, config)
 
 
@@ -83,9 +103,16 @@ def test_mixed_batch_tilings(device: torch.device, config: AttentionConfig) -> N
 def test_decode_only_batch(device: torch.device, num_segments: int) -> None:
     seq_lens = [1, 15, 16, 17, 130]  # block edges, a lone token, and more segments than tiles
     batch = make_paged_batch(
-        [1] * len(seq_lens), seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
-        dtype=torch.float16, device=device, seed=5,
-    )  # fmt: skip
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=5,
+    )
     config = _default(batch).with_(num_segments=num_segments, tile_n=16)
     assert config.is_decode_only
     _run(batch, config)
@@ -109,9 +136,16 @@ def test_decode_variants(device: torch.device, variant: dict[str, int | bool]) -
     # Block edges, a lone token, a sequence with no query this step, and segments without tiles.
     seq_lens = [1, 15, 16, 17, 130, 64]
     batch = make_paged_batch(
-        [1, 1, 1, 1, 1, 0], seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
-        dtype=torch.float16, device=device, seed=11,
-    )  # fmt: skip
+        [1, 1, 1, 1, 1, 0],
+        seq_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=11,
+    )
     config = decode_rows_fixed(_default(batch).with_(num_segments=4, tile_n=16).with_(**variant), group=3)
     assert config.is_decode_only and config.block_m == (16 if config.use_dot else 4)
     _run(batch, config)
@@ -122,16 +156,30 @@ def test_decode_variants(device: torch.device, variant: dict[str, int | bool]) -
 def test_mixed_batch_variants(device: torch.device, variant: dict[str, int | bool]) -> None:
     # Prompts have several masked (diagonal) tiles after the full ones: prefetch must stop at the right tile.
     batch = make_paged_batch(
-        *MIXED, num_heads=4, num_kv_heads=1, head_dim=40, block_size=16, dtype=torch.float32, device=device, seed=13,
-    )  # fmt: skip
+        *MIXED,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=40,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+        seed=13,
+    )
     _run(batch, _default(batch).with_(tile_n=16, block_m=16, **variant))
 
 
 def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
     batch = make_paged_batch(
-        [3, 1, 40], [50, 33, 40], num_heads=4, num_kv_heads=1, head_dim=32, block_size=16,
-        dtype=torch.float32, device=device, seed=7,
-    )  # fmt: skip
+        [3, 1, 40],
+        [50, 33, 40],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+        seed=7,
+    )
     first = _run(batch, _default(batch))
     other = _run(batch, _default(batch).with_(block_m=64, tile_n=32, num_segments=2))
     torch.testing.assert_close(first, other, atol=1e-5, rtol=1e-5)

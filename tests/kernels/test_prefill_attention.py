@@ -1,4 +1,4 @@
-"""Prefill kernel (new K/V from the fused qkv rows, prefixes from the cache) vs `kernels.reference`.
+"""Prefill kernel (new K/V from the fused qkv rows, prefixes from the cache) vs `pagedserve.kernels.reference`.
 
 The cache is NaN wherever no sequence owns it, the qkv buffer has NaN padding rows after the last
 token, and the output starts as NaN: a kernel that reads a key too many, lets a padding row into a sum,
@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference
-from kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
-from kernels.prefill_attention import PrefillConfig, prefill_attention
+from pagedserve.kernels import reference
+from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv
+from pagedserve.kernels.prefill_attention import PrefillConfig, prefill_attention
 
 # (query_lens, seq_lens): decode, prompt, prompt after a cached prefix, chunked-prefill piece,
 # a one-token prompt and a sequence with no query this step.
@@ -25,8 +25,9 @@ PAD_TOKENS = 3
 
 
 def _config(block_m: int = 32, block_n: int = 16, pack_gqa: bool = True, kv_load: str = "pointer") -> PrefillConfig:
-    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, pack_gqa=pack_gqa,
-                         kv_load=kv_load)  # fmt: skip
+    return PrefillConfig(
+        block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, pack_gqa=pack_gqa, kv_load=kv_load
+    )
 
 
 def _check(batch: PagedBatch, config: PrefillConfig, tol: float | None = None) -> torch.Tensor:
@@ -37,9 +38,17 @@ def _check(batch: PagedBatch, config: PrefillConfig, tol: float | None = None) -
     query, key, value = step_qkv(batch, PAD_TOKENS)
     out = torch.full_like(query, float("nan"))  # rows past the last token must stay untouched
     result = prefill_attention(
-        query[: batch.num_tokens], key, value, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
-        batch.block_tables, scale, config, out=out[: batch.num_tokens],
-    )  # fmt: skip
+        query[: batch.num_tokens],
+        key,
+        value,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        config,
+        out=out[: batch.num_tokens],
+    )
     assert result.data_ptr() == out.data_ptr()
     assert not out[: batch.num_tokens].isnan().any()
     assert out[batch.num_tokens :].isnan().all()
@@ -62,18 +71,29 @@ def test_mixed_batch(
     device: torch.device, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, pack_gqa: bool
 ) -> None:
     batch = make_paged_batch(
-        *MIXED, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=16,
-        dtype=dtype, device=device,
-    )  # fmt: skip
+        *MIXED,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device=device,
+    )
     _check(batch, _config(pack_gqa=pack_gqa))
 
 
 @pytest.mark.parametrize("kv_load", ["pointer", "host_tma", "device_tma"])
 def test_kv_loads_agree(device: torch.device, kv_load: str) -> None:
     batch = make_paged_batch(
-        *MIXED, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float16,
-        device=device, seed=2,
-    )  # fmt: skip
+        *MIXED,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=2,
+    )
     _check(batch, _config(kv_load=kv_load))
 
 
@@ -87,17 +107,30 @@ def test_kv_loads_agree(device: torch.device, kv_load: str) -> None:
 )
 def test_prompts_off_the_tile_edges(device: torch.device, config: PrefillConfig) -> None:
     batch = make_paged_batch(
-        *PROMPTS, num_heads=4, num_kv_heads=2, head_dim=128, block_size=16, dtype=torch.float16,
-        device=device, seed=3,
-    )  # fmt: skip
+        *PROMPTS,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=3,
+    )
     _check(batch, config)
 
 
 def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
     batch = make_paged_batch(
-        [3, 1, 40], [50, 33, 40], num_heads=4, num_kv_heads=1, head_dim=32, block_size=16,
-        dtype=torch.float32, device=device, seed=7,
-    )  # fmt: skip
+        [3, 1, 40],
+        [50, 33, 40],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+        seed=7,
+    )
     first = _check(batch, _config())
     other = _check(batch, _config(block_m=16, block_n=32, pack_gqa=False))
     torch.testing.assert_close(first, other, atol=1e-5, rtol=1e-5)
@@ -108,12 +141,14 @@ def test_fp8_cache_scales_only_the_cached_prefix(device: torch.device, dtype: to
     """The prefix comes from an e4m3 cache (K / k_scale, V / v_scale); the new keys come unquantised from
     qkv, so the oracle is the reference over a cache that holds the dequantised prefix and exact new K/V."""
     fp8, k_scale, v_scale = torch.float8_e4m3fn, 0.25, 2.0
-    batch = make_paged_batch(*MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                             dtype=torch.float32, device=device, seed=4)  # fmt: skip
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device, seed=4
+    )
     exact = batch.kv_cache
     quantised = torch.stack([reference.to_cache(exact[0], fp8, k_scale), reference.to_cache(exact[1], fp8, v_scale)])
-    oracle_cache = torch.stack([reference.from_cache(quantised[0], k_scale),
-                                reference.from_cache(quantised[1], v_scale)])  # fmt: skip
+    oracle_cache = torch.stack(
+        [reference.from_cache(quantised[0], k_scale), reference.from_cache(quantised[1], v_scale)]
+    )
     oracle_flat, exact_flat = oracle_cache.view(2, -1, 2, 32), exact.view(2, -1, 2, 32)
     oracle_flat[:, batch.slot_mapping] = exact_flat[:, batch.slot_mapping]
     scale = 32**-0.5
@@ -123,8 +158,17 @@ def test_fp8_cache_scales_only_the_cached_prefix(device: torch.device, dtype: to
     query, key, value = step_qkv(batch, PAD_TOKENS)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = prefill_attention(
-        query[: batch.num_tokens], key, value, quantised, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        scale, _config(), k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+        query[: batch.num_tokens],
+        key,
+        value,
+        quantised,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        _config(),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.paged_batch import make_paged_batch
-from services.engine import attention
+from pagedserve.kernels.paged_batch import make_paged_batch
+from pagedserve.services.engine import attention
 
 
 @pytest.fixture
@@ -25,9 +25,16 @@ def test_write_then_attend_matches_reference_backend(
     device: torch.device, restore_backend: None, query_lens: list[int], seq_lens: list[int]
 ) -> None:
     batch = make_paged_batch(
-        query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-        dtype=torch.float16, device=device, seed=11,
-    )  # fmt: skip
+        query_lens,
+        seq_lens,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=11,
+    )
     gen = torch.Generator(device=device).manual_seed(12)
     new_kv = torch.randn((2, batch.num_tokens, 2, 32), generator=gen, device=device).to(torch.float16)
     meta = attention.AttentionMetadata(

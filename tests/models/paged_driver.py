@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.models import CausalLM
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models import CausalLM
 
 
 @dataclass(slots=True)

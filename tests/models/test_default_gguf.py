@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import CausalLM, load_model
-from services.engine.sampling_params import SamplingParams
-from shared.model_source import default_gguf_path, resolve_model_dir
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import CausalLM, load_model
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
+from pagedserve.shared.model_source import default_gguf_path, resolve_model_dir
 from tests.models.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,7 +33,7 @@ def assert_same_outputs(dirs: list[Path]) -> None:
         assert torch.equal(a, b)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     outputs = [
-        [r.token_ids for r in Engine(EngineConfig(model_dir=d, num_kv_blocks=64), model=m).generate(PROMPTS, params)]
+        [r.token_ids for r in Engine(Config.of(model=str(d), num_kv_blocks=64), model=m).generate(PROMPTS, params)]
         for d, m in zip(dirs, models)
     ]
     assert outputs[0] == outputs[1] and all(len(o) > 0 for o in outputs[0])

@@ -13,17 +13,23 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import CausalLM, load_model
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import CausalLM, load_model
+from pagedserve.services.engine.models.falcon import FalconForCausalLM
+from pagedserve.services.engine.models.gemma import GemmaForCausalLM
+from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
+from pagedserve.services.engine.models.llama import LlamaForCausalLM
+from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
+from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import CASES, build_tiny_model
 
 _gen = torch.Generator().manual_seed(1)
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [torch.randint(3, 256, (n,), generator=_gen).tolist() for n in (1, 5, 13, 23)]
-NUM_NEW_TOKENS = 20
+NUM_NEW_TOKENS = 32
 
 
 @dataclass
@@ -55,6 +61,27 @@ def hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]
     return token_ids[len(prompt) :]
 
 
+FAMILY_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gpt_neox": GPTNeoXForCausalLM,
+    "falcon": FalconForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
+}
+
+
+def test_the_loader_picks_the_family_module(loaded: Loaded) -> None:
+    family = CASES[loaded.case][0]
+    assert type(loaded.ours) is FAMILY_CLASSES[family]
+
+
 def test_batched_prefill_logits_match_hf(loaded: Loaded) -> None:
     got = PagedDriver(loaded.ours).step(dict(enumerate(PROMPTS)))
     for prompt, logits in zip(PROMPTS, got):
@@ -72,8 +99,8 @@ def test_chunked_prefill_mixed_with_decode_matches_hf(loaded: Loaded) -> None:
 
 
 def test_greedy_through_engine_matches_hf(loaded: Loaded) -> None:
-    config = EngineConfig(
-        model_dir=loaded.model_dir,
+    config = Config.of(
+        model=str(loaded.model_dir),
         dtype="float32",
         block_size=4,
         num_kv_blocks=128,

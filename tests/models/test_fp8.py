@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from services.engine.models import CausalLM, load_model
-from services.engine.models.fp8 import FP8_DTYPE, Fp8Linear, fp8_linear, quantize_rows
+from pagedserve.services.engine.models import CausalLM, load_model
+from pagedserve.services.engine.models.fp8 import FP8_DTYPE, Fp8Linear, fp8_linear, quantize_rows
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.engine.models import load_model
-from shared.model_source import resolve_model_dir
+from pagedserve.services.engine.models import load_model
+from pagedserve.shared.model_source import resolve_model_dir
 from tests.models.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,8 +41,10 @@ def sequences(model_dir) -> list[tuple[list[int], int]]:
     out = []
     for question, answer in CHATS:
         user = {"role": "user", "content": question}
-        texts = (tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False),
-                 tok.apply_chat_template([user, {"role": "assistant", "content": answer}], tokenize=False))  # fmt: skip
+        texts = (
+            tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False),
+            tok.apply_chat_template([user, {"role": "assistant", "content": answer}], tokenize=False),
+        )
         prompt, full = (tok.encode(str(text), add_special_tokens=False) for text in texts)
         assert full[: len(prompt)] == prompt
         out.append((full, len(prompt)))

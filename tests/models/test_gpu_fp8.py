@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine import attention
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import CausalLM, load_model
-from services.engine.models.fp8 import fp8_linear, quantize_rows
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import CausalLM, load_model
+from pagedserve.services.engine.models.fp8 import fp8_linear, quantize_rows
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -77,8 +77,15 @@ def test_engine_generates_with_fp8_weights_and_kv(tmp_path: Path) -> None:
     build_tiny_model(CASE, tmp_path)
     results = {}
     for quantization, kv in ((None, "auto"), ("fp8", "fp8")):
-        config = EngineConfig(model_dir=tmp_path, dtype="bfloat16", device="cuda", num_kv_blocks=64,
-                              max_num_batched_tokens=64, quantization=quantization, kv_cache_dtype=kv)  # fmt: skip
+        config = Config.of(
+            model=str(tmp_path),
+            dtype="bfloat16",
+            device="cuda",
+            num_kv_blocks=64,
+            max_num_batched_tokens=64,
+            quantization=quantization,
+            kv_cache_dtype=kv,
+        )
         engine = Engine(config)
         results[kv] = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
         del engine

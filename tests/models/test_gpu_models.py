@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import attention
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.models import load_model
-from services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import CASES, build_tiny_model
 
@@ -80,8 +80,7 @@ def test_bf16_prefill_logits_triton(case: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_through_engine_on_gpu(case: str, tmp_path: Path) -> None:
     hf = hf_on_gpu(case, tmp_path, torch.float32)
-    config = EngineConfig(model_dir=tmp_path, dtype="float32", device="cuda", num_kv_blocks=64,
-                          max_num_batched_tokens=32)  # fmt: skip
+    config = Config.of(model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=64, max_num_batched_tokens=32)
     engine = Engine(config)  # loads our model itself, picks the Triton backend on CUDA
     results = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     for prompt, result in zip(PROMPTS, results):
@@ -96,8 +95,7 @@ def test_prompt_logprobs_through_engine_on_gpu(tmp_path: Path) -> None:
     logprobs of the requests that ask match HF's log-softmax; the neighbours' tokens are unchanged."""
     case = next(iter(CASES))
     hf = hf_on_gpu(case, tmp_path, torch.float32)
-    config = EngineConfig(model_dir=tmp_path, dtype="float32", device="cuda", num_kv_blocks=64,
-                          max_num_batched_tokens=32)  # fmt: skip
+    config = Config.of(model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=64, max_num_batched_tokens=32)
     engine = Engine(config)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     plain = engine.generate(PROMPTS, greedy)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.engine.models import ModelSpec, load_model
-from shared.model_source import resolve_model_dir
+from pagedserve.services.engine.models import ModelSpec, load_model
+from pagedserve.shared.model_source import resolve_model_dir
 from tests.models.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.usefixtures("one_thread")

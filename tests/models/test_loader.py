@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.engine.models import UnsupportedArchitectureError, load_model, resolve_dtype
-from services.engine.models.rotary import inverse_frequencies, rope_params_from_config
+from pagedserve.services.engine.models import UnsupportedArchitectureError, load_model, resolve_dtype
+from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_params_from_config
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -90,9 +90,12 @@ def test_bf16_load_runs_close_to_fp32(llama_dir: Path) -> None:
 
 def test_legacy_rope_keys_load_the_same(llama_dir: Path, tmp_path: Path) -> None:
     legacy = copy_with_config(
-        llama_dir, tmp_path / "legacy", rope_parameters=None, rope_theta=500.0,
+        llama_dir,
+        tmp_path / "legacy",
+        rope_parameters=None,
+        rope_theta=500.0,
         rope_scaling={"type": "linear", "factor": 2.0},
-    )  # fmt: skip
+    )
     torch.testing.assert_close(prompt_logits(legacy), prompt_logits(llama_dir), atol=0, rtol=0)
     unscaled = copy_with_config(llama_dir, tmp_path / "unscaled", rope_parameters=None, rope_theta=500.0)
     assert not torch.allclose(prompt_logits(unscaled), prompt_logits(llama_dir), atol=1e-3)
@@ -105,11 +108,15 @@ def test_legacy_rope_keys_load_the_same(llama_dir: Path, tmp_path: Path) -> None
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
         {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
         },
     ],
-)  # fmt: skip
+)
 def test_inverse_frequencies_equal_transformers(rope: dict[str, object]) -> None:
     config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=65536, rope_parameters=rope)
     init = ROPE_INIT_FUNCTIONS.get(str(rope["rope_type"]))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-import shared.model_source as model_source
-from shared.model_source import ModelNotFoundError, convert_gguf, model_name_for, resolve_model_dir
+import pagedserve.shared.model_source as model_source
+from pagedserve.shared.model_source import ModelNotFoundError, convert_gguf, model_name_for, resolve_model_dir
 
 
 def fake_hf_cache(root: Path, repo_id: str, files: dict[str, str]) -> Path:
@@ -56,6 +56,7 @@ class FakeConverter:
 
 
 def test_gguf_converts_once_even_when_started_concurrently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     fake = FakeConverter()
     monkeypatch.setattr(model_source, "_convert", fake)
     gguf = tmp_path / "m.gguf"
@@ -71,6 +72,36 @@ def test_gguf_converts_once_even_when_started_concurrently(tmp_path: Path, monke
     gguf.write_text("weights-2, a different file")  # same name, other content: convert afresh
     convert_gguf(gguf, out)
     assert len(fake.sources) == 2 and (out / "config.json").read_text() == "weights-2, a different file"
+
+
+def test_the_same_file_at_another_path_shares_the_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two installs (two venvs) see the default GGUF under different paths: one conversion serves both."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    fake = FakeConverter()
+    monkeypatch.setattr(model_source, "_convert", fake)
+    first, second = tmp_path / "venv-a" / "m.gguf", tmp_path / "venv-b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text("the same weights")
+    out = tmp_path / "cache" / "m"
+    convert_gguf(first, out)
+    convert_gguf(second, out)
+    convert_gguf(first, out)
+    assert fake.sources == [first]  # converted once, for both paths
+    marker = (out / ".pagedserve-converted").read_text()
+    assert str(tmp_path) not in marker and marker.startswith("sha256:")  # what the file is, not where
+
+
+def test_a_marker_of_an_older_release_is_adopted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    fake = FakeConverter()
+    monkeypatch.setattr(model_source, "_convert", fake)
+    gguf, out = tmp_path / "m.gguf", tmp_path / "cache" / "m"
+    gguf.write_text("weights")
+    out.mkdir(parents=True)
+    (out / ".pagedserve-converted").write_text(f"{gguf.resolve()}\n{gguf.stat().st_size}")
+    assert convert_gguf(gguf, out) == out and fake.sources == []  # no reconversion
+    assert (out / ".pagedserve-converted").read_text().startswith("sha256:")
 
 
 def test_explicit_gguf_path_goes_to_its_own_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.models import load_model
+from pagedserve.services.engine.models import load_model
 from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import CASES, build_tiny_model
+from tests.models.tiny_models import TP_CASES, build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 _gen = torch.Generator().manual_seed(3)
@@ -37,7 +37,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {}
-    for case in CASES:
+    for case in TP_CASES:
         dirs[case] = tmp_path_factory.mktemp(case)
         build_tiny_model(case, dirs[case])
     return dirs
@@ -48,30 +48,58 @@ def tp2_results(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     work = tmp_path_factory.mktemp("tp2")
     job = work / "job.json"
     random_dir = str(model_dirs["llama-gqa-tied-llama3rope-sharded"])
-    job.write_text(json.dumps({"prompts": PROMPTS, "num_new": NUM_NEW, "random": random_dir,
-                               "models": {c: str(d) for c, d in model_dirs.items()}}))  # fmt: skip
+    job.write_text(
+        json.dumps(
+            {
+                "prompts": PROMPTS,
+                "num_new": NUM_NEW,
+                "random": random_dir,
+                "models": {c: str(d) for c, d in model_dirs.items()},
+            }
+        )
+    )
     out = work / "out.json"
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.models.tp_rank", "--rank", str(rank), "--world-size", "2",
-                               "--init-method", init_method, "--job", str(job), "--out", str(out)], cwd=root, env=env)
-             for rank in range(2)]  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.models.tp_rank",
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--init-method",
+                init_method,
+                "--job",
+                str(job),
+                "--out",
+                str(out),
+            ],
+            cwd=root,
+            env=env,
+        )
+        for rank in range(2)
+    ]
     for proc in ranks:
         assert proc.wait(timeout=300) == 0
     results: dict[str, list] = json.loads(out.read_text())
     return results
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", TP_CASES)
 def test_tp2_greedy_equals_tp1(case: str, model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:
     model = load_model(model_dirs[case], "float32", "cpu", show_progress=False)
     assert PagedDriver(model).greedy(PROMPTS, NUM_NEW) == tp2_results[case]
 
 
 def test_random_weights_identical_for_tp1_and_tp2(model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:
-    model = load_model(model_dirs["llama-gqa-tied-llama3rope-sharded"], "float32", "cpu", show_progress=False,
-                       random_weights_seed=7)  # fmt: skip
+    model = load_model(
+        model_dirs["llama-gqa-tied-llama3rope-sharded"], "float32", "cpu", show_progress=False, random_weights_seed=7
+    )
     expected = PagedDriver(model).greedy(PROMPTS, NUM_NEW)
     assert expected == tp2_results["random-weights"]
     assert len({tuple(t) for t in expected}) > 1  # not a degenerate constant output

@@ -13,14 +13,25 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 _COMMON: dict[str, Any] = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-    initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.25,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 _LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
     original_max_position_embeddings=32,
-)  # fmt: skip
+)
 
 # case id -> (model_type, config overrides, max_shard_size for save_pretrained or None)
 CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
@@ -51,6 +62,92 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "qwen3",
         dict(num_key_value_heads=2, head_dim=32, intermediate_size=128, tie_word_embeddings=False),
         "60KB",
+    ),
+    "mixtral-moe-top2-renormalized": (
+        "mixtral",
+        dict(num_key_value_heads=2, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
+        "60KB",
+    ),
+    "qwen2_moe-shared-expert-dense-layer0": (
+        "qwen2_moe",
+        dict(
+            num_key_value_heads=2,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+        ),
+        None,
+    ),
+    "qwen3_moe-qknorm-normtopk": (
+        "qwen3_moe",
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        None,
+    ),
+    "phi3-fused-partial-rotary": (
+        "phi3",
+        dict(num_key_value_heads=2, intermediate_size=128, partial_rotary_factor=0.5, tie_word_embeddings=False),
+        None,
+    ),
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=96,
+            original_max_position_embeddings=64,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.0],
+                long_factor=[2.0, 3.0, 4.0, 6.0, 8.0, 11.0, 14.0, 18.0],
+            ),
+        ),
+        None,
+    ),
+    "gemma2-window8-softcaps": (
+        "gemma2",
+        # initializer_range 0.05: Gemma scales embeddings by sqrt(hidden) = 8; at 0.25 greedy repeats 4 tokens
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            initializer_range=0.05,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=20.0,
+        ),
+        None,
+    ),
+    "gemma3-window8-qknorm-local-rope": (
+        "gemma3_text",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            sliding_window=8,
+            num_hidden_layers=3,
+            initializer_range=0.05,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=16,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            },
+        ),
+        None,
     ),
     "gpt_neox-parallel-partial-rotary": (
         "gpt_neox",
@@ -83,6 +180,12 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         None,
     ),
 }
+
+# Mixture-of-experts families refuse tensor parallelism (parallel/sharding.py): not in the TP cases.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Gemma's layers have no tensor-parallel sharding yet (their own attention class).
+NO_TP_FAMILIES = (*MOE_FAMILIES, "gemma2", "gemma3_text")
+TP_CASES = [case for case, (family, _, _) in CASES.items() if family not in NO_TP_FAMILIES]
 
 
 def build_tiny_model(case: str, out_dir: Path) -> PreTrainedModel:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.models import load_model
-from services.engine.parallel.state import init_parallel, shutdown_parallel
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.parallel.state import init_parallel, shutdown_parallel
 from tests.models.paged_driver import PagedDriver
 
 

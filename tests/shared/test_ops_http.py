@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
-from services.healthcheck import main as healthcheck
-from shared.ops_http import serve_ops
-from shared.redis_server import free_port
+from pagedserve.services.healthcheck import main as healthcheck
+from pagedserve.shared.ops_http import serve_ops
+from pagedserve.shared.redis_server import free_port
 
 
 def test_metrics_health_and_readiness() -> None:

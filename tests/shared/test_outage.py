@@ -6,13 +6,14 @@ import logging
 
 import pytest
 
-from shared.outage import OutageLog
+from pagedserve.shared.outage import OutageLog
 
 
-def test_an_outage_logs_once_then_reminds_then_recovers(caplog: pytest.LogCaptureFixture,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_outage_logs_once_then_reminds_then_recovers(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     now = [100.0]
-    monkeypatch.setattr("shared.outage.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("pagedserve.shared.outage.time.monotonic", lambda: now[0])
     outage = OutageLog(logging.getLogger("test.outage"), every_s=10.0)
     outage.recovered()  # nothing to end
     with caplog.at_level(logging.INFO, logger="test.outage"):

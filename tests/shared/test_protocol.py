@@ -5,7 +5,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from shared.protocol import (
+from pagedserve.shared.protocol import (
     SCHEMA_VERSION,
     Abort,
     Accepted,
@@ -17,24 +17,46 @@ from shared.protocol import (
     Message,
     RequestError,
     TokenDeltas,
+    TokenizerHeartbeat,
     decode,
     decode_as,
     encode,
 )
 
 SAMPLES = [
-    ChatRequest("r1", "gw-1", "m", [{"role": "user", "content": "hé 😀"}], {"temperature": 0.5, "n": 2},
-                max_tokens=7, stream=True, arrival_time=1.5, traceparent="00-ab-cd-01"),
+    ChatRequest(
+        "r1",
+        "gw-1",
+        "m",
+        [{"role": "user", "content": "hé 😀"}],
+        {"temperature": 0.5, "n": 2},
+        max_tokens=7,
+        stream=True,
+        arrival_time=1.5,
+        traceparent="00-ab-cd-01",
+    ),
     CompletionRequest("r2", "gw-1", "m", [1, 2, 3], {"seed": 2**63 - 1}, max_tokens=None),
     CompletionRequest("r3", "gw-1", "m", "text prompt"),
-    GenerateRequest("r4", "gw-2", "m", [5, 6], {"max_tokens": 3, "logit_bias": {"5": -100.0}},
-                    output_token_ids=[9, 10]),
+    GenerateRequest(
+        "r4", "gw-2", "m", [5, 6], {"max_tokens": 3, "logit_bias": {"5": -100.0}}, output_token_ids=[9, 10]
+    ),
     Accepted("r5", 12, 100, prompt_token_ids=list(range(12))),
     RequestError("r6", 400, "too long", param="messages", code="context_length_exceeded"),
-    TokenDeltas("e1", 3, ["a", "b"], [0, 1], [[1], [2, 3]], [None, [[-0.1, [[2, -0.1], [4, -2.5]]]]],
-                [None, "stop"], [5, 5], [1, 2], [0, 4]),
+    TokenDeltas(
+        "e1",
+        3,
+        ["a", "b"],
+        [0, 1],
+        [[1], [2, 3]],
+        [None, [[-0.1, [[2, -0.1], [4, -2.5]]]]],
+        [None, "stop"],
+        [5, 5],
+        [1, 2],
+        [0, 4],
+    ),
     Abort(["a", "b"], reason="client disconnected"),
     EngineHeartbeat("e1", "m", 2048, num_running=3, model_source="/models/x"),
+    TokenizerHeartbeat("tok-1", "m", 1700000000.5),
 ]
 
 
@@ -48,7 +70,7 @@ def test_every_message_round_trips(msg: Message) -> None:
 
 
 def test_every_message_type_is_sampled() -> None:
-    from shared import protocol
+    from pagedserve.shared import protocol
 
     assert {type(m).TAG for m in SAMPLES} == set(protocol._TYPES)  # type: ignore[attr-defined]
 
@@ -58,11 +80,19 @@ def test_unknown_fields_from_a_newer_producer_are_ignored() -> None:
     assert decode(raw) == Abort(["x"], "r")
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"\xc1\xff garbage", msgpack.packb([1, 2]), msgpack.packb({"v": 99, "t": "abort", "request_ids": []}),
-    msgpack.packb({"v": SCHEMA_VERSION, "t": "nope"}), msgpack.packb({"v": SCHEMA_VERSION, "t": "abort"}),
-    msgpack.packb({1: 2}), b"\x80" * 10,
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1\xff garbage",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"v": 99, "t": "abort", "request_ids": []}),
+        msgpack.packb({"v": SCHEMA_VERSION, "t": "nope"}),
+        msgpack.packb({"v": SCHEMA_VERSION, "t": "abort"}),
+        msgpack.packb({1: 2}),
+        b"\x80" * 10,
+    ],
+)
 def test_garbage_raises_decode_error_only(data: bytes) -> None:
     with pytest.raises(DecodeError):
         decode(data)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from shared.redis_connect import connect, is_sentinel_url, parse_sentinel_url
+from pagedserve.shared.redis_connect import connect, is_sentinel_url, parse_sentinel_url
+from pagedserve.shared.redis_server import PrivateRedis
 
 
 def test_sentinel_url_parts() -> None:
-    spec = parse_sentinel_url("redis+sentinel://:s3cret@10.0.0.1:26379,sentinel-2:26380,sentinel-3/mymaster/2"
-                              "?sentinel_password=watch")
+    spec = parse_sentinel_url(
+        "redis+sentinel://:s3cret@10.0.0.1:26379,sentinel-2:26380,sentinel-3/mymaster/2?sentinel_password=watch"
+    )
     assert spec.sentinels == [("10.0.0.1", 26379), ("sentinel-2", 26380), ("sentinel-3", 26379)]
     assert (spec.service_name, spec.db, spec.password, spec.sentinel_password) == ("mymaster", 2, "s3cret", "watch")
     assert not spec.ssl and spec.username is None
@@ -33,3 +37,28 @@ def test_connect_picks_the_client_kind() -> None:
     assert watched.connection_pool.service_name == "mymaster"
     assert watched.connection_pool.connection_kwargs["db"] == 1
     assert watched.connection_pool.connection_kwargs["password"] == "pw"
+
+
+def test_a_connection_redis_dropped_is_retried_on_a_new_one() -> None:
+    """After a Redis restart the pooled connection is dead: the next command must still go through."""
+    server = PrivateRedis().start()
+    try:
+
+        async def main() -> None:
+            client = connect(server.url)
+            try:
+                await client.xadd("s", {"d": b"1"})
+                port = server.port
+                server.stop()
+                restarted = PrivateRedis(port=port).start()
+                try:
+                    await client.xadd("s", {"d": b"2"})  # a stale connection without retries: ConnectionError
+                    assert await client.xlen("s") == 1  # no persistence: only the entry written after
+                finally:
+                    restarted.stop()
+            finally:
+                await client.aclose()
+
+        asyncio.run(main())
+    finally:
+        server.stop()

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from shared import streams
-from shared.protocol import Abort
-from shared.redis_server import PrivateRedis
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import Abort
+from pagedserve.shared.redis_server import PrivateRedis
 
 
 def run(coro):
@@ -91,6 +91,40 @@ def test_stale_entries_of_a_dead_consumer_are_claimed(redis_server: PrivateRedis
         await asyncio.sleep(0.1)
         claimed = await alive.claim_stale()
         assert [e.message for e in claimed] == [Abort(["orphan"])]
+        await r.aclose()
+
+    run(go())
+
+
+def test_entries_of_a_consumer_without_heartbeat_are_claimed_at_once(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+
+        def key(consumer: str) -> str:
+            return f"{stream}:hb:{consumer}"
+
+        slow = streams.GroupReader(r, stream, group, "slow")
+        await slow.ensure_group()
+        await streams.publish(r, stream, Abort(["slow-work"]))
+        await slow.read(block_ms=50)  # its own pending entries first (none), then new ones
+        await slow.read(block_ms=50)
+        await r.set(key("slow"), b"1")  # slow but alive: its heartbeat key is there
+        hung = streams.GroupReader(r, stream, group, "hung")
+        await streams.publish(r, stream, Abort(["hung-work"]))
+        await hung.read(block_ms=50)
+        await hung.read(block_ms=50)  # handed an entry, then never beats (or its key expired)
+        alive = streams.GroupReader(
+            r, stream, group, "alive", claim_idle_ms=60_000, heartbeat_key=key, dead_grace_ms=200
+        )
+        assert await alive.claim_dead() == []  # within the grace: a consumer just started is spared
+        await asyncio.sleep(0.3)
+        claimed = await alive.claim_dead()
+        assert [e.message for e in claimed] == [Abort(["hung-work"])]  # long before claim_idle_ms
+        assert await alive.claim_dead() == []
+        owners = {p["name"]: p["pending"] for p in (await r.xpending(stream, group))["consumers"]}
+        assert owners == {b"slow": 1, b"alive": 1}  # the slow one keeps its work
+        assert await streams.GroupReader(r, stream, group, "plain").claim_dead() == []  # no heartbeat_key: off
         await r.aclose()
 
     run(go())

@@ -1,4 +1,4 @@
-"""Model families, each a compact nn.Module that calls `services.engine.attention.paged_attention`.
+"""Model families, each a compact nn.Module that calls `pagedserve.services.engine.attention.paged_attention`.
 
 The interface every family implements (the runner relies on nothing else):
 
@@ -27,16 +27,17 @@ of a module built on the meta device, a tqdm bar, dtype "auto" = fp32 on CPU, th
 on CUDA (bf16 when it says fp32). Sliding-window models (Mistral v0.1) are limited to their window.
 `load_model(..., parallel=ctx)` builds and loads one tensor-parallel rank's shard, and
 `random_weights_seed=N` fills random weights identical for every tensor-parallel size (see
-services/engine/parallel). `python -m services.engine.models [MODEL]` prints the spec and the resolve/load times.
+services/engine/parallel). `python -m pagedserve.services.engine.models [MODEL]` prints the spec and the
+resolve/load times.
 """
 
-from services.engine.models.base import CausalLM
-from services.engine.models.loader import (
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.loader import (
     ARCHITECTURES,
     UnsupportedArchitectureError,
     load_model,
     resolve_dtype,
 )
-from services.engine.models.spec import ModelSpec
+from pagedserve.services.engine.models.spec import ModelSpec
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelSpec", "UnsupportedArchitectureError", "load_model", "resolve_dtype"]

@@ -1,6 +1,6 @@
 """Resolve and load a model, print its spec and how long each stage took (no engine, no Redis).
 
-    python -m services.engine.models [MODEL] [--dtype auto|bf16|fp16|fp32] [--device cpu|cuda]
+    python -m pagedserve.services.engine.models [MODEL] [--dtype auto|bf16|fp16|fp32] [--device cpu|cuda]
                                      [--max-model-len N] [--json PATH]
 
 MODEL is a directory, a .gguf file, a hub id in the local HF cache, or nothing (the default model).
@@ -15,12 +15,14 @@ from dataclasses import asdict
 
 import torch
 
-from services.engine.models import load_model
-from shared.model_source import model_name_for, resolve_model_dir
+from pagedserve.services.engine.models import load_model
+from pagedserve.shared.model_source import model_name_for, resolve_model_dir
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.engine.models", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedserve.services.engine.models", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")

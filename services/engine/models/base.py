@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata
-from services.engine.models.spec import ModelSpec
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models.spec import ModelSpec
 
 # What `checkpoint_to_params` yields: (our parameter name, tensor, shard id or None for a whole tensor)
 ParamPiece = tuple[str, torch.Tensor, str | None]
@@ -25,6 +25,11 @@ ParamPiece = tuple[str, torch.Tensor, str | None]
 
 class CausalLM(nn.Module):
     spec: ModelSpec
+    # Attention features only the torch backend has (e.g. "sliding-window attention"): the worker refuses
+    # other backends at start.
+    needs_torch_attention: str | None = None
+    # False for families whose layers parallel/sharding.py does not know (it would leave them whole).
+    supports_tensor_parallel = True
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.engine.models.base import DecoderLM, ParamPiece, rename
-from services.engine.models.gpt_neox import per_head_qkv_to_stacked
-from services.engine.models.layers import MLP, Attention, LayerNormBlock
-from services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
-from services.engine.models.spec import ModelSpec
+from pagedserve.services.engine.models.base import DecoderLM, ParamPiece, rename
+from pagedserve.services.engine.models.gpt_neox import per_head_qkv_to_stacked
+from pagedserve.services.engine.models.layers import MLP, Attention, LayerNormBlock
+from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
+from pagedserve.services.engine.models.spec import ModelSpec
 
 _NAMES = [
     ("transformer.word_embeddings.", "model.embed_tokens."),

@@ -43,8 +43,10 @@ def checkpoint_is_fp8(cfg: dict[str, Any]) -> bool:
         return True
     if method == "compressed-tensors":  # float-quantized weights with 8 bits
         groups = (qc.get("config_groups") or {}).values()
-        return any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
-                   for g in groups)  # fmt: skip
+        return any(
+            (g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+            for g in groups
+        )
     return False
 
 
@@ -67,14 +69,15 @@ def fp8_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.is_cuda:  # one Triton launch instead of ~6 torch ops per linear
-        from kernels.fp8_quant import quantize_rows_fp8
+        from pagedserve.kernels.fp8_quant import quantize_rows_fp8
 
         x_q, x_scale = quantize_rows_fp8(x)
     else:
         x_q, x_scale = quantize_rows(x)
     if _has_scaled_mm(x.device.type, x.dtype):
-        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
-                               out_dtype=x.dtype)  # fmt: skip
+        out = torch._scaled_mm(
+            x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :], out_dtype=x.dtype
+        )
     else:  # the same quantised operands, dequantised
         x_dq = x_q.float() * x_scale[:, None]
         out = F.linear(x_dq, weight.float() * weight_scale[:, None]).to(x.dtype)
@@ -84,8 +87,14 @@ def fp8_linear(
 class Fp8Linear(nn.Module):
     """A linear layer with an fp8 weight [N, K] and per-row scales [N]; may hold fused shards (q/k/v)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 shard_offsets: dict[str, tuple[int, int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        shard_offsets: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=FP8_DTYPE), requires_grad=False)
@@ -97,8 +106,13 @@ class Fp8Linear(nn.Module):
     def like(cls, linear: nn.Linear) -> Fp8Linear:
         """An empty Fp8Linear of `linear`'s shape (same device, e.g. meta)."""
         with linear.weight.device:
-            return cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                       getattr(linear, "shard_offsets", None))  # fmt: skip
+            return cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                linear.weight.dtype,
+                getattr(linear, "shard_offsets", None),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -114,8 +128,9 @@ class Fp8Linear(nn.Module):
             self.bias.data[rows].copy_(loaded)
             return ["bias"]
         if param_name == "weight_scale":  # per tensor [] / [1], or per row [N] / [N, 1]
-            self.weight_scale.data[rows].copy_(loaded.float().reshape(-1).expand(size) if loaded.numel() == 1
-                                               else loaded.float().reshape(size))  # fmt: skip
+            self.weight_scale.data[rows].copy_(
+                loaded.float().reshape(-1).expand(size) if loaded.numel() == 1 else loaded.float().reshape(size)
+            )
             return ["weight_scale"]
         assert param_name == "weight" and loaded.shape == (size, self.in_features), (shard_id, tuple(loaded.shape))
         if loaded.dtype == FP8_DTYPE:

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from services.engine import attention
+from pagedserve.services.engine import attention
 
 if TYPE_CHECKING:
-    from services.engine.attention import AttentionMetadata
-    from services.engine.models.rotary import RotaryEmbedding
+    from pagedserve.services.engine.attention import AttentionMetadata
+    from pagedserve.services.engine.models.rotary import RotaryEmbedding
 
 _MODES = ("auto", "on", "off")
 _mode = "auto"
@@ -62,7 +62,7 @@ def add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(x + residual), x + residual)
     if is_fused(x):
-        from kernels.fused_norm import add_rms_norm_
+        from pagedserve.kernels.fused_norm import add_rms_norm_
 
         return add_rms_norm_(x, residual, weight, eps)
     new_residual = x if residual is None else x + residual
@@ -71,7 +71,7 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2I] -> [n, I]
     if is_fused(gate_up):
-        from kernels.silu_mul import silu_mul
+        from pagedserve.kernels.silu_mul import silu_mul
 
         return silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -93,8 +93,8 @@ def rotary_and_attend(
     if not is_fused(q):
         q, k = rotary(positions, q, k)
         return attention.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
-    from kernels import triton_backend
-    from kernels.rotary_kv_write import rotary_write_kv_cache
+    from pagedserve.kernels import triton_backend
+    from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
 
     cos, sin = rotary.caches_for(q)
     rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)

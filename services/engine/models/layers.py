@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata
-from services.engine.models import fused_ops
-from services.engine.models.rotary import RotaryEmbedding
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine.models.rotary import RotaryEmbedding
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.engine.attention import AttentionMetadata
-from services.engine.models import fused_ops
-from services.engine.models.base import DecoderLM, ParamPiece
-from services.engine.models.layers import Attention, GatedMLP, RMSNorm
-from services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
-from services.engine.models.spec import ModelSpec
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
+from pagedserve.services.engine.models.layers import Attention, GatedMLP, RMSNorm
+from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
+from pagedserve.services.engine.models.spec import ModelSpec
 
 # checkpoint projection name -> (our fused projection, shard id)
-_PACKED = {
+PACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
@@ -31,8 +31,8 @@ _PACKED = {
 
 def _attention_biases(cfg: dict[str, Any]) -> tuple[bool, bool]:
     """(q/k/v bias, output bias): Qwen2 hard-codes biases on q/k/v only; the others read attention_bias."""
-    if cfg.get("model_type") == "qwen2":
-        return True, False
+    if cfg.get("model_type") in ("qwen2", "qwen2_moe"):
+        return bool(cfg.get("qkv_bias", True)), False
     has_bias = bool(cfg.get("attention_bias", False))
     return has_bias, has_bias
 
@@ -50,7 +50,7 @@ class LlamaDecoderLayer(nn.Module):
             rotary,
             qkv_bias=qkv_bias,
             out_bias=out_bias,
-            qk_norm_eps=eps if cfg.get("model_type") == "qwen3" else None,
+            qk_norm_eps=eps if cfg.get("model_type") in ("qwen3", "qwen3_moe") else None,
         )
         self.mlp = GatedMLP(
             spec.hidden_size,
@@ -116,7 +116,7 @@ class LlamaForCausalLM(DecoderLM):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         if "rotary_emb.inv_freq" in name or (self.is_tied and name.startswith("lm_head.")):
             return
-        for hf_name, (ours, shard_id) in _PACKED.items():
+        for hf_name, (ours, shard_id) in PACKED_PROJECTIONS.items():
             if f".{hf_name}." in name:
                 yield name.replace(f".{hf_name}.", f".{ours}."), tensor, shard_id
                 return

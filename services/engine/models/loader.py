@@ -14,17 +14,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.engine.models.base import CausalLM
-from services.engine.models.falcon import FalconForCausalLM
-from services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
-from services.engine.models.gpt_neox import GPTNeoXForCausalLM
-from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.rotary import RotaryEmbedding
-from services.engine.models.spec import ModelSpec, build_spec, read_json
-from services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.falcon import FalconForCausalLM
+from pagedserve.services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
+from pagedserve.services.engine.models.gemma import GemmaForCausalLM
+from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
+from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
+from pagedserve.services.engine.models.llama import LlamaForCausalLM
+from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
+from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
+from pagedserve.services.engine.models.rotary import RotaryEmbedding
+from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
+from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
+from pagedserve.services.engine.parallel.loading import load_random, load_sharded
+from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
 
 if TYPE_CHECKING:
-    from services.engine.parallel.state import ParallelContext
+    from pagedserve.services.engine.parallel.state import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,13 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # refused in normalize_config: vision
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon checkpoints from before its transformers port
@@ -67,13 +80,20 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq")
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
-    """None/"none": fp8 only if the checkpoint is pre-quantised fp8; "fp8": always."""
+    """None/"none": as the checkpoint is (fp8, awq, gptq or none); "fp8": always; "awq"/"gptq": the checkpoint
+    must be one (vLLM's --quantization names the checkpoint's method)."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    int4 = int4_format(cfg)
+    if quantization in ("awq", "gptq") and (int4 is None or int4[0] != quantization):
+        found = int4[0] if int4 else (cfg.get("quantization_config") or {}).get("quant_method", "none")
+        raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
+    if int4 is not None:
+        return int4[0]
     return "fp8" if quantization == "fp8" or checkpoint_is_fp8(cfg) else "none"
 
 
@@ -119,13 +139,27 @@ def load_model(
         with torch.device("meta"):
             model = cls.from_config(cfg, spec)
             if is_sharded := parallel is not None and parallel.world_size > 1:
-                from services.engine.parallel.sharding import shard_model
-
                 shard_model(model, parallel)
-        is_fp8 = resolve_quantization(quantization, cfg) == "fp8"
+        method = resolve_quantization(quantization, cfg)
+        is_fp8 = method == "fp8"
+        if method in ("awq", "gptq"):
+            if is_sharded or random_weights_seed is not None:
+                raise ValueError(
+                    f"{method} 4-bit weights load unsharded from the checkpoint (tensor parallel "
+                    f"{is_sharded}, random {random_weights_seed is not None})"
+                )
+            fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
+            log.info(
+                "%s 4-bit weights (group %d): %d linears",
+                fmt,
+                group_size,
+                quantize_linears_int4(model, fmt, group_size, zero_offset),
+            )
         if is_fp8 and (cls is not LlamaForCausalLM or is_sharded or random_weights_seed is not None):
-            raise ValueError("fp8 weights are supported for the Llama family, unsharded, loaded from weights "
-                             f"(not {cls.__name__}, tensor parallel {is_sharded}, random {random_weights_seed})")
+            raise ValueError(
+                "fp8 weights are supported for the Llama family, unsharded, loaded from weights "
+                f"(not {cls.__name__}, tensor parallel {is_sharded}, random {random_weights_seed})"
+            )
         if is_fp8:
             log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:
@@ -133,26 +167,21 @@ def load_model(
     model.to_empty(device=device)
     model.requires_grad_(False)
     if random_weights_seed is not None:
-        from services.engine.parallel.loading import load_random
-
         load_random(model, random_weights_seed)
     elif is_sharded:
-        from services.engine.parallel.loading import load_sharded
-
         if tensors is not None:
             raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
         load_sharded(model, safetensors_files(model_dir), show_progress)
     elif tensors is None:
         if is_fp8:
-            load_tensors(model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)),
-                         str(model_dir))  # fmt: skip
+            load_tensors(
+                model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)), str(model_dir)
+            )
         else:
             load_weights(model, safetensors_files(model_dir), show_progress)
     else:
         load_tensors(model, skip_input_scales(tensors) if is_fp8 else tensors, str(model_dir))
     if is_sharded and parallel is not None:
-        from services.engine.parallel.sharding import local_spec
-
         model.spec = local_spec(spec, parallel)  # this rank's heads: sizes its KV cache
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

@@ -2,7 +2,9 @@
 
 transformers 5 writes `rope_parameters = {"rope_type", "rope_theta", "factor", ...}`; older configs
 write `rope_theta` (or NeoX's `rotary_emb_base`) plus an optional `rope_scaling` dict. Both are
-normalised by `rope_params_from_config`. Supported types: default, linear, llama3 and dynamic.
+normalised by `rope_params_from_config`. Supported types: default, linear, llama3, dynamic and
+longrope (Phi-3: its short factors only; the family caps the context at the original length, where
+HF uses the short factors too, and the attention factor scales cos/sin).
 
 `dynamic` (NTK) only changes frequencies once a sequence outgrows `max_position_embeddings`, and
 the loader never allows a longer `max_model_len`, so inside our range it equals `default` -- which is
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 
 @dataclass(slots=True)
@@ -33,6 +35,8 @@ class RopeParams:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors
+    attention_factor: float = 1.0  # longrope: cos/sin scale
 
 
 def rope_params_from_config(cfg: dict[str, Any], head_dim: int, default_theta: float = 10000.0) -> RopeParams:
@@ -56,6 +60,8 @@ def rope_params_from_config(cfg: dict[str, Any], head_dim: int, default_theta: f
         original_max_position=int(
             params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 8192)
         ),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        attention_factor=float(params.get("attention_factor") or 1.0),
     )
 
 
@@ -63,7 +69,9 @@ def inverse_frequencies(p: RopeParams) -> torch.Tensor:  # [rotary_dim // 2] flo
     # Same arithmetic as transformers so fp32 results agree bit for bit.
     exponents = torch.arange(0, p.rotary_dim, 2, dtype=torch.int64).to(torch.float) / p.rotary_dim
     inv_freq = 1.0 / (p.theta**exponents)
-    if p.rope_type == "linear":
+    if p.rope_type == "longrope":
+        inv_freq = 1.0 / (torch.tensor(p.short_factor, dtype=torch.float32) * p.theta**exponents)
+    elif p.rope_type == "linear":
         inv_freq = inv_freq / p.factor
     elif p.rope_type == "llama3":
         low_wavelen = p.original_max_position / p.low_freq_factor
@@ -93,7 +101,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_position, dtype=torch.float, device=device)
         freqs = positions[:, None] * inverse_frequencies(self.params).to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
-        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
+        scale = self.params.attention_factor
+        self.cos_cache, self.sin_cache = emb.cos() * scale, emb.sin() * scale
 
     def caches_for(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) tables [max_position, rotary_dim] on query's device in query's dtype."""

@@ -26,6 +26,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     # Sampling defaults the checkpoint ships in generation_config.json (temperature, top_p, top_k, ...).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # Per layer: the sliding window of a local layer, None for a global one (empty: all global).
+    # The KV cache still keeps every block of a local layer; freeing those out of the window is later work.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def max_position(self) -> int:  # the name the engine contract uses
@@ -74,8 +77,10 @@ def build_spec(model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, max_mod
     num_heads = int(cfg["num_attention_heads"])
     hidden_size = int(cfg["hidden_size"])
     max_position = int(cfg.get("max_position_embeddings") or 2048)
-    # Paged attention has no sliding window: limit contexts to the window so results stay exact.
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    # Families whose layers attend within their window list the windows (`layer_windows`); for the
+    # others (Mistral) limit contexts to the window so results stay exact.
+    layer_windows = tuple(cfg.get("layer_windows") or ())
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) and not layer_windows else None
     limit, limit_name = max_position, "max_position_embeddings"
     if window is not None and int(window) < limit:
         limit, limit_name = int(window), "sliding_window (not implemented: contexts stop there)"
@@ -99,4 +104,5 @@ def build_spec(model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, max_mod
         eos_token_ids=eos_token_ids(model_dir, cfg),
         bos_token_id=cfg.get("bos_token_id"),
         generation_defaults={k: v for k, v in generation_config(model_dir).items() if k in _SAMPLING_KEYS},
+        layer_windows=layer_windows,
     )

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from services.engine.models.base import CausalLM
-from services.engine.models.spec import read_json
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.spec import read_json
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.parallel.linear import ReadSlice
-from services.engine.parallel.state import ParallelContext
+from pagedserve.services.engine.parallel.linear import ReadSlice
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.parallel.state import ParallelContext
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
 
@@ -43,10 +43,10 @@ def even_part(full_size: int, ctx: ParallelContext, unit: int = 1) -> Part:
 def attention_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: ParallelContext) -> tuple[Part, Part]:
     """This rank's query-head and KV-head rows. Query heads follow their KV head's group:
 
-        KV heads >= ranks: KV heads split (unevenly if need be, e.g. SmolLM2's 3 over 2 ranks: 2 + 1),
-                           each rank takes the query heads of its KV heads
-        KV heads <  ranks: each KV head replicated on ranks / num_kv_heads consecutive ranks, which
-                           split that head's query group (Falcon multi-query; 8 KV heads on 16 ranks)
+    KV heads >= ranks: KV heads split (unevenly if need be, e.g. SmolLM2's 3 over 2 ranks: 2 + 1),
+                       each rank takes the query heads of its KV heads
+    KV heads <  ranks: each KV head replicated on ranks / num_kv_heads consecutive ranks, which
+                       split that head's query group (Falcon multi-query; 8 KV heads on 16 ranks)
     """
     world, rank = ctx.world_size, ctx.rank
     group = num_heads // num_kv_heads
@@ -57,8 +57,9 @@ def attention_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: Paral
         q_first, q_end = kv_first * group, kv_end * group
     else:
         if world % num_kv_heads:
-            raise ValueError(f"tensor_parallel_size: {num_kv_heads} KV heads cannot be replicated evenly over "
-                             f"{world} ranks")  # fmt: skip
+            raise ValueError(
+                f"tensor_parallel_size: {num_kv_heads} KV heads cannot be replicated evenly over {world} ranks"
+            )
         ranks_per_kv = world // num_kv_heads
         kv_first, kv_end = rank // ranks_per_kv, rank // ranks_per_kv + 1
         sub = rank % ranks_per_kv

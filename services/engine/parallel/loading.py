@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from services.engine.models.base import CausalLM
-from services.engine.models.layers import ShardedLinear
-from services.engine.parallel.linear import ReadSlice
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.layers import ShardedLinear
+from pagedserve.services.engine.parallel.linear import ReadSlice
 
 
 def _narrow_reader(tensor: torch.Tensor) -> ReadSlice:
@@ -37,8 +37,14 @@ def _slice_reader(handle: object, name: str) -> ReadSlice:
     return read
 
 
-def _load_param(model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, shard_id: str | None,
-                read: ReadSlice, full_rows: int) -> None:  # fmt: skip
+def _load_param(
+    model: CausalLM,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    shard_id: str | None,
+    read: ReadSlice,
+    full_rows: int,
+) -> None:
     if name not in params:
         raise KeyError(f"checkpoint tensor maps to unknown parameter {name!r}")
     module_name, _, param_name = name.rpartition(".")
@@ -96,8 +102,9 @@ def _full_pieces(model: CausalLM) -> Iterator[tuple[str, str | None, tuple[int, 
                 yield name, None, tuple(param.shape)
 
 
-def random_tensor(name: str, shard_id: str | None, shape: tuple[int, ...], seed: int,
-                  device: torch.device) -> torch.Tensor:  # fmt: skip
+def random_tensor(
+    name: str, shard_id: str | None, shape: tuple[int, ...], seed: int, device: torch.device
+) -> torch.Tensor:
     """A full tensor that depends only on (seed, name, shard id): norms 1, biases 0, else N(0, 0.02)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name and leaf == "weight":

@@ -8,6 +8,8 @@ leaves the families untouched (and the one-GPU code path exactly as it was):
     GatedMLP    gate_up_proj -> column-parallel [gate_r | up_r]; down_proj -> row-parallel (1 all-reduce)
     MLP         up_proj -> column-parallel; down_proj -> row-parallel (1 all-reduce)
     DecoderLM   embed_tokens and lm_head -> vocabulary-parallel; logits all-gathered
+    MoE         refused for now: sharding each expert's intermediate dim (one all-reduce per layer)
+                is the planned scheme, not built yet
 
 Weights are loaded with the model's full spec (checkpoint reorderings need the full head counts);
 `local_spec` then gives the spec the runner sizes this rank's KV cache with.
@@ -19,12 +21,18 @@ import dataclasses
 
 from torch import nn
 
-from services.engine.models.base import CausalLM, DecoderLM
-from services.engine.models.layers import MLP, Attention, GatedMLP
-from services.engine.models.spec import ModelSpec
-from services.engine.parallel.embedding import LogitsGather, VocabParallelEmbedding
-from services.engine.parallel.linear import ColumnParallelLinear, RowParallelLinear, attention_parts, even_part
-from services.engine.parallel.state import ParallelContext
+from pagedserve.services.engine.models.base import CausalLM, DecoderLM
+from pagedserve.services.engine.models.layers import MLP, Attention, GatedMLP
+from pagedserve.services.engine.models.moe import MoE
+from pagedserve.services.engine.models.spec import ModelSpec
+from pagedserve.services.engine.parallel.embedding import LogitsGather, VocabParallelEmbedding
+from pagedserve.services.engine.parallel.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    attention_parts,
+    even_part,
+)
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 
 def local_spec(spec: ModelSpec, ctx: ParallelContext) -> ModelSpec:
@@ -38,6 +46,15 @@ def shard_model(model: CausalLM, ctx: ParallelContext) -> None:
     if not isinstance(model, DecoderLM):
         raise ValueError(f"{type(model).__name__} does not support tensor parallelism")
     spec = model.spec
+    if not model.supports_tensor_parallel:
+        raise ValueError(
+            f"{spec.architecture} does not support tensor parallelism yet; run it with tensor_parallel_size 1"
+        )
+    if any(isinstance(module, MoE) for module in model.modules()):
+        raise ValueError(
+            f"{spec.architecture}: mixture-of-experts layers do not support tensor parallelism yet; "
+            "run it with tensor_parallel_size 1"
+        )
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, spec.hidden_size, ctx)

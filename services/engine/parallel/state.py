@@ -65,15 +65,21 @@ def single_rank(device: torch.device) -> ParallelContext:
     return ParallelContext(0, 1, device)
 
 
-def init_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
-                  timeout_s: float) -> ParallelContext:  # fmt: skip
+def init_parallel(
+    rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float
+) -> ParallelContext:
     """Join the replica's process groups (every rank calls this, in the same order)."""
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     step_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     ctx = ParallelContext(rank, world_size, device, dist.group.WORLD, step_group)
     # The first collective sets the communicator up; it must not happen inside a CUDA graph capture.

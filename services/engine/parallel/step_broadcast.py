@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.engine.input_batch import HostBatch
-from services.engine.parallel.state import ParallelContext
+from pagedserve.services.engine.input_batch import HostBatch
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 HEADER_LEN = 10
 KIND_STOP, KIND_STEP = 0, 1
@@ -33,11 +33,32 @@ class StepMessage:
 
 def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = batch.block_tables.shape
-    header = torch.tensor([KIND_STEP, batch.num_tokens, batch.num_seqs, rows, cols, batch.logits_rows.shape[0],
-                           batch.patch_rows.shape[0], batch.max_query_len, batch.max_seq_len,
-                           -1 if graph_size is None else graph_size], dtype=torch.int64)  # fmt: skip
-    parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
-             batch.block_tables.reshape(-1), batch.logits_rows, batch.patch_rows, batch.patch_src]  # fmt: skip
+    header = torch.tensor(
+        [
+            KIND_STEP,
+            batch.num_tokens,
+            batch.num_seqs,
+            rows,
+            cols,
+            batch.logits_rows.shape[0],
+            batch.patch_rows.shape[0],
+            batch.max_query_len,
+            batch.max_seq_len,
+            -1 if graph_size is None else graph_size,
+        ],
+        dtype=torch.int64,
+    )
+    parts = [
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables.reshape(-1),
+        batch.logits_rows,
+        batch.patch_rows,
+        batch.patch_src,
+    ]
     payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
     return header, torch.from_numpy(payload)
 
@@ -49,15 +70,31 @@ def payload_len(header: list[int]) -> int:
 
 def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
     _, num_tokens, num_seqs, rows, cols, num_logits, num_patches, max_query_len, max_seq_len, graph = header
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, rows * cols, num_logits, num_patches,
-             num_patches]  # fmt: skip
+    sizes = [
+        num_tokens,
+        num_tokens,
+        num_tokens,
+        num_seqs + 1,
+        num_seqs,
+        rows * cols,
+        num_logits,
+        num_patches,
+        num_patches,
+    ]
     arrays = np.split(payload, np.cumsum(sizes)[:-1])
     batch = HostBatch(
-        input_ids=arrays[0], positions=arrays[1], slot_mapping=arrays[2],
-        query_start_loc=arrays[3].astype(np.int32), seq_lens=arrays[4].astype(np.int32),
-        block_tables=arrays[5].astype(np.int32).reshape(rows, cols), logits_rows=arrays[6],
-        patch_rows=arrays[7], patch_src=arrays[8], max_query_len=max_query_len, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        input_ids=arrays[0],
+        positions=arrays[1],
+        slot_mapping=arrays[2],
+        query_start_loc=arrays[3].astype(np.int32),
+        seq_lens=arrays[4].astype(np.int32),
+        block_tables=arrays[5].astype(np.int32).reshape(rows, cols),
+        logits_rows=arrays[6],
+        patch_rows=arrays[7],
+        patch_src=arrays[8],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
     return StepMessage(batch, None if graph < 0 else graph)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.engine.request import Request
-from services.engine.structured.state import GrammarState
+from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.structured.state import GrammarState
+from pagedserve.shared.tokenizer_loader import load_tokenizer
 
 
 class GrammarAdmission:
@@ -24,11 +25,9 @@ class GrammarAdmission:
     @property
     def pool(self) -> Any:
         if self._pool is None:
-            from transformers import AutoTokenizer
+            from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
 
-            from services.engine.structured.compiler import GrammarCompilerPool
-
-            tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_source))
+            tokenizer = load_tokenizer(self.tokenizer_source)
             self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
         return self._pool
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request
+from pagedserve.services.engine.request import Request
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from shared.grammar_spec import GrammarSpec
+from pagedserve.shared.grammar_spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 512  # compiled grammars kept (a few KB to a few MB each)

@@ -4,23 +4,35 @@ updates become GenerateResponse messages."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
-from services.gateway import schemas
-from services.gateway.errors import APIError
-from services.gateway.frontend import ChoiceUpdate
-from services.gateway.grpc_api import pagedserve_pb2 as pb
-from services.gateway.token_text import TokenTexts
-from services.gateway.validation import validate
-from shared.protocol import ChatRequest, CompletionRequest
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway import schemas, wire_request
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.frontend import ChoiceUpdate
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2 as pb
+from pagedserve.services.gateway.token_text import TokenTexts
+from pagedserve.services.gateway.validation import validate
+from pagedserve.shared.config import GatewayConfig
+from pagedserve.shared.protocol import ChatRequest, CompletionRequest
+
+WireRequest = ChatRequest | CompletionRequest
 
 _OPTIONAL_SAMPLING = (
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "seed", "max_tokens", "min_tokens", "ignore_eos",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
 )
 ABORTED = 499  # an Abort call ended the request (nginx's "client closed request")
 _STATUS_CODES = {
@@ -37,7 +49,7 @@ _STATUS_CODES = {
 Validated = schemas.ChatCompletionRequest | schemas.CompletionRequest
 
 
-def to_api_request(request: pb.GenerateRequest, settings: GatewaySettings) -> Validated:
+def to_api_request(request: pb.GenerateRequest, settings: GatewayConfig) -> Validated:
     """The HTTP request this gRPC request stands for, validated and checked against the caps."""
     sampling = request.sampling
     body: dict[str, Any] = {"model": request.model, "stream": True}
@@ -53,6 +65,10 @@ def to_api_request(request: pb.GenerateRequest, settings: GatewaySettings) -> Va
     if kind == "chat":
         cls = schemas.ChatCompletionRequest
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if request.chat.HasField("chat_template_kwargs"):
+            body["chat_template_kwargs"] = json_format.MessageToDict(request.chat.chat_template_kwargs)
+        if request.chat.tools:
+            body["tools"] = [json_format.MessageToDict(tool) for tool in request.chat.tools]
         if sampling.HasField("logprobs"):
             body.update(logprobs=True, top_logprobs=sampling.logprobs)
     elif kind in ("prompt", "prompt_token_ids"):
@@ -69,18 +85,9 @@ def to_api_request(request: pb.GenerateRequest, settings: GatewaySettings) -> Va
     return req
 
 
-def to_wire(req: Validated, request_id: str, settings: GatewaySettings) -> ChatRequest | CompletionRequest:
-    """The message the tokenizer service takes, as the HTTP routes build it."""
-    if isinstance(req, schemas.ChatCompletionRequest):
-        return ChatRequest(
-            request_id=request_id, reply_to=settings.gateway_id, model=req.model,
-            messages=[m.as_template_input() for m in req.messages], sampling=schemas.sampling_dict(req),
-            max_tokens=req.token_budget, stream=True, arrival_time=time.time(),
-        )
-    return CompletionRequest(
-        request_id=request_id, reply_to=settings.gateway_id, model=req.model, prompt=req.prompts[0],
-        sampling=schemas.sampling_dict(req), max_tokens=req.token_budget, stream=True, arrival_time=time.time(),
-    )
+def to_wire(req: Validated, request_id: str, settings: GatewayConfig, traceparent: str | None) -> WireRequest:
+    """The message the tokenizer service takes, built as the HTTP routes build it (always streamed here)."""
+    return wire_request.to_wire(req.model_copy(update={"stream": True}), request_id, settings.gateway_id, traceparent)
 
 
 def status_of(exc: APIError) -> tuple[grpc.StatusCode, str]:
@@ -92,17 +99,26 @@ def status_of(exc: APIError) -> tuple[grpc.StatusCode, str]:
 def to_response(request_id: str, update: ChoiceUpdate, texts: TokenTexts) -> pb.GenerateResponse:
     logprobs = [
         pb.TokenLogprob(
-            token_id=token_id, logprob=logprob, token=texts.text(token_id),
+            token_id=token_id,
+            logprob=logprob,
+            token=texts.text(token_id),
             top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=texts.text(t)) for t, v in top],
         )
         for token_id, (logprob, top) in zip(update.token_ids, update.logprobs or [])
     ]
     return pb.GenerateResponse(
-        request_id=request_id, index=update.index, text=update.text, token_ids=update.token_ids,
-        logprobs=logprobs, finish_reason=update.finish_reason or "",
+        request_id=request_id,
+        index=update.index,
+        text=update.text,
+        token_ids=update.token_ids,
+        logprobs=logprobs,
+        finish_reason=update.finish_reason or "",
     )
 
 
 def to_usage(usage: dict[str, Any]) -> pb.Usage:
-    return pb.Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
-                    cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+    return pb.Usage(
+        prompt_tokens=usage["prompt_tokens"],
+        completion_tokens=usage["completion_tokens"],
+        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+    )

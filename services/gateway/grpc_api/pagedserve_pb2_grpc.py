@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.gateway.grpc_api import pagedserve_pb2 as services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2 as pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in services/gateway/grpc_api/pagedserve_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/services/gateway/grpc_api/pagedserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pagedserve.v1.Generation/Generate',
-                request_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.FromString,
+                request_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.Generation/Abort',
-                request_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.FromString,
+                request_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pagedserve.v1.Generation/ListModels',
-                request_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.FromString,
+                request_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.FromString,
-                    response_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.FromString,
-                    response_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.FromString,
-                    response_serializer=services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Generation:
             request,
             target,
             '/pagedserve.v1.Generation/Generate',
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.SerializeToString,
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.FromString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateRequest.SerializeToString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Generation:
             request,
             target,
             '/pagedserve.v1.Generation/Abort',
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.SerializeToString,
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.FromString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Generation:
             request,
             target,
             '/pagedserve.v1.Generation/ListModels',
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.SerializeToString,
-            services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.FromString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsRequest.SerializeToString,
+            pagedserve_dot_services_dot_gateway_dot_grpc__api_dot_pagedserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

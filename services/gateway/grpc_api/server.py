@@ -19,14 +19,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.gateway.auth import is_authorized
-from services.gateway.errors import APIError
-from services.gateway.frontend import Frontend, Generation
-from services.gateway.grpc_api import convert
-from services.gateway.grpc_api import pagedserve_pb2 as pb
-from services.gateway.grpc_api import pagedserve_pb2_grpc as pb_grpc
-from shared.protocol import RequestError
-from shared.settings import GatewaySettings
+from pagedserve.services.gateway.auth import is_authorized
+from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.frontend import Frontend, Generation
+from pagedserve.services.gateway.grpc_api import convert
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2 as pb
+from pagedserve.services.gateway.grpc_api import pagedserve_pb2_grpc as pb_grpc
+from pagedserve.shared.config import GatewayConfig
+from pagedserve.shared.protocol import RequestError
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagedserve.v1.Generation"
@@ -34,7 +34,7 @@ _SHUTDOWN_GRACE_S = 30.0  # as uvicorn's graceful shutdown
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, settings: GatewaySettings) -> None:
+    def __init__(self, frontend: Frontend, settings: GatewayConfig) -> None:
         self.frontend, self.settings = frontend, settings
         self.keys = [k.encode() for k in settings.api_keys]
         self.running: dict[str, Generation] = {}  # by the id the client knows
@@ -46,8 +46,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             req = convert.to_api_request(request, self.settings)
             internal_id = self.frontend.new_request_id("grpc")
-            gen = await self.frontend.submit(convert.to_wire(req, internal_id, self.settings), req.stop_strings,
-                                             req.num_choices)  # fmt: skip
+            traceparent = next((v for k, v in context.invocation_metadata() or () if k == "traceparent"), None)
+            wire = convert.to_wire(req, internal_id, self.settings, traceparent)
+            gen = await self.frontend.submit(wire, req.stop_strings, req.num_choices)
         except APIError as exc:
             await context.abort(*convert.status_of(exc))  # raises
         request_id = request.request_id or internal_id
@@ -69,14 +70,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         if gen is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request {request.request_id!r}")
         else:  # updates() raises it: the Generate call ends with CANCELLED, the engine gets an Abort
-            gen.queue.put_nowait(RequestError(gen.request_id, convert.ABORTED, "aborted by an Abort call",
-                                              code="aborted"))  # fmt: skip
+            gen.queue.put_nowait(
+                RequestError(gen.request_id, convert.ABORTED, "aborted by an Abort call", code="aborted")
+            )
         return pb.AbortResponse()
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
         await self._authorize(context)
-        models = [pb.Model(id=m.name, max_model_len=m.max_model_len, created=int(m.first_seen))
-                  for m in self.frontend.registry.live_models()]  # fmt: skip
+        models = [
+            pb.Model(id=m.name, max_model_len=m.max_model_len, created=int(m.first_seen))
+            for m in self.frontend.registry.servable_models()
+        ]
         return pb.ListModelsResponse(models=models)
 
     async def _authorize(self, context: Any) -> None:
@@ -84,8 +88,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             return
         header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
         if not is_authorized(header.encode() if isinstance(header, str) else header, self.keys):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "incorrect or missing API key (metadata 'authorization: Bearer <key>')")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "incorrect or missing API key (metadata 'authorization: Bearer <key>')"
+            )
 
 
 class GrpcFrontDoor:
@@ -97,7 +102,7 @@ class GrpcFrontDoor:
         await self.server.stop(_SHUTDOWN_GRACE_S)
 
 
-async def start(frontend: Frontend, settings: GatewaySettings) -> GrpcFrontDoor:
+async def start(frontend: Frontend, settings: GatewayConfig) -> GrpcFrontDoor:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_body_bytes)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(frontend, settings), server)
     health = health_aio.HealthServicer()

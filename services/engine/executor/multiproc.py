@@ -1,16 +1,20 @@
-"""Rank 0's side of a tensor-parallel replica: start the worker ranks, join the groups, watch them.
+"""The tensor-parallel executor: rank 0 in this process, ranks 1.. as worker subprocesses.
 
-Workers are plain subprocesses (`python -m services.engine.parallel.worker`) that inherit the
-environment (NCCL_* and CUDA settings included) and get the EngineConfig as JSON. A worker that
+Workers are plain subprocesses (`python -m pagedserve.services.engine.executor.worker`) that inherit
+the environment (NCCL_* and CUDA settings included) and get the whole Config as JSON. A worker that
 exits while the replica runs takes the whole replica down at once: the other workers are killed and
 this process exits, so its heartbeat stops and the gateway's failover moves its requests. Workers
 in turn exit when this process disappears (they watch their parent).
+
+    rank 0 (the engine process)                         ranks 1..N-1 (worker.py)
+    scheduler, Redis I/O, heartbeat, sampling
+    ModelRunner.launch ── StepSender.send ──(gloo)──►   StepReceiver.recv -> follow_step
+         forward shard  ◄────── all-reduce / all-gather (NCCL | gloo) ──────►  forward shard
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import logging
 import os
@@ -20,23 +24,17 @@ import sys
 import threading
 import time
 
-from services.engine.config import EngineConfig
-from services.engine.models.base import CausalLM
-from services.engine.parallel.state import ParallelContext, init_parallel, shutdown_parallel
-from services.engine.parallel.step_broadcast import StepSender
+import torch
+
+from pagedserve.services.engine.config import torch_device
+from pagedserve.services.engine.executor.worker import Worker
+from pagedserve.services.engine.parallel.state import init_parallel, shutdown_parallel
+from pagedserve.services.engine.parallel.step_broadcast import StepSender
+from pagedserve.services.engine.step_profile import StepProfile
+from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 70
-
-
-def build_rank_model(config: EngineConfig, ctx: ParallelContext | None) -> CausalLM:
-    """This rank's model: the same call on every rank, so every rank builds the same shard layout."""
-    from services.engine.models import load_model
-
-    seed = config.seed if config.load_format == "random" else None
-    return load_model(config.model_dir, config.dtype, config.torch_device, max_model_len=config.max_model_len,
-                      show_progress=False, parallel=ctx, random_weights_seed=seed,
-                      quantization=config.quantization)  # fmt: skip
 
 
 def _free_port() -> int:
@@ -45,31 +43,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TensorParallelDriver:
-    def __init__(self, config: EngineConfig) -> None:
-        world = config.tensor_parallel_size
-        import torch
-
-        if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
+class MultiprocExecutor:
+    def __init__(self, config: Config, profile: StepProfile | None = None) -> None:
+        world = config.parallel.tensor_parallel_size
+        if torch_device(config).type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        config_json = json.dumps({k: str(v) if k == "model_dir" else v
-                                  for k, v in dataclasses.asdict(config).items()})  # fmt: skip
+        config_json = json.dumps(config.to_dict())
         threads = str(torch.get_num_threads())
         self.workers = [
-            subprocess.Popen([sys.executable, "-m", "services.engine.parallel.worker", "--rank", str(rank),
-                              "--world-size", str(world), "--init-method", init_method, "--parent-pid",
-                              str(os.getpid()), "--num-threads", threads, "--config", config_json])
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedserve.services.engine.executor.worker",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(world),
+                    "--init-method",
+                    init_method,
+                    "--parent-pid",
+                    str(os.getpid()),
+                    "--num-threads",
+                    threads,
+                    "--config",
+                    config_json,
+                ]
+            )
             for rank in range(1, world)
-        ]  # fmt: skip
+        ]
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch_workers, name="tp-worker-watch", daemon=True)
         self._monitor.start()
-        self.ctx = init_parallel(0, world, init_method, config.torch_device, config.parallel_timeout_s)
-        self.sender = StepSender(self.ctx)
+        ctx = init_parallel(0, world, init_method, torch_device(config), config.parallel.parallel_timeout_s)
+        self.world_size = world
+        self._sender = StepSender(ctx)
         atexit.register(self.shutdown)
-        log.info("tensor parallel: %d ranks (%s), worker pids %s", world, init_method,
-                 [w.pid for w in self.workers])  # fmt: skip
+        log.info("tensor parallel: %d ranks (%s), worker pids %s", world, init_method, self.worker_pids)
+        self.worker = Worker(config, ctx)  # the same build as the worker ranks', step for step
+        self.runner = self.worker.build_runner(profile, step_sender=self._sender)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -100,7 +113,7 @@ class TensorParallelDriver:
             # replica still ends the way the watcher ends it.
             self._end_replica()
         try:
-            self.sender.send_stop()
+            self._sender.send_stop()
         except Exception as exc:  # a worker already gone: it is killed below
             log.warning("could not send stop to tensor-parallel workers: %s", exc)
         deadline = time.monotonic() + timeout_s

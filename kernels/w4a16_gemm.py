@@ -1,0 +1,186 @@
+"""W4A16 GEMM: y = x @ dequant(W) with W packed as 4-bit AWQ or GPTQ, dequantised tile by tile in registers.
+
+    for each [BLOCK_M, BLOCK_N] output tile:
+        for k in 0..K step BLOCK_K:
+            w = (nibbles of qweight[k-tile, n-tile] - zero[g(k), n]) * scale[g(k), n]   (never written out)
+            acc += x[m-tile, k-tile] @ w
+
+The weight is read once per M-tile at 4 bits (plus a scale and zero per group): at decode sizes (M <=
+64) the GEMM is bound by those bytes, a quarter of bf16's. Layouts (see services/engine/models/int4.py):
+AWQ packs eight output columns per int32 in the order 0 2 4 6 1 3 5 7, GPTQ eight input rows
+sequentially, with zeros stored minus one (v1) and an optional act-order g_idx.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    g_idx_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    group_size,
+    zero_offset,
+    k_per_split,
+    stride_xm,
+    stride_qw,
+    stride_qz,
+    stride_s,
+    stride_om,
+    IS_AWQ: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # packed columns (AWQ qweight, zeros)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask_pack = offs_pack < N // 8
+    # Column j of each group of eight sits in nibble j (sequential) or, in AWQ's order, in nibble 0 4 1 5 2 6 3 7.
+    j = tl.arange(0, 8)
+    seq_shift = j * 4
+    awq_shift = ((j % 2) * 4 + j // 2) * 4
+    col_shift = awq_shift if IS_AWQ else seq_shift
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        if IS_AWQ:  # qweight [K, N/8]: one int32 load gives eight neighbouring columns
+            packed = tl.load(
+                qweight_ptr + offs_k[:, None] * stride_qw + offs_pack[None, :],
+                mask=mask_k[:, None] & mask_pack[None, :],
+                other=0,
+            )
+            q = tl.reshape((packed[:, :, None] >> col_shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
+        else:  # qweight [K/8, N]: one int32 load gives eight neighbouring rows
+            offs_kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(
+                qweight_ptr + offs_kp[:, None] * stride_qw + offs_n[None, :],
+                mask=(offs_kp < K // 8)[:, None] & mask_n[None, :],
+                other=0,
+            )
+            q = tl.reshape((packed[:, None, :] >> seq_shift[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        if HAS_G_IDX:  # act order: any row in any group, so a scale and zero per element
+            groups = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
+            zeros = tl.load(
+                qzeros_ptr + groups[:, None] * stride_qz + (offs_n // 8)[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            )
+            zeros = ((zeros >> ((offs_n % 8) * 4)[None, :]) & 0xF) + zero_offset
+            scales = tl.load(
+                scales_ptr + groups[:, None] * stride_s + offs_n[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w = (q - zeros).to(tl.float32) * scales
+        else:  # BLOCK_K divides the group size: one scale and zero per column for the whole tile
+            group = k0 // group_size
+            packed_zeros = tl.load(qzeros_ptr + group * stride_qz + offs_pack, mask=mask_pack, other=0)
+            zeros = tl.reshape((packed_zeros[:, None] >> col_shift[None, :]) & 0xF, (BLOCK_N,)) + zero_offset
+            scales = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * scales[None, :] - (zeros.to(tl.float32) * scales)[None, :]
+        acc += tl.dot(x, w.to(x.dtype))
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K > 1:  # partial sums of K slices meet in a float32 buffer
+        tl.atomic_add(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K (0: auto)
+_TARGET_PROGRAMS = 264  # two per SM of an H100: enough loads in flight to stream the weight
+
+
+def default_tiles(m: int) -> Tiles:
+    """Small M tiles for decode, split over K when N alone gives too few programs; wider tiles for prefill."""
+    if m <= 16:  # the H100 sweep's best for most 8B linears (bench/results/w4a16_h100/)
+        return 16, 128, 128, 4, 4, 0
+    if m <= 64:
+        return 64, 64, 64, 4, 4, 0
+    return 128, 128, 64, 8, 3, 1
+
+
+def _split_k(num_programs: int, k: int, block_k: int) -> int:
+    """Slices of K so that the grid has about _TARGET_PROGRAMS programs (a power of two, each >= 4 K tiles)."""
+    split = 1
+    while num_programs * split < _TARGET_PROGRAMS and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    fmt: str,
+    zero_offset: int = 0,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ the packed weight -> [M, N] in x's dtype. `tiles`: override (benchmarks)."""
+    m, k = x.shape
+    n = scales.shape[1]
+    assert x.stride(1) == 1 and qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps, stages, split = tiles or default_tiles(m)
+    block_k = min(block_k, group_size)  # a K tile never straddles two groups (group sizes are powers of two)
+    assert group_size % block_k == 0 and block_n % 8 == 0, (group_size, block_k, block_n)
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split or _split_k(grid_mn, k, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        qzeros,
+        scales,
+        g_idx if g_idx is not None else qzeros,
+        target,
+        m,
+        n,
+        k,
+        group_size,
+        zero_offset,
+        k_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        qzeros.stride(0),
+        scales.stride(0),
+        target.stride(0),
+        IS_AWQ=fmt == "awq",
+        HAS_G_IDX=g_idx is not None,
+        SPLIT_K=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out if split == 1 else out.copy_(target)

@@ -1,0 +1,211 @@
+"""4-bit weights with 16-bit activations (W4A16), in the two layouts people download: AWQ and GPTQ.
+
+Both store, per linear with K inputs and N outputs, 4-bit integers q, per-group zeros z and scales s
+(a group = `group_size` consecutive input rows), and mean  W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n]
+with  y = x @ W. They differ in how the nibbles are packed into int32:
+
+    AWQ (AutoAWQ "gemm")  qweight [K, N/8]  eight outputs per int32, nibble i holds column AWQ_ORDER[i]
+                          qzeros  [K/G, N/8] packed the same way;  scales [K/G, N];  g(k) = k // G
+    GPTQ (AutoGPTQ v1)    qweight [K/8, N]  eight inputs per int32, nibble i holds row 8r + i
+                          qzeros  [K/G, N/8] sequential nibbles, stored as z - 1 ("gptq_v2": as z)
+                          scales  [K/G, N];  g_idx [K] (act order: any row to any group; else k // G)
+
+`Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies with the fused
+dequantise-GEMM Triton kernel (kernels/w4a16_gemm.py) on CUDA; elsewhere it dequantises and uses torch.
+Fused q/k/v and gate/up load as output-column shards, like the full-precision layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
+FORMATS = ("awq", "gptq")
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., M] int32 -> [..., M, 8] int32: each int32's eight 4-bit values, nibble 0 first."""
+    return (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF
+
+
+def unpack_columns(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[R, N/8] int32 packed along the columns -> [R, N] int32, in column order."""
+    values = _nibbles(packed)  # [R, N/8, 8]: nibble order
+    if fmt == "awq":  # nibble i is column AWQ_ORDER[i] of its group of eight
+        values = values[..., torch.argsort(torch.tensor(AWQ_ORDER))]
+    return values.reshape(packed.shape[0], -1)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """GPTQ's qweight [K/8, N] int32 packed along the rows -> [K, N] int32."""
+    return _nibbles(packed).permute(0, 2, 1).reshape(-1, packed.shape[1])
+
+
+def dequantize(
+    fmt: str,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    zero_offset: int = 0,
+) -> torch.Tensor:
+    """The weight W [K, N] as `scales`' dtype (the reference the kernel is checked against)."""
+    q = unpack_columns(qweight, "awq") if fmt == "awq" else unpack_rows(qweight)
+    zeros = unpack_columns(qzeros, fmt) + zero_offset
+    groups = g_idx.long() if g_idx is not None else torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q - zeros[groups]).to(scales.dtype)) * scales[groups]
+
+
+def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(format, group size, zero offset) of a 4-bit AWQ/GPTQ checkpoint's config.json, or None; raises
+    ValueError naming what is not supported (other bit widths, AWQ's gemv/marlin packings)."""
+    qc = cfg.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method not in FORMATS:
+        return None
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"quantization: {method} with {bits}-bit weights is not supported (4-bit only)")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if group_size <= 0:
+        raise ValueError(f"quantization: {method} group_size {group_size} (per-channel) is not supported")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"quantization: AWQ version {version!r} is not supported (gemm only)")
+        return "awq", group_size, 0
+    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
+    return "gptq", group_size, offset
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with packed 4-bit weights [K, N]; may hold fused output shards (q/k/v, gate/up)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        fmt: str,
+        group_size: int,
+        zero_offset: int = 0,
+        shard_offsets: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"quantization: {fmt!r} is not one of {', '.join(FORMATS)}")
+        if in_features % group_size or out_features % 8 or in_features % 8:
+            raise ValueError(
+                f"quantization: a {in_features}x{out_features} linear does not split into groups of "
+                f"{group_size} inputs and packs of 8"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt, self.group_size, self.zero_offset = fmt, group_size, zero_offset
+        k, n, groups = in_features, out_features, in_features // group_size
+        packed_shape = (k, n // 8) if fmt == "awq" else (k // 8, n)
+        self.qweight = nn.Parameter(torch.empty(packed_shape, dtype=torch.int32), requires_grad=False)
+        self.qzeros = nn.Parameter(torch.empty((groups, n // 8), dtype=torch.int32), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty((groups, n), dtype=dtype), requires_grad=False)
+        # GPTQ: each input row's group (act order permutes them); filled as k // G unless the checkpoint has one.
+        self.g_idx = nn.Parameter(torch.empty(k, dtype=torch.int32), requires_grad=False) if fmt == "gptq" else None
+        self.has_act_order = False  # g_idx is not k // G: the kernel reads it
+        self._g_idx_loaded = False
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
+        self.shard_offsets = shard_offsets or {}
+
+    @classmethod
+    def like(cls, linear: nn.Linear, fmt: str, group_size: int, zero_offset: int) -> Int4Linear:
+        """An empty Int4Linear of `linear`'s shape (same device, e.g. meta)."""
+        with linear.weight.device:
+            return cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                linear.weight.dtype,
+                fmt,
+                group_size,
+                zero_offset,
+                getattr(linear, "shard_offsets", None),
+            )
+
+    @property
+    def act_order(self) -> torch.Tensor | None:
+        """g_idx when it is not the plain k // G (the kernel then reads a group per row)."""
+        return self.g_idx.data if self.g_idx is not None and self.has_act_order else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The dequantised weight [K, N]."""
+        g_idx = self.act_order
+        return dequantize(self.fmt, self.qweight, self.qzeros, self.scales, g_idx, self.group_size, self.zero_offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from pagedserve.kernels.w4a16_gemm import w4a16_matmul  # triton: CUDA machines only
+
+            out = w4a16_matmul(
+                x2, self.qweight, self.qzeros, self.scales, self.act_order, self.group_size, self.fmt, self.zero_offset
+            )
+        else:
+            out = x2 @ self.dequantized().to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*lead, self.out_features)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | None) -> list[str]:
+        """Copy a checkpoint tensor (or one fused shard's) in; returns the parameter names written."""
+        start, size = self.shard_offsets[shard_id] if shard_id is not None else (0, self.out_features)
+        if param_name == "g_idx":
+            if self.g_idx is None:
+                raise ValueError(f"g_idx: an {self.fmt} linear has no act order")
+            self.g_idx.data.copy_(loaded)  # q/k/v (gate/up) see the same inputs: one permutation
+            self.has_act_order = not torch.equal(self.g_idx.data.cpu(), self._plain_groups())
+            self._g_idx_loaded = True
+            return ["g_idx"]
+        if param_name == "bias":
+            assert self.bias is not None
+            self.bias.data[start : start + size].copy_(loaded)
+            return ["bias"]
+        if param_name not in ("qweight", "qzeros", "scales"):
+            raise ValueError(f"{param_name}: not a tensor of a 4-bit {self.fmt} linear")
+        target = getattr(self, param_name).data
+        packed_columns = param_name == "qzeros" or (param_name == "qweight" and self.fmt == "awq")
+        cols = slice(start // 8, (start + size) // 8) if packed_columns else slice(start, start + size)
+        if target[:, cols].shape != loaded.shape:
+            raise ValueError(
+                f"{param_name}: shape {tuple(loaded.shape)} does not fit {tuple(target[:, cols].shape)} "
+                f"(a {self.fmt} linear of {self.in_features} inputs, group size {self.group_size})"
+            )
+        target[:, cols].copy_(loaded)
+        if self.g_idx is not None and param_name == "qweight" and not self._g_idx_loaded:
+            self.g_idx.data.copy_(self._plain_groups())  # until (unless) the checkpoint's own arrives
+            return ["qweight", "g_idx"]
+        return [param_name]
+
+    def _plain_groups(self) -> torch.Tensor:
+        return (torch.arange(self.in_features) // self.group_size).to(torch.int32)
+
+
+def quantize_linears_int4(model: nn.Module, fmt: str, group_size: int, zero_offset: int) -> int:
+    """Swap every nn.Linear inside the decoder layers for an (empty) Int4Linear; returns how many.
+    Called on the meta-device model before loading; embeddings and lm_head stay in full precision."""
+    layers = model.get_submodule("model.layers")
+    swaps = [(name, module) for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = layers.get_submodule(parent_name) if parent_name else layers
+        setattr(parent, child, Int4Linear.like(module, fmt, group_size, zero_offset))
+    return len(swaps)
+
+
+def linear_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """What Int4Linear computes, in float32 (for tests and the kernel's check)."""
+    return F.linear(x.float(), layer.dequantized().float().t(), None if layer.bias is None else layer.bias.float())

@@ -1,0 +1,64 @@
+"""The W4A16 GEMM kernel vs x @ W for the W the AWQ / GPTQ tensors mean (written from the formats'
+specifications in tests/models/int4_checkpoints.py): decode and prefill tile sizes, ragged edges,
+GPTQ act order, fp16/bf16 on CUDA (fp32 in the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels.w4a16_gemm import Tiles, w4a16_matmul
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
+@pytest.mark.parametrize(("m", "k", "n", "group"), [(1, 256, 128, 128), (5, 256, 96, 64), (70, 128, 200, 32)])
+def test_w4a16_matches_the_dequantized_weight(
+    device: torch.device, fmt: str, act_order: bool, m: int, k: int, n: int, group: int
+) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = awq_tensors(weight, group) if fmt == "awq" else gptq_tensors(weight, group, act_order)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(m, k).to(device, dtype)
+    g_idx = tensors.get("g_idx")
+    got = w4a16_matmul(
+        x,
+        tensors["qweight"].to(device),
+        tensors["qzeros"].to(device),
+        tensors["scales"].to(device, dtype),
+        None if g_idx is None else g_idx.to(device),
+        group,
+        fmt,
+        zero_offset=1 if fmt == "gptq" else 0,
+    )
+    want = x.float() @ meaning.to(device)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("tiles", [(16, 32, 32, 4, 2, 2), (16, 64, 32, 4, 2, 4), (32, 32, 64, 4, 2, 1)])
+def test_w4a16_split_over_k_adds_up(device: torch.device, fmt: str, tiles: Tiles) -> None:
+    torch.manual_seed(1)
+    k, n, group = 256, 64, 64
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = awq_tensors(weight, group) if fmt == "awq" else gptq_tensors(weight, group)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # (CUDA's fp32 tl.dot is TF32)
+    x = torch.randn(3, k).to(device, dtype)
+    got = w4a16_matmul(
+        x,
+        tensors["qweight"].to(device),
+        tensors["qzeros"].to(device),
+        tensors["scales"].to(device, dtype),
+        None,
+        group,
+        fmt,
+        zero_offset=1 if fmt == "gptq" else 0,
+        tiles=tiles,
+    )
+    want = x.float() @ meaning.to(device)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())

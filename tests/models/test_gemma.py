@@ -1,0 +1,85 @@
+"""Gemma beyond the family comparison: the spec lists the local layers' windows, a backend without
+window/soft-capping is refused at start, and Gemma 3's vision model is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.executor.worker import refuse_unsupported_attention
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.parallel.sharding import shard_model
+from pagedserve.services.engine.parallel.state import ParallelContext
+from tests.models.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def torch_backend_after() -> Iterator[None]:
+    yield
+    attention.use_backend("torch")
+
+
+def test_spec_lists_each_local_layers_window(tmp_path: Path) -> None:
+    build_tiny_model("gemma3-window8-qknorm-local-rope", tmp_path)
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    assert model.spec.layer_windows == (8, None, 8)
+    assert model.spec.max_model_len == 256  # the window no longer caps the context (Mistral's still does)
+
+
+def test_a_backend_without_windows_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:
+    build_tiny_model("gemma2-window8-softcaps", tmp_path)
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    refuse_unsupported_attention(model)  # torch: fine
+    attention.use_backend("reference")  # stands in for Triton: neither has windows
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs sliding-window attention.*use --device cpu"):
+        refuse_unsupported_attention(model)
+
+
+def test_gemma3_vision_is_refused(tmp_path: Path) -> None:
+    build_tiny_model("gemma3-window8-qknorm-local-rope", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": cfg,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration: the vision tower is not supported"):
+        load_model(tmp_path, "float32", "cpu", show_progress=False)
+
+
+def test_tensor_parallel_is_refused(tmp_path: Path) -> None:
+    build_tiny_model("gemma2-window8-softcaps", tmp_path)
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM does not support tensor parallelism"):
+        shard_model(model, ParallelContext(rank=0, world_size=2, device=torch.device("cpu")))
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(4, None), (None, 2.0), (3, 2.0)])
+def test_torch_attention_window_and_softcap_match_plain_math(window: int | None, softcap: float | None) -> None:
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    gen = torch.Generator().manual_seed(0)
+    seq_len, heads, head_dim, block = 11, 2, 8, 4
+    q, k, v = (torch.randn(seq_len, heads, head_dim, generator=gen) for _ in range(3))
+    kv_cache = torch.zeros(2, 3, block, heads, head_dim)
+    kv_cache[0].view(-1, heads, head_dim)[:seq_len], kv_cache[1].view(-1, heads, head_dim)[:seq_len] = k, v
+    starts, lens, tables = torch.tensor([0, seq_len]), torch.tensor([seq_len]), torch.tensor([[0, 1, 2]])
+    got = paged_attention_padded(q, kv_cache, starts, lens, tables, seq_len, seq_len, 0.5, 1.0, 1.0, window, softcap)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * 0.5
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    pos = torch.arange(seq_len)
+    visible = pos[None, :] <= pos[:, None]
+    if window is not None:
+        visible &= pos[None, :] > pos[:, None] - window
+    expected = torch.einsum("hqk,khd->qhd", logits.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(got, expected)

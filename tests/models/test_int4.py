@@ -1,0 +1,101 @@
+"""4-bit AWQ / GPTQ linears: checkpoint tensors written from the formats' specifications load into
+Int4Linear (whole and as fused shards) and compute x @ W for the W they mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.services.engine.models.int4 import Int4Linear, dequantize, int4_format, quantize_linears_int4
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+
+K, N, GROUP = 256, 96, 64
+
+
+def _tensors(fmt: str, weight: torch.Tensor, act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return awq_tensors(weight, GROUP) if fmt == "awq" else gptq_tensors(weight, GROUP, act_order)
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
+def test_unpacking_gives_the_weight_the_checkpoint_means(fmt: str, act_order: bool) -> None:
+    tensors, meaning = _tensors(fmt, torch.randn(K, N), act_order)
+    got = dequantize(
+        fmt,
+        tensors["qweight"],
+        tensors["qzeros"],
+        tensors["scales"].float(),
+        tensors.get("g_idx"),
+        GROUP,
+        zero_offset=1 if fmt == "gptq" else 0,
+    )
+    torch.testing.assert_close(got, meaning, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
+def test_fused_shards_load_and_multiply(fmt: str, act_order: bool) -> None:
+    """q (64 outputs) and k (32 outputs) of one input, loaded into one fused 96-output layer."""
+    weights = {"q": torch.randn(K, 64), "k": torch.randn(K, 32)}
+    layer = Int4Linear(
+        K,
+        N,
+        bias=False,
+        dtype=torch.float32,
+        fmt=fmt,
+        group_size=GROUP,
+        zero_offset=1 if fmt == "gptq" else 0,
+        shard_offsets={"q": (0, 64), "k": (64, 32)},
+    )
+    meanings = []
+    for shard, weight in weights.items():
+        # Under act order both shards of one input share its permutation (seed), as GPTQ writes them.
+        tensors, meaning = gptq_tensors(weight, GROUP, True, seed=7) if act_order else _tensors(fmt, weight)
+        meanings.append(meaning)
+        for name, tensor in tensors.items():
+            written = layer.load_weight(name, tensor if name != "scales" else tensor.float(), shard)
+            assert name in written and set(written) <= {name, "g_idx"}
+    assert layer.has_act_order == act_order
+    x = torch.randn(5, K)
+    torch.testing.assert_close(layer(x), x @ torch.cat(meanings, dim=1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_shard_of_the_wrong_shape_names_the_tensor() -> None:
+    layer = Int4Linear(K, N, bias=False, dtype=torch.float32, fmt="awq", group_size=GROUP)
+    tensors, _ = awq_tensors(torch.randn(K, N), 32)  # a group size the layer was not built for
+    with pytest.raises(ValueError, match="qzeros: shape"):
+        layer.load_weight("qzeros", tensors["qzeros"], None)
+
+
+def test_checkpoint_configs() -> None:
+    assert int4_format(
+        {
+            "quantization_config": {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": 128,
+                "version": "gemm",
+                "zero_point": True,
+            }
+        }
+    ) == ("awq", 128, 0)
+    assert int4_format(
+        {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True}}
+    ) == ("gptq", 32, 1)
+    assert int4_format(
+        {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}}
+    ) == ("gptq", 128, 0)
+    assert int4_format({}) is None and int4_format({"quantization_config": {"quant_method": "fp8"}}) is None
+    with pytest.raises(ValueError, match="8-bit"):
+        int4_format({"quantization_config": {"quant_method": "gptq", "bits": 8}})
+    with pytest.raises(ValueError, match="gemv"):
+        int4_format({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}})
+
+
+def test_decoder_linears_are_swapped_and_the_head_is_not() -> None:
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(K, N)})])
+    model.lm_head = nn.Linear(K, N)
+    assert quantize_linears_int4(model, "gptq", GROUP, 1) == 1
+    assert isinstance(model.get_submodule("model.layers.0.proj"), Int4Linear)
+    assert isinstance(model.lm_head, nn.Linear)

@@ -1,0 +1,41 @@
+"""Process ids and the trace/GenAI helpers every service uses."""
+
+from __future__ import annotations
+
+import re
+
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+
+from pagedserve.shared import telemetry
+from pagedserve.shared.ids import new_id
+
+
+def test_new_ids_are_prefixed_and_distinct() -> None:
+    ids = {new_id("gw") for _ in range(100)}
+    assert len(ids) == 100
+    assert all(re.fullmatch(r"gw-[0-9a-f]{8}", i) for i in ids)
+
+
+def test_a_traceparent_carries_the_trace_to_a_child_span() -> None:
+    tracer = TracerProvider().get_tracer(__name__)
+    parent = tracer.start_span("gateway.generate")
+    traceparent = telemetry.traceparent_of(parent)
+    assert traceparent is not None and format(parent.get_span_context().trace_id, "032x") in traceparent
+    child = tracer.start_span("engine.request", context=telemetry.context_from(traceparent))
+    assert child.get_span_context().trace_id == parent.get_span_context().trace_id
+    assert isinstance(child, ReadableSpan) and child.parent is not None
+    assert child.parent.span_id == parent.get_span_context().span_id
+    assert telemetry.context_from(None) is None  # no traceparent: a new trace
+
+
+def test_genai_attributes_follow_the_semantic_conventions() -> None:
+    attrs = telemetry.genai_request_attributes("chat", "m", {"temperature": 0.5, "top_p": 0.9, "max_tokens": 7})
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "m"
+    assert attrs["gen_ai.request.temperature"] == 0.5 and attrs["gen_ai.request.top_p"] == 0.9
+    assert attrs["gen_ai.request.max_tokens"] == 7
+    assert telemetry.genai_usage_attributes(3, 4) == {"gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 4}
+
+
+def test_a_stream_entry_id_gives_its_time() -> None:
+    assert telemetry.entry_time_ns(b"1700000000123-4") == 1_700_000_000_123_000_000
+    assert telemetry.entry_time_ns("5-0") == 5_000_000
