@@ -228,7 +228,11 @@ class GatewayConfig:
             "flag": "api_key",
         },
     )
-    workers: int | None = opt(None, "gateway processes sharing the port (default: a quarter of the CPU cores, 1-4)")
+    workers: int | None = opt(
+        None,
+        "gateway processes sharing the port (default: a quarter of the CPU cores, 1-4)",
+        aliases=("--api-server-count",),
+    )
     max_body_bytes: int = opt(4 * 1024 * 1024, "request bodies above this get 413")
     max_in_flight: int = opt(512, "requests in flight per gateway process; beyond it 429")
     request_timeout_s: float = opt(600.0, "a request running longer ends with a timeout error")
@@ -293,6 +297,17 @@ class RoutingConfig:
     abort_record_ttl_s: int = opt(
         3600,
         "how long an abort is remembered, so a tokenizer or engine that reads the request later (it was down) drops it",
+    )
+    routing_policy: str = opt(
+        "prefix",
+        "how requests reach a model's engine replicas: prefix (to the replica whose KV cache holds the most of the "
+        "prompt, weighed against its load; the rest pulled from one shared stream) or pull (all pulled)",
+        aliases=("--routing",),
+        choices=("prefix", "pull"),
+    )
+    prefix_max_queued: int = opt(4, "a replica with this many requests waiting gets no more routed to it by prefix")
+    kv_snapshot_interval_s: float = opt(
+        30.0, "how often an engine publishes all its cached prefix blocks (a router started later catches up)"
     )
 
     @property

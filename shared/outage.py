@@ -36,12 +36,14 @@ class OutageLog:
                 exc,
             )
 
-    def recovered(self) -> None:
-        """An operation succeeded: ends the outage, if there was one."""
-        if self.down_since is not None:
-            self.log.info(
-                "redis is back after %.1f s (%d failed operations)",
-                time.monotonic() - self.down_since,
-                self.num_failures,
-            )
-            self.down_since = None
+    def recovered(self) -> bool:
+        """An operation succeeded: ends the outage, if there was one (then True)."""
+        if self.down_since is None:
+            return False
+        self.log.info(
+            "redis is back after %.1f s (%d failed operations)",
+            time.monotonic() - self.down_since,
+            self.num_failures,
+        )
+        self.down_since = None
+        return True

@@ -146,6 +146,20 @@ class EngineHeartbeat:
     supports_choice_abort: bool = False  # honours Abort.choice_indexes
     num_requests_finished: int = 0  # since the engine started: shows how work spreads over replicas
     supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
+    block_size: int = 0  # KV block tokens; 0: publishes no KV events (a router routes it by load only)
+
+
+@dataclass(slots=True)
+class KVEvents:
+    """Prefix blocks an engine's cache gained and lost since its last KV event (shared/kv_blocks.py names
+    them). `snapshot`: `stored` is everything it holds now, and replaces what a router knew of it."""
+
+    TAG: ClassVar[str] = "kv_events"
+    engine_id: str
+    block_size: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    snapshot: bool = False
 
 
 @dataclass(slots=True)
@@ -168,6 +182,7 @@ Message = (
     | Abort
     | EngineHeartbeat
     | TokenizerHeartbeat
+    | KVEvents
 )
 _TYPES: dict[str, type[Any]] = {
     cls.TAG: cls
@@ -181,6 +196,7 @@ _TYPES: dict[str, type[Any]] = {
         Abort,
         EngineHeartbeat,
         TokenizerHeartbeat,
+        KVEvents,
     )
 }
 _FIELDS = {tag: {f.name for f in dataclasses.fields(cls)} for tag, cls in _TYPES.items()}

@@ -38,6 +38,26 @@ def generate_stream(model: str) -> str:
     return f"ps:{{{model}}}:gen"
 
 
+def engine_stream(model: str, engine_id: str) -> str:
+    """One engine's own stream: requests a router sent it for the prefix it holds (read with the model's
+    engine group, so a replica that takes over a dead one's stream continues where it stopped)."""
+    return f"ps:{{{model}}}:gen:{engine_id}"
+
+
+def engine_stream_pattern(model: str) -> str:
+    """SCAN pattern of every engine stream of `model`: where surviving replicas look for orphaned work."""
+    return engine_stream(glob_escape(model), "*")
+
+
+def glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def kv_events_stream(model: str) -> str:
+    return f"ps:{{{model}}}:kv"
+
+
 def control_stream(model: str) -> str:
     return f"ps:{{{model}}}:ctl"
 
@@ -84,15 +104,17 @@ async def publish(redis: aioredis.Redis, stream: str, msg: Message, maxlen: int 
 class Entry:
     entry_id: bytes
     message: Message
+    stream: str = ""  # which of the reader's streams it came from
 
 
 class GroupReader:
-    """Reads one stream as one consumer of a consumer group."""
+    """Reads one or more streams (one XREADGROUP for all: nothing waits on another's timeout) as one
+    consumer of a consumer group of the same name on each."""
 
     def __init__(
         self,
         redis: aioredis.Redis,
-        stream: str,
+        stream: str | Sequence[str],
         group: str,
         consumer: str,
         *,
@@ -103,125 +125,145 @@ class GroupReader:
         """`heartbeat_key(consumer)`: the key a live consumer keeps alive (a TTL it refreshes); once it
         is gone, that consumer's entries idle for `dead_grace_ms` are claimed without waiting
         `claim_idle_ms` (claim_dead). The grace spares a consumer that started but has not beaten yet."""
-        self.redis, self.stream, self.group, self.consumer = redis, stream, group, consumer
+        self.streams = [stream] if isinstance(stream, str) else list(stream)
+        self.stream = self.streams[0]  # the main one: acks and claims default to it
+        self.redis, self.group, self.consumer = redis, group, consumer
         self.claim_idle_ms = claim_idle_ms
         self.heartbeat_key, self.dead_grace_ms = heartbeat_key, dead_grace_ms
         self._reading_pending = True  # re-read our own pending entries first (after a restart)
-        self._next_claim = 0.0  # monotonic time of the next claim_stale_if_due that asks Redis
+        self.next_claim = 0.0  # monotonic time of the next claim_stale_if_due that asks Redis
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    async def read(self, count: int = 16, block_ms: int = 1000) -> list[Entry]:
-        """Up to `count` decoded entries; [] on timeout. Garbage is acked and skipped here."""
+    async def read(self, count: int = 16, block_ms: int | None = 1000) -> list[Entry]:
+        """Up to `count` decoded entries; [] on timeout (`block_ms` None: at once). Garbage is acked and
+        skipped here."""
         start = "0" if self._reading_pending else ">"
         try:
             reply: Any = await self.redis.xreadgroup(
                 self.group,
                 self.consumer,
-                {self.stream: start},
+                dict.fromkeys(self.streams, start),
                 count=count,
                 block=None if self._reading_pending else block_ms,
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("group %s on %s is gone; recreating it", self.group, self.stream)
+            log.warning("group %s on %s is gone; recreating it", self.group, ", ".join(self.streams))
             await self.ensure_group()
             return []
-        raw = [(eid, fields) for _, items in reply for eid, fields in items]
+        raw = [(_text(stream), eid, fields) for stream, items in reply for eid, fields in items]
         if self._reading_pending and not raw:
             self._reading_pending = False
         return await self._decode(raw)
 
     async def claim_stale(self, count: int = 16) -> list[Entry]:
         """Take over entries that a dead consumer left pending for longer than claim_idle_ms."""
-        try:
-            reply: Any = await self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms, count=count
-            )
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            await self.ensure_group()
-            return []
-        claimed = [(eid, fields) for eid, fields in reply[1] if fields is not None]
-        if claimed:
-            log.info("claimed %d stale entries on %s", len(claimed), self.stream)
+        claimed: list[tuple[str, bytes, dict[bytes, bytes] | None]] = []
+        for stream in self.streams:
+            try:
+                reply: Any = await self.redis.xautoclaim(
+                    stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms, count=count
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_group()
+                continue
+            taken = [(stream, eid, fields) for eid, fields in reply[1] if fields is not None]
+            if taken:
+                log.info("claimed %d stale entries on %s", len(taken), stream)
+            claimed.extend(taken)
         return await self._decode(claimed)
 
     async def claim_dead(self, count: int = 16) -> list[Entry]:
         """Take over the pending entries of consumers whose heartbeat key is gone (hung or dead), at
         once rather than after claim_idle_ms. A consumer whose key exists keeps its entries however
         slow it is; entries idle less than dead_grace_ms are left alone."""
+        claimed: list[tuple[str, bytes, dict[bytes, bytes] | None]] = []
+        for stream in self.streams:
+            claimed.extend(await self._claim_dead_on(stream, count))
+        return await self._decode(claimed)
+
+    async def _claim_dead_on(self, stream: str, count: int) -> list[tuple[str, bytes, dict[bytes, bytes] | None]]:
         if self.heartbeat_key is None:
             return []
         try:
-            consumers: Any = await self.redis.xinfo_consumers(self.stream, self.group)
+            consumers: Any = await self.redis.xinfo_consumers(stream, self.group)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             return []  # read() recreates the group
-        claimed: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+        claimed: list[tuple[str, bytes, dict[bytes, bytes] | None]] = []
         for info in consumers:
             name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
             if name == self.consumer or not info["pending"] or await self.redis.exists(self.heartbeat_key(name)):
                 continue
             pending: Any = await self.redis.xpending_range(
-                self.stream, self.group, "-", "+", count, consumername=name, idle=self.dead_grace_ms
+                stream, self.group, "-", "+", count, consumername=name, idle=self.dead_grace_ms
             )
             ids = [p["message_id"] for p in pending]
             if ids:  # min_idle_time: an entry its owner touched meanwhile (it came back) stays with it
                 reply: Any = await self.redis.xclaim(
-                    self.stream, self.group, self.consumer, min_idle_time=self.dead_grace_ms, message_ids=ids
+                    stream, self.group, self.consumer, min_idle_time=self.dead_grace_ms, message_ids=ids
                 )
-                taken = [(eid, fields) for eid, fields in reply if fields is not None]
-                log.warning(
-                    "consumer %s has no heartbeat: claimed %d of its entries on %s", name, len(taken), self.stream
-                )
+                taken = [(stream, eid, fields) for eid, fields in reply if fields is not None]
+                log.warning("consumer %s has no heartbeat: claimed %d of its entries on %s", name, len(taken), stream)
                 claimed.extend(taken)
-        return await self._decode(claimed)
+        return claimed
 
     async def claim_stale_if_due(self, count: int = 16, interval_s: float = 1.0) -> list[Entry]:
         """claim_dead, then claim_stale, at most every `interval_s`: a dead consumer's entries wait for
         its heartbeat to expire or claim_idle_ms anyway, so asking on every read would only add a round
         trip to every request's path."""
-        if time.monotonic() < self._next_claim:
+        if time.monotonic() < self.next_claim:
             return []
-        self._next_claim = time.monotonic() + interval_s
+        self.next_claim = time.monotonic() + interval_s
         dead = await self.claim_dead(count)
         return dead + await self.claim_stale(count)
 
-    async def refresh_claims(self, entry_ids: Sequence[bytes | str]) -> None:
-        """Reset the idle time of entries we are still working on, so nobody claims them."""
+    async def refresh_claims(self, entry_ids: Sequence[bytes | str], stream: str | None = None) -> None:
+        """Reset the idle time of entries we are still working on (on `stream`, default the main one), so
+        nobody claims them."""
         if not entry_ids:
             return
         try:
             await self.redis.xclaim(
-                self.stream, self.group, self.consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True
+                stream or self.stream,
+                self.group,
+                self.consumer,
+                min_idle_time=0,
+                message_ids=list(entry_ids),
+                justid=True,
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise  # NOGROUP: Redis lost the group, and the entries with it; read() recreates it
 
-    async def ack(self, *entry_ids: bytes) -> None:
+    async def ack(self, *entry_ids: bytes, stream: str | None = None) -> None:
         if entry_ids:
-            await self.redis.xack(self.stream, self.group, *entry_ids)
+            await self.redis.xack(stream or self.stream, self.group, *entry_ids)
 
-    async def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[Entry]:
-        entries, garbage = [], []
-        for eid, fields in raw:
+    async def _decode(self, raw: list[tuple[str, bytes, dict[bytes, bytes] | None]]) -> list[Entry]:
+        entries = []
+        for stream, eid, fields in raw:
             try:
-                entries.append(Entry(eid, decode((fields or {}).get(DATA_FIELD, b""))))
+                entries.append(Entry(eid, decode((fields or {}).get(DATA_FIELD, b"")), stream))
             except DecodeError as exc:
-                log.error("skipping undecodable entry %s on %s: %s", eid, self.stream, exc)
-                garbage.append(eid)
-        await self.ack(*garbage)
+                log.error("skipping undecodable entry %s on %s: %s", eid, stream, exc)
+                await self.ack(eid, stream=stream)
         return entries
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode() if isinstance(name, bytes) else name
 
 
 async def aborted_ids(redis: aioredis.Redis, model: str, request_ids: Sequence[str]) -> set[str]:

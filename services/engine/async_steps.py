@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID
-from pagedserve.services.engine.kv_cache_manager import KVCacheManager, hash_block, root_hash
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager, root_hash
 from pagedserve.services.engine.model_runner import StepHandle, StepResult
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.scheduler import SchedulerOutput
 from pagedserve.shared import stop_rule
+from pagedserve.shared.kv_blocks import hash_block
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "InflightStep", "KnownTokensKVCacheManager", "Placeholders", "is_stop_token"]
 

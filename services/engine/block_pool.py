@@ -12,6 +12,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class KVEventLog:
+    """What the prefix cache gained and lost since the last `BlockPool.drain_events` (the engine's KV
+    events: a router keeps an index of which replica holds which prefix). `reset`: all was forgotten."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    reset: bool = False
 
 
 class BlockPool:
@@ -22,6 +33,23 @@ class BlockPool:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id (used or free)
+        self.event_log: KVEventLog | None = None  # set by whoever publishes KV events
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes], bool]:
+        """(stored, removed, reset) since the last call, as the state now: a block stored and evicted
+        again in between is reported removed, and one evicted and stored again, stored."""
+        events = self.event_log
+        if events is None or not (events.stored or events.removed or events.reset):
+            return [], [], False
+        changed = dict.fromkeys([*events.stored, *events.removed])
+        stored = [h for h in changed if h in self._cached]
+        removed = [h for h in changed if h not in self._cached]
+        self.event_log = KVEventLog()
+        return stored, removed, events.reset
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every prefix block the cache holds now (a KV-event snapshot)."""
+        return list(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,12 +105,18 @@ class BlockPool:
             return False
         self._cached[block_hash] = block_id
         self.block_hashes[block_id] = block_hash
+        if self.event_log is not None:
+            self.event_log.stored.append(block_hash)
         return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after the weights change); used blocks stay used."""
         self._cached.clear()
         self.block_hashes = [None] * self.num_blocks
+        if self.event_log is not None:
+            self.event_log.stored.clear()
+            self.event_log.removed.clear()
+            self.event_log.reset = True
 
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (tests and debugging)."""
@@ -97,3 +131,5 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self.block_hashes[block_id] = None
+            if self.event_log is not None:
+                self.event_log.removed.append(block_hash)

@@ -1,10 +1,7 @@
 """Which KV blocks each sequence owns, and prefix caching over chained hashes of full blocks.
 
 A full block's hash covers its tokens and, through its parent's hash, every token before it, so
-equal hashes mean equal prefixes (sha256: collisions are not a practical concern, even crafted):
-
-    tokens  [t0 .. t15][t16 .. t31][t32 t33]     (block_size 16)
-    hashes  h0 = H(root, t0..15)   h1 = H(h0, t16..31)   (the partial block has no hash)
+equal hashes mean equal prefixes: the definition lives in shared/kv_blocks.py, where the router uses it too.
 
 Blocks are published in the cache when they are *scheduled* to be filled, not after the forward
 pass: the model writes every token's K/V of a layer before any query of that layer attends, so a
@@ -14,27 +11,16 @@ scheduler never frees a sequence between scheduling it and running its step.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Iterable, Sequence
 
 from pagedserve.services.engine.block_pool import BlockPool
 from pagedserve.services.engine.request import Request
-
-ROOT_HASH = b"pagedserve-prefix-root"
+from pagedserve.shared import kv_blocks
 
 
 def root_hash(request: Request) -> bytes:
-    """The parent of a request's first block: a `cache_salt` gives its tenant a chain of its own, so no
-    other salt (or none) can hit its blocks."""
-    salt = request.params.cache_salt
-    return ROOT_HASH if not salt else hashlib.sha256(ROOT_HASH + b"\0salt\0" + salt.encode()).digest()
-
-
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    digest = hashlib.sha256(parent_hash)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+    """The parent of a request's first block: a `cache_salt` gives its tenant a chain of its own."""
+    return kv_blocks.root_hash(request.params.cache_salt)
 
 
 class KVCacheManager:
@@ -142,7 +128,7 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         for block_index in range(len(hashes), len(tokens) // size):
             parent = hashes[-1] if hashes else root_hash(request)
-            hashes.append(hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
+            hashes.append(kv_blocks.hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
 
     def _publish_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size

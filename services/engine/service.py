@@ -2,10 +2,16 @@
 
     I/O thread (asyncio)                         compute thread (this module's `serve`)
     ─────────────────────                        ──────────────────────────────────────
-    XREADGROUP ps:{model}:gen ──(while room)──►  inbox ──► engine.add_request / abort
+    XREADGROUP ps:{model}:gen                ┐
+             + ps:{model}:gen:{engine id} ───┴─(while room)──►  inbox ──► engine.add_request / abort
     XREAD ps:{model}:ctl (broadcast aborts) ──►  inbox          │
     heartbeat key + claim refresh                               ▼ engine.step()
     XADD ps:{gw}:resp + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
+    XADD ps:{model}:kv       ◄──────────────── outbox ◄── the prefix blocks cached and evicted (KV events)
+
+The shared stream ps:{model}:gen is pulled by every replica; ps:{model}:gen:{engine id} holds what the
+tokenizer's prefix router sent to this replica (services/tokenizer/prefix_router.py). Work left in the
+stream of a replica that died (or is draining) is taken over by the others.
 
 The compute loop never waits on Redis; Redis I/O never blocks a step. Entries are acknowledged
 only when their request reached a terminal state, so a replica that dies leaves its work pending
@@ -31,11 +37,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pagedserve.services.engine.block_pool import KVEventLog
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.metrics import EngineMetrics
 from pagedserve.services.engine.request_trace import RequestTrace
 from pagedserve.services.engine.sampling_params import SamplingParams
-from pagedserve.shared import streams, telemetry
+from pagedserve.shared import kv_blocks, streams, telemetry
 from pagedserve.shared.config import Config
 from pagedserve.shared.generation_defaults import fill_sampling, read_generation_defaults
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -45,9 +52,11 @@ from pagedserve.shared.protocol import (
     DecodeError,
     EngineHeartbeat,
     GenerateRequest,
+    KVEvents,
     RequestError,
     TokenDeltas,
     decode,
+    decode_as,
     encode,
 )
 
@@ -55,11 +64,15 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 _UNAVAILABLE = "service_unavailable_error"
+_KV_EVENTS_MAXLEN = 10_000  # a router that falls further behind catches up from the next snapshot
+
+
+EntryRef = tuple[str, bytes]  # (stream, entry id): what to XACK once the request ends
 
 
 @dataclass(slots=True)
 class _Active:
-    entry_id: bytes
+    entry: EntryRef
     reply_to: str
     num_choices: int
     trace: RequestTrace
@@ -108,6 +121,13 @@ class EngineService:
         self._io_thread = threading.Thread(target=self._run_io, name="engine-redis-io", daemon=True)
         self.outage = OutageLog(log)  # I/O thread only
         self._lost: OrderedDict[str, None] = OrderedDict()  # I/O thread only: requests whose tokens were lost
+        self.shared_stream = streams.generate_stream(model)
+        self.own_stream = streams.engine_stream(model, self.settings.engine_id)
+        self._orphan_readers: dict[str, streams.GroupReader] = {}  # I/O thread only: dead replicas' streams
+        self.pool = engine.kv_cache.pool
+        if engine.kv_cache.enable_prefix_caching:
+            self.pool.event_log = KVEventLog()
+        self._snapshot_due = 0.0  # monotonic time of the next full KV snapshot (0: at once)
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -136,6 +156,7 @@ class EngineService:
                 except Exception:  # a bug must not take every request of this replica down with it
                     log.exception("engine step failed; ending the running requests with an error")
                     self._fail_active("internal engine error")
+            self._publish_kv_events()
             self._update_room()
         self._send(("close", None))
         self._io_thread.join(timeout=5)
@@ -183,10 +204,10 @@ class EngineService:
             if rid not in self.active:
                 self._remember(rid)
 
-    def _add(self, entry_id: bytes, req: GenerateRequest) -> None:
+    def _add(self, entry: EntryRef, req: GenerateRequest) -> None:
         if req.request_id in self.active or req.request_id in self.recent:
             if req.request_id not in self.active:
-                self._send(("ack", entry_id))  # finished, aborted, or a redelivered duplicate
+                self._send(("ack", entry))  # finished, aborted, or a redelivered duplicate
             return
         try:
             params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
@@ -195,11 +216,11 @@ class EngineService:
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
-            self._send(("error", (req.reply_to, error, entry_id)))
+            self._send(("error", (req.reply_to, error, entry)))
             return
         trace = RequestTrace(req, self.settings.engine_id)
         num_choices = params.n if resumed is None else len(resumed)
-        self.active[req.request_id] = _Active(entry_id, req.reply_to, num_choices, trace)
+        self.active[req.request_id] = _Active(entry, req.reply_to, num_choices, trace)
         self._queued[req.request_id] = trace
 
     def _track_admissions(self) -> None:
@@ -216,7 +237,7 @@ class EngineService:
         by_gateway: dict[str, TokenDeltas] = defaultdict(
             lambda: TokenDeltas(self.settings.engine_id, self.step_count, [], [], [], [], [], [], [], [])
         )
-        finished_entries: list[bytes] = []
+        finished_entries: list[EntryRef] = []
         for out in outputs:
             state = self.active.get(out.request_id)
             if state is None:
@@ -240,7 +261,7 @@ class EngineService:
                 if state.num_finished >= state.num_choices:
                     self._queued.pop(out.request_id, None)
                     state.trace.finish(out.finish_reason, state.num_output_tokens, out.num_cached_tokens)
-                    finished_entries.append(state.entry_id)
+                    finished_entries.append(state.entry)
                     self.num_requests_finished += 1
                     del self.active[out.request_id]
                     self._remember(out.request_id)
@@ -258,7 +279,7 @@ class EngineService:
             self._queued.pop(request_id, None)
             state.trace.fail(message)
             error = RequestError(request_id, status, message, type=error_type)
-            self._send(("error", (state.reply_to, error, state.entry_id)))
+            self._send(("error", (state.reply_to, error, state.entry)))
             self._remember(request_id)
 
     def _fail_lost(self, lost: list[tuple[str, str]]) -> None:
@@ -269,6 +290,28 @@ class EngineService:
         for rid, reply_to in lost:  # finished in the very step whose tokens were lost: tell the gateway too
             if rid not in active:
                 self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
+
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache gained and lost since the last call, as one KV event (at most one per
+        step); every kv_snapshot_interval_s, and at once after a Redis outage, all of it instead."""
+        if self.pool.event_log is None:
+            return
+        stored, removed, reset = self.pool.drain_events()
+        block_size = self.engine.kv_cache.block_size
+        if reset or time.monotonic() >= self._snapshot_due:
+            self._snapshot_due = time.monotonic() + self.routing.kv_snapshot_interval_s
+            ids = [kv_blocks.wire_id(h) for h in self.pool.cached_hashes()]
+            self._send(("kv", KVEvents(self.settings.engine_id, block_size, ids, [], snapshot=True)))
+        elif stored or removed:
+            wire = kv_blocks.wire_id
+            self._send(
+                (
+                    "kv",
+                    KVEvents(
+                        self.settings.engine_id, block_size, [wire(h) for h in stored], [wire(h) for h in removed]
+                    ),
+                )
+            )
 
     def _remember(self, request_id: str) -> None:
         self.recent[request_id] = None
@@ -299,7 +342,7 @@ class EngineService:
         redis = streams.connect(self.routing.url)
         reader = streams.GroupReader(
             redis,
-            streams.generate_stream(self.model),
+            [self.shared_stream, self.own_stream],
             streams.engine_group(self.model),
             self.settings.engine_id,
             claim_idle_ms=self.settings.claim_idle_ms,
@@ -337,8 +380,11 @@ class EngineService:
                 continue
             try:
                 await self._take(reader, await reader.read(count=wanted, block_ms=200))
-                await self._take(reader, await reader.claim_stale_if_due(count=8))
-                self.outage.recovered()
+                if time.monotonic() >= reader.next_claim:
+                    await self._take(reader, await reader.claim_stale_if_due(count=8))
+                    await self._take_orphans(reader)
+                if self.outage.recovered():
+                    self._snapshot_due = 0.0  # Redis may have restarted empty: routers rebuild from a snapshot
             except _REDIS_ERRORS as exc:
                 await self._backoff("reading requests", exc)
 
@@ -348,6 +394,48 @@ class EngineService:
         long step runs, the compute thread's figure is stale: what the inbox holds counts against it)."""
         return self.num_wanted - self.inbox.qsize() if self.has_room.is_set() else 0
 
+    async def _take_orphans(self, reader: streams.GroupReader) -> None:
+        """Work a router sent to a replica that is gone (its heartbeat expired) or draining (it takes no new
+        work) is taken by this one: a gone replica's pending entries too, as from the shared stream."""
+        redis = reader.redis
+        async for raw in redis.scan_iter(match=streams.engine_stream_pattern(self.model), count=500):
+            stream = raw.decode() if isinstance(raw, bytes) else raw
+            engine_id = stream.rsplit(":", 1)[1]
+            if stream == self.own_stream:
+                continue
+            beat: Any = await redis.get(streams.engine_key(self.model, engine_id))
+            is_gone = beat is None
+            if not is_gone and not decode_as(beat, EngineHeartbeat).is_draining:
+                continue
+            orphans = self._orphan_readers.get(stream)
+            if orphans is None:
+                orphans = self._orphan_readers[stream] = streams.GroupReader(
+                    redis,
+                    stream,
+                    reader.group,
+                    self.settings.engine_id,
+                    heartbeat_key=lambda consumer: streams.engine_key(self.model, consumer),
+                    dead_grace_ms=reader.dead_grace_ms,
+                )
+                await orphans.ensure_group()
+            wanted = self._wanted()
+            # read before claiming: a fresh reader first re-reads its own pending entries, which would
+            # deliver what it just claimed a second time
+            entries = await orphans.read(count=wanted, block_ms=None) if wanted > 0 else []
+            if is_gone:
+                entries += await orphans.claim_dead(count=8)
+            if entries:
+                log.info(
+                    "took %d requests left on %s (its replica is %s)",
+                    len(entries),
+                    stream,
+                    "gone" if is_gone else "draining",
+                )
+            await self._take(orphans, entries)
+            if is_gone and not entries:  # emptied: gone unless a router sent more meanwhile (atomic)
+                await _delete_if_empty(redis, stream)
+                self._orphan_readers.pop(stream, None)
+
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()
         # What the gateway gave up on while this replica was down or busy is dropped, not run for nobody.
@@ -356,15 +444,20 @@ class EngineService:
         for entry in entries:
             if isinstance(entry.message, GenerateRequest) and entry.message.request_id in given_up:
                 log.info("request %s was aborted before this engine took it; dropped", entry.message.request_id)
-                await reader.ack(entry.entry_id)
+                await self._ack(reader.redis, reader.group, entry)
             elif isinstance(entry.message, GenerateRequest):
-                wait = telemetry.record_stream_wait(reader.stream, entry.entry_id, entry.message.traceparent, read_at)
+                wait = telemetry.record_stream_wait(entry.stream, entry.entry_id, entry.message.traceparent, read_at)
                 if self.metrics is not None:
                     self.metrics.stream_wait.observe(wait)
-                self.inbox.put(("generate", (entry.entry_id, entry.message)))
+                self.inbox.put(("generate", ((entry.stream, entry.entry_id), entry.message)))
             else:
                 log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
-                await reader.ack(entry.entry_id)
+                await self._ack(reader.redis, reader.group, entry)
+
+    async def _ack(self, redis: Any, group: str, entry: streams.Entry) -> None:
+        pipe = redis.pipeline(transaction=False)
+        _ack_all(pipe, group, [(entry.stream, entry.entry_id)], self.shared_stream)
+        await pipe.execute()
 
     async def _read_aborts(self, redis: Any) -> None:
         stream, last_id = streams.control_stream(self.model), "$"
@@ -388,6 +481,7 @@ class EngineService:
     async def _heartbeat(self, redis: Any, reader: streams.GroupReader) -> None:
         key = streams.engine_key(self.model, self.settings.engine_id)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        last_beat = time.monotonic()
         while True:
             stats = self.last_stats
             beat = EngineHeartbeat(
@@ -404,11 +498,20 @@ class EngineService:
                 supports_choice_abort=True,
                 supports_choice_continuation=True,
                 num_requests_finished=self.num_requests_finished,
+                block_size=self.engine.kv_cache.block_size if self.pool.event_log is not None else 0,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)
-                await reader.refresh_claims([a.entry_id for a in list(self.active.values())])
-                self.outage.recovered()
+                by_stream: dict[str, list[bytes]] = defaultdict(list)
+                for active in list(self.active.values()):
+                    by_stream[active.entry[0]].append(active.entry[1])
+                for stream, entry_ids in by_stream.items():
+                    await reader.refresh_claims(entry_ids, stream=stream)
+                # Redis may have restarted empty, or our record expired (we were stopped) and routers forgot
+                # this replica's blocks: publish all of them again
+                if self.outage.recovered() or time.monotonic() - last_beat > self.settings.heartbeat_ttl_s:
+                    self._snapshot_due = 0.0
+                last_beat = time.monotonic()
                 self.redis_ok = True
             except RedisError as exc:  # any: a heartbeat that stops for good makes the replica look dead
                 self.redis_ok = False
@@ -425,7 +528,7 @@ class EngineService:
             while not self._outbox.empty():
                 items.append(self._outbox.get_nowait())
             pipe = redis.pipeline(transaction=False)
-            acks: list[bytes] = []
+            acks: list[EntryRef] = []
             sent_deltas: list[tuple[str, TokenDeltas]] = []  # lost as a whole if the round trip fails
             for kind, payload in items:
                 if kind == "deltas":
@@ -437,14 +540,15 @@ class EngineService:
                             sent_deltas.append((gateway_id, deltas))
                     acks.extend(finished)
                 elif kind == "error":
-                    reply_to, error, entry_id = payload
+                    reply_to, error, entry = payload
                     _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
-                    if entry_id is not None:
-                        acks.append(entry_id)
+                    if entry is not None:
+                        acks.append(entry)
                 elif kind == "ack":
                     acks.append(payload)
-            if acks:
-                pipe.xack(reader.stream, reader.group, *acks)
+                elif kind == "kv":
+                    _xadd(pipe, streams.kv_events_stream(self.model), payload, _KV_EVENTS_MAXLEN)
+            _ack_all(pipe, reader.group, acks, self.shared_stream)
             try:
                 await pipe.execute()
             except _REDIS_ERRORS as exc:
@@ -469,6 +573,25 @@ class EngineService:
     async def _backoff(self, doing: str, exc: BaseException) -> None:
         self.outage.failed(doing, exc)
         await asyncio.sleep(0.5)
+
+
+def _ack_all(pipe: Any, group: str, entries: list[EntryRef], shared_stream: str) -> None:
+    """XACK ended requests; on a replica's own stream also delete them, so the stream of a replica that is
+    gone empties and can be deleted (the shared stream is trimmed by length instead)."""
+    by_stream: dict[str, list[bytes]] = defaultdict(list)
+    for stream, entry_id in entries:
+        by_stream[stream].append(entry_id)
+    for stream, entry_ids in by_stream.items():
+        pipe.xack(stream, group, *entry_ids)
+        if stream != shared_stream:
+            pipe.xdel(stream, *entry_ids)
+
+
+_DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+async def _delete_if_empty(redis: Any, stream: str) -> None:
+    await redis.eval(_DELETE_IF_EMPTY, 1, stream)
 
 
 def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:

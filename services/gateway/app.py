@@ -137,12 +137,13 @@ def build_app(config: Config) -> Starlette:
         )
 
     async def list_models(request: Request) -> Response:
+        await frontend.registry.refresh_now()
         # A listed model is one a request would be served for now: what clients wait on after a start
         data = [_model_card(m.name, m.first_seen, m.max_model_len) for m in frontend.registry.servable_models()]
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
-        entry = frontend.registry.get(request.path_params["model"])
+        entry = await frontend.registry.get_fresh(request.path_params["model"])
         if entry is None or not entry.is_servable:
             raise model_not_found(request.path_params["model"])
         return JSONResponse(_model_card(entry.name, entry.first_seen, entry.max_model_len))
@@ -151,6 +152,7 @@ def build_app(config: Config) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
+        await frontend.registry.refresh_now()  # every worker answers from what Redis holds now
         is_ready = frontend.is_ready()
         body: dict[str, Any] = {"ready": is_ready, "redis": frontend.registry.is_redis_up}
         if _may_list_models(request):  # probes need no key; the served models are only for callers with one

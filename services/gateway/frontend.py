@@ -351,7 +351,7 @@ class Frontend:
     ) -> Generation:
         if self.is_draining:
             raise APIError(503, "the server is shutting down", retry_after=1)
-        entry = self.registry.get(req.model)
+        entry = await self.registry.get_fresh(req.model)  # listed by another worker a moment ago: served here
         if entry is None:
             raise model_not_found(req.model)
         if not entry.is_live:

@@ -67,6 +67,25 @@ class ModelRegistry:
             self.models.setdefault(tokenizer.model, ModelEntry(tokenizer.model)).tokenizers.append(tokenizer)
         self.is_redis_up = True
 
+    async def refresh_now(self) -> None:
+        """Read the heartbeats now, for an answer about which models are served: each gateway worker
+        refreshes on its own schedule, and a worker a second behind another would list a model the other
+        already listed as absent (a client polling /v1/models across workers saw it appear and vanish).
+        A failed read keeps the last view and marks Redis down, as the periodic refresh does."""
+        try:
+            await self.refresh()
+        except Exception as exc:
+            log.warning("registry refresh failed: %s", exc)
+            self.is_redis_up = False
+
+    async def get_fresh(self, name: str) -> ModelEntry | None:
+        """`get`, re-reading the heartbeats first when the cached view does not serve the model."""
+        entry = self.models.get(name)
+        if entry is None or not entry.is_servable:
+            await self.refresh_now()
+            entry = self.models.get(name)
+        return entry
+
     async def _read(self, pattern: str, cls: type[T]) -> list[T]:
         keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
         beats = []

@@ -1,9 +1,12 @@
 """The tokenizer service: reads requests, renders and tokenizes prompts, forwards them to the engines.
 
 For each request: Accepted (or RequestError) to the gateway first, then the GenerateRequest to the
-model's engine stream, then XACK. A crash in between leaves the entry pending; another tokenizer
-claims it and redoes it, and the duplicate is harmless (the gateway and the engines dedupe on
-request_id).
+model's engines, then XACK. Where several replicas serve the model, the prefix router
+(prefix_router.py) sends a prompt whose prefix one replica already holds in its KV cache to that
+replica's own stream; the rest go to the shared stream every replica pulls from.
+
+A crash in between leaves the entry pending; another tokenizer claims it and redoes it, and the
+duplicate is harmless (the gateway and the engines dedupe on request_id).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import logging
 import time
 from typing import Any
 
+from opentelemetry import trace
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.services.tokenizer.metrics import TokenizerMetrics
+from pagedserve.services.tokenizer.prefix_router import PrefixRouter
 from pagedserve.services.tokenizer.processor import PromptProcessor
 from pagedserve.shared import streams, telemetry
 from pagedserve.shared.config import Config
@@ -26,8 +31,10 @@ from pagedserve.shared.protocol import (
     Accepted,
     ChatRequest,
     CompletionRequest,
+    DecodeError,
     EngineHeartbeat,
     GenerateRequest,
+    KVEvents,
     RequestError,
     TokenizerHeartbeat,
     decode_as,
@@ -57,6 +64,9 @@ class TokenizerService:
             claim_idle_ms=settings.claim_idle_ms,
         )
         self.publisher = Publisher(self.redis)
+        self.router = PrefixRouter(max_queued=config.routing.prefix_max_queued)
+        self.is_prefix_routing = config.routing.routing_policy == "prefix"
+        self.engines: list[EngineHeartbeat] = []  # the model's live replicas, as of the last heartbeat round
         self._stopping = asyncio.Event()
         self.redis_ok = False  # the last read reached Redis
 
@@ -72,6 +82,7 @@ class TokenizerService:
         log.info("tokenizer %s serving model %s", self.settings.consumer_name, self.model)
         publishing = asyncio.create_task(self.publisher.run())
         beating = asyncio.create_task(self._heartbeat())
+        watching = asyncio.create_task(self._read_kv_events()) if self.is_prefix_routing else None
         while not self._stopping.is_set():
             try:
                 await self.reader.ensure_group()
@@ -87,26 +98,67 @@ class TokenizerService:
                 outage.failed("reading requests", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
-        for task in (publishing, beating):
+        tasks = [t for t in (publishing, beating, watching) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(publishing, beating, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(*_REDIS_ERRORS):  # gone at once, not after its TTL
             await self.redis.delete(streams.tokenizer_key(self.model, self.settings.consumer_name))
         await self.redis.aclose()
 
     async def _heartbeat(self) -> None:
         """Say this tokenizer is alive (gateways answer 503 at once for a model without one), and keep the
-        context limit in step with the model's live engines: the smallest any of them serves."""
+        context limit (the smallest any live engine serves) and the router's view of the replicas current."""
         key = streams.tokenizer_key(self.model, self.settings.consumer_name)
         ttl_ms = int(self.settings.tokenizer_heartbeat_ttl_s * 1000)
         while True:
             beat = TokenizerHeartbeat(self.settings.consumer_name, self.model, time.time())
             try:
                 await self.redis.set(key, encode(beat), px=ttl_ms)
-                self.processor.served_limit = await engine_context_limit(self.redis, self.model)
+                self.engines = await live_engines(self.redis, self.model)
+                self.processor.served_limit = context_limit(self.engines)
+                self.router.forget_gone({e.engine_id for e in self.engines})
             except _REDIS_ERRORS as exc:  # the read loop reports the outage; keep the last limit
                 log.debug("tokenizer heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.tokenizer_heartbeat_interval_s)
+
+    async def _read_kv_events(self) -> None:
+        """Keep the prefix index current: every replica's KV events, from the oldest the stream keeps (each
+        replica also publishes a full snapshot now and then, so a router started late catches up)."""
+        stream, last_id = streams.kv_events_stream(self.model), "0"
+        while True:
+            try:
+                reply: Any = await self.redis.xread({stream: last_id}, block=1000, count=512)
+            except _REDIS_ERRORS as exc:
+                log.debug("reading KV events failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _, items in reply or []:
+                for entry_id, fields in items:
+                    last_id = entry_id
+                    try:
+                        self.router.index.apply(decode_as(fields.get(streams.DATA_FIELD, b""), KVEvents))
+                    except DecodeError as exc:
+                        log.error("skipping a bad KV event %s: %s", entry_id, exc)
+
+    def _route(self, generate: GenerateRequest) -> str:
+        """The stream this request goes to: a replica's own when it holds the prompt's prefix, else the
+        shared one. The decision is on the request's span and in the metrics."""
+        if not self.is_prefix_routing:
+            return streams.generate_stream(self.model)
+        salt = generate.sampling.get("cache_salt") if isinstance(generate.sampling, dict) else None
+        decision = self.router.route(generate.prompt_token_ids, salt, self.engines)
+        span = trace.get_current_span()
+        span.set_attribute("pagedserve.route.engine", decision.engine_id or "shared")
+        span.set_attribute("pagedserve.route.reason", decision.reason)
+        span.set_attribute("pagedserve.route.overlap_blocks", decision.overlap_blocks)
+        if self.metrics is not None:
+            self.metrics.routes.labels(self.model, decision.engine_id or "shared", decision.reason).inc()
+            if decision.engine_id is not None and decision.prompt_blocks:
+                self.metrics.route_overlap.observe(decision.overlap_blocks / decision.prompt_blocks)
+        if decision.engine_id is None:
+            return streams.generate_stream(self.model)
+        return streams.engine_stream(self.model, decision.engine_id)
 
     async def _handle_all(self, entries: list[streams.Entry]) -> None:
         """Drop what the gateway already gave up on (it was down, or slow, when the abort went out), then
@@ -159,7 +211,7 @@ class TokenizerService:
         # Accepted goes first, in the same pipelined batch as the work itself: one round trip.
         sent = [
             self.publisher.send(reply_stream, accepted, maxlen),
-            self.publisher.send(streams.generate_stream(self.model), generate, maxlen),
+            self.publisher.send(self._route(generate), generate, maxlen),
         ]
         await asyncio.gather(*sent)
         return "accepted"
@@ -174,19 +226,25 @@ class TokenizerService:
             )
 
 
-async def engine_context_limit(redis: Any, model: str) -> int | None:
-    """The smallest context limit among `model`'s live engines (each publishes the one it serves: its
-    --max-model-len, or less where its KV cache holds less), or None while none is up."""
-    pattern = streams.engine_key(_glob_escape(model), "*")
+async def live_engines(redis: Any, model: str) -> list[EngineHeartbeat]:
+    """The heartbeats of `model`'s engines that are up and not draining."""
+    pattern = streams.engine_key(streams.glob_escape(model), "*")
     keys = [key async for key in redis.scan_iter(match=pattern, count=200)]
-    limits = []
+    beats = []
     for raw in await redis.mget(keys) if keys else []:
-        if raw is not None:
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        try:
             beat = decode_as(raw, EngineHeartbeat)
-            if not beat.is_draining:
-                limits.append(beat.max_model_len)
-    return min(limits, default=None)
+        except DecodeError as exc:
+            log.error("skipping a bad engine heartbeat: %s", exc)
+            continue
+        if not beat.is_draining:
+            beats.append(beat)
+    return beats
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+def context_limit(engines: list[EngineHeartbeat]) -> int | None:
+    """The smallest context limit among live engines (each publishes the one it serves: its
+    --max-model-len, or less where its KV cache holds less), or None while none is up."""
+    return min((e.max_model_len for e in engines), default=None)

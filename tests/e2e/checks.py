@@ -11,16 +11,19 @@ from pagedserve.shared import streams
 
 
 def num_pending(r: redis.Redis, model: str) -> dict[str, int]:
-    """Entries delivered but not acknowledged, per consumer group (tokenizers, engines)."""
+    """Entries delivered but not acknowledged, per stream (the tokenizers' requests, the engines' shared
+    stream, and each engine's own stream, where the prefix router sends work)."""
+    engine_streams = [k.decode() for k in r.scan_iter(match=streams.engine_stream_pattern(model))]
     counts = {}
     for stream, group in (
         (streams.request_stream(model), streams.TOKENIZER_GROUP),
         (streams.generate_stream(model), streams.engine_group(model)),
+        *((stream, streams.engine_group(model)) for stream in engine_streams),
     ):
         try:
-            counts[group] = int(r.xpending(stream, group)["pending"])
+            counts[stream] = int(r.xpending(stream, group)["pending"])
         except redis.ResponseError:  # no such stream or group: nothing can be pending
-            counts[group] = 0
+            counts[stream] = 0
     return counts
 
 

@@ -1,12 +1,18 @@
 """Scale on one machine: 1,024 concurrent streams through a 2-worker gateway over two engine replicas
 of one model. Every stream completes with 200 and its greedy answer, both gateway workers and both
-engines take work, and nothing stays pending in Redis."""
+engines take work, and nothing stays pending in Redis.
+
+Then cache-aware routing over the same two replicas: prompts sharing a long prefix all go to the replica
+that holds it (each finds it in the cache), and one sent to a replica that hangs is taken over by the
+other and answered as it would have been."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,3 +172,81 @@ def test_1024_concurrent_streams_over_two_workers_and_two_engines(scaled: Scaled
     # Pull-based admission spreads the work: both replicas took a share of it.
     finished = {engine_id: beat.num_requests_finished for engine_id, beat in beats.items()}
     assert all(count > 0 for count in finished.values()), finished
+
+
+def _owner_after(scaled: ScaledServices, before: dict[str, int]) -> str:
+    """The replica whose finished count rose since `before` (heartbeats are refreshed every second)."""
+    deadline = time.monotonic() + 10
+    while True:
+        rose = [e for e, b in _heartbeats(scaled).items() if b.num_requests_finished > before.get(e, 0)]
+        if len(rose) == 1:
+            return rose[0]
+        assert time.monotonic() < deadline, f"no single replica ran the request: {rose}"
+        time.sleep(0.2)
+
+
+def _wait_finished(scaled: ScaledServices, engine_id: str, count: int) -> dict[str, int]:
+    """Finished counts once `engine_id`'s reaches `count` (heartbeats catch up within a second)."""
+    deadline = time.monotonic() + 10
+    while (finished := _finished(scaled))[engine_id] < count:
+        assert time.monotonic() < deadline, (engine_id, count, finished)
+        time.sleep(0.2)
+    return finished
+
+
+def _finished(scaled: ScaledServices) -> dict[str, int]:
+    return {e: b.num_requests_finished for e, b in _heartbeats(scaled).items()}
+
+
+def _complete(scaled: ScaledServices, prompt: list[int]) -> openai.types.Completion:
+    with openai.OpenAI(base_url=f"{scaled.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        return client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_holds_it(scaled: ScaledServices) -> None:
+    prefix = [1000 + i for i in range(96)]  # six 16-token KV blocks
+    time.sleep(1.5)  # the tokenizer sees both replicas (its view is refreshed every second)
+    before = _finished(scaled)
+    first = _complete(scaled, [*prefix, 7]).usage
+    assert first is not None and first.prompt_tokens_details is not None
+    assert first.prompt_tokens_details.cached_tokens == 0
+    owner = _owner_after(scaled, before)
+    cached = []
+    for i in range(8):  # pulled by whichever replica is free, most would miss the cache on the other one
+        usage = _complete(scaled, [*prefix, 50 + i, 7]).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached == [len(prefix)] * 8  # any on the other replica would have missed
+    finished = _wait_finished(scaled, owner, before[owner] + 9)
+    assert sum(finished.values()) - sum(before.values()) == 9, (owner, before, finished)
+
+
+def test_work_sent_to_a_hung_replica_is_taken_over(scaled: ScaledServices) -> None:
+    prompt = [3000 + i for i in range(96)] + [7]
+    time.sleep(1.5)
+    before = _finished(scaled)
+    reference = _complete(scaled, prompt).choices[0].text
+    owner = _owner_after(scaled, before)
+    other = next(e for e in ENGINE_IDS if e != owner)
+    r = redis.Redis.from_url(scaled.redis_url)
+    scaled.processes[owner].send_signal(signal.SIGSTOP)  # hung: its heartbeat lives on for its TTL
+    try:
+        replies: list[openai.types.Completion] = []
+        sending = threading.Thread(target=lambda: replies.append(_complete(scaled, prompt)))
+        sending.start()
+        deadline = time.monotonic() + 10
+        while not r.xlen(streams.engine_stream(MODEL, owner)):  # the router sent it to the owner's stream
+            assert sending.is_alive() and time.monotonic() < deadline, "the request was not routed to its owner"
+            time.sleep(0.05)
+        sending.join(timeout=60)
+        assert replies and replies[0].choices[0].text == reference  # the other replica took it over
+        _wait_finished(scaled, other, before[other] + 1)
+    finally:
+        scaled.processes[owner].send_signal(signal.SIGCONT)
+        r.close()
+    deadline = time.monotonic() + 15
+    while len(_heartbeats(scaled)) < len(ENGINE_IDS):  # the hung replica is back
+        assert time.monotonic() < deadline, "the stopped replica did not come back"
+        time.sleep(0.2)

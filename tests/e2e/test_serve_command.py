@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,8 @@ VLLM_FLAGS = [
     "--trust-remote-code",
     "-tp",
     "1",
+    "--api-server-count",  # two gateway workers: /v1/models must answer alike from both
+    "2",
 ]
 
 
@@ -79,12 +82,22 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    base_url = f"http://127.0.0.1:{port}"
+    listings: list[list[str]] = []  # /v1/models from start, each on a new connection (any worker)
+    stop_polling = threading.Event()
+    poller = threading.Thread(target=_poll_models, args=(base_url, listings, stop_polling), daemon=True)
+    poller.start()
     try:
-        base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
         while "pagedserve: ready" not in (tmp_path / "serve.log").read_text():  # said only once it is so
             assert serve.poll() is None and time.monotonic() < deadline, "serve never said it was ready"
             time.sleep(0.2)
+        time.sleep(2)  # a few more answers from both workers after the first listing
+        stop_polling.set()
+        poller.join()
+        first = next(i for i, listed in enumerate(listings) if listed)
+        assert all(listed == ["smol"] for listed in listings[first:]), f"listed, then not: {listings[first:]}"
+        assert len(listings) - first >= 5
         assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
         assert httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 401  # --api-key
         models = httpx.get(f"{base_url}/v1/models", headers={"Authorization": "Bearer k"}, timeout=5).json()["data"]
@@ -114,6 +127,9 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
         children = psutil.Process(serve.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and all(s in names for s in ("tokenizer", "engine", "gateway"))
+        gateway = next(c for c in psutil.Process(serve.pid).children() if "gateway" in " ".join(c.cmdline()))
+        workers = [c for c in gateway.children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2  # --api-server-count
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         reply = client.chat.completions.create(
@@ -134,3 +150,16 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
         output = (tmp_path / "serve.log").read_text()
         if "started a private redis-server" not in output:
             pytest.fail(f"serve did not say it started a private Redis:\n{output[-2000:]}")
+
+
+def _poll_models(base_url: str, listings: list[list[str]], stop: threading.Event) -> None:
+    """What a deploy script or load balancer sees while the server starts: one listing per new connection."""
+    while not stop.is_set():
+        try:
+            reply = httpx.get(f"{base_url}/v1/models", headers={"Authorization": "Bearer k"}, timeout=5)
+        except httpx.HTTPError:  # not listening yet
+            time.sleep(0.05)
+            continue
+        if reply.status_code == 200:
+            listings.append([m["id"] for m in reply.json()["data"]])
+        time.sleep(0.05)

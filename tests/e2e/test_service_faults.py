@@ -88,18 +88,12 @@ def stack(redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytes
     client = redis.Redis.from_url(redis_server.url)
     stack = Stack(f"http://127.0.0.1:{port}", client, env, common, log_dir, processes)
     try:
-        wait_for(lambda: MODEL in _models_text(stack), 120, "no engine")
+        # /v1/models lists a model once it has a tokenizer too: the engine's heartbeat says it is up
+        wait_for(lambda: bool(client.keys(streams.engine_key(MODEL, "*"))), 120, "no engine")
         yield stack
     finally:
         stop_all(processes)
         client.close()
-
-
-def _models_text(stack: Stack) -> str:
-    try:
-        return httpx.get(f"{stack.base_url}/v1/models", timeout=2).text
-    except httpx.HTTPError:  # not listening yet
-        return ""
 
 
 def _messages(stack: Stack, stream: str) -> list[Any]:

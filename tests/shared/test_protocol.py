@@ -14,6 +14,7 @@ from pagedserve.shared.protocol import (
     DecodeError,
     EngineHeartbeat,
     GenerateRequest,
+    KVEvents,
     Message,
     RequestError,
     TokenDeltas,
@@ -57,6 +58,7 @@ SAMPLES = [
     Abort(["a", "b"], reason="client disconnected"),
     EngineHeartbeat("e1", "m", 2048, num_running=3, model_source="/models/x"),
     TokenizerHeartbeat("tok-1", "m", 1700000000.5),
+    KVEvents("e1", 16, [2**64 - 1, 7], [3], snapshot=False),
 ]
 
 

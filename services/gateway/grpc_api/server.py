@@ -77,6 +77,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
         await self._authorize(context)
+        await self.frontend.registry.refresh_now()
         models = [
             pb.Model(id=m.name, max_model_len=m.max_model_len, created=int(m.first_seen))
             for m in self.frontend.registry.servable_models()

@@ -1,0 +1,135 @@
+"""Which engine replica a prompt goes to: the one whose KV cache already holds the most of its prefix,
+unless the load there makes computing it elsewhere cheaper (the idea of Dynamo's KV router and SGLang's
+cache-aware router).
+
+    KV events ──► PrefixIndex (block -> replicas)  ┐
+    heartbeats ─► load (KV blocks in use) ─────────┴─► PrefixRouter.route(prompt) ─► one engine's stream
+                                                                                  or the shared stream
+
+The cost of a replica is the prompt blocks it would still have to compute plus its decode load, both in
+KV blocks: the blocks its running sequences hold (its last heartbeat; a shared prefix counts once) and
+the prompt blocks routed to it since that it must compute. A request with no useful overlap anywhere,
+or whose best replica has requests waiting for room, goes to the shared stream, where whichever replica
+has room pulls it: pull-based balancing stays, and a hot prefix spreads to a second replica when its
+owner is saturated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.shared import kv_blocks
+from pagedserve.shared.protocol import EngineHeartbeat, KVEvents
+
+_MAX_ROUTED_AGE_S = 5.0
+
+
+class PrefixIndex:
+    """Which replica holds which prefix block (blocks named by `kv_blocks.wire_id`), fed by KV events."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, set[int]] = {}  # engine id -> the blocks its cache holds
+
+    def apply(self, events: KVEvents) -> None:
+        if events.snapshot:
+            self._blocks[events.engine_id] = set(events.stored)
+            return
+        blocks = self._blocks.setdefault(events.engine_id, set())
+        blocks.difference_update(events.removed)
+        blocks.update(events.stored)
+
+    def drop(self, engine_id: str) -> None:
+        self._blocks.pop(engine_id, None)
+
+    def engines(self) -> list[str]:
+        return list(self._blocks)
+
+    def num_blocks(self, engine_id: str) -> int:
+        return len(self._blocks.get(engine_id, ()))
+
+    def overlap(self, engine_id: str, block_ids: Sequence[int]) -> int:
+        """How many leading blocks of a prompt the replica holds (a later block is of no use without them)."""
+        held = self._blocks.get(engine_id)
+        if not held:
+            return 0
+        for count, block_id in enumerate(block_ids):
+            if block_id not in held:
+                return count
+        return len(block_ids)
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    engine_id: str | None  # None: the shared stream
+    reason: str  # prefix | no_overlap | overflow | single_engine | load
+    overlap_blocks: int = 0
+    prompt_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Routed:
+    at: float  # wall clock, comparable with heartbeat times
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class PrefixRouter:
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    max_queued: int = 4  # a replica with this many requests waiting (no room to run them) gets no more
+    _routed: dict[str, list[_Routed]] = field(default_factory=dict)
+    _live: set[str] = field(default_factory=set)
+
+    def route(
+        self, token_ids: Sequence[int], cache_salt: str | None, engines: Sequence[EngineHeartbeat]
+    ) -> RouteDecision:
+        live = [e for e in engines if not e.is_draining]
+        if len(live) < 2:  # one replica pulls everything anyway
+            return RouteDecision(None, "single_engine")
+        hashes: dict[int, list[int]] = {}  # per block size (replicas normally share one)
+        best: tuple[float, EngineHeartbeat, int, int] | None = None
+        for engine in live:
+            if engine.block_size <= 0:
+                continue
+            if engine.block_size not in hashes:
+                full = kv_blocks.block_hashes(token_ids, engine.block_size, cache_salt)
+                hashes[engine.block_size] = [kv_blocks.wire_id(h) for h in full]
+            block_ids = hashes[engine.block_size]
+            hit = self.index.overlap(engine.engine_id, block_ids)
+            routed = self._recent(engine)
+            in_use = engine.num_total_blocks - engine.num_free_blocks + sum(r.num_blocks for r in routed)
+            cost = (len(block_ids) - hit) + in_use
+            if best is None or cost < best[0] or (cost == best[0] and hit > best[2]):
+                best = (cost, engine, hit, len(block_ids))
+        if best is None:
+            return RouteDecision(None, "no_overlap")
+        _, engine, hit, num_blocks = best
+        max_hit = max((self.index.overlap(e.engine_id, hashes.get(e.block_size, [])) for e in live), default=0)
+        if hit == 0:
+            return RouteDecision(None, "no_overlap" if max_hit == 0 else "load", 0, num_blocks)
+        if engine.num_waiting >= self.max_queued:  # it has no room now (its last heartbeat said so)
+            return RouteDecision(None, "overflow", hit, num_blocks)
+        # What it will newly hold: the blocks it computes (the prefix is shared). A request that hits in
+        # full adds nothing until the next heartbeat shows it running: back-to-back turns of one
+        # conversation stay where their history is.
+        self._routed.setdefault(engine.engine_id, []).append(_Routed(time.time(), num_blocks - hit))
+        return RouteDecision(engine.engine_id, "prefix", hit, num_blocks)
+
+    def forget_gone(self, live_engine_ids: set[str]) -> None:
+        """Drop what is known of replicas that were live and are gone (their heartbeat expired). One not
+        seen live yet keeps its blocks: its first KV events may come before its first heartbeat."""
+        for engine_id in self._live - live_engine_ids:
+            self.index.drop(engine_id)
+            self._routed.pop(engine_id, None)
+        self._live = set(live_engine_ids)
+
+    def _recent(self, engine: EngineHeartbeat) -> list[_Routed]:
+        """Requests routed to `engine` after its last heartbeat (so not counted in it yet)."""
+        routed = self._routed.get(engine.engine_id)
+        if not routed:
+            return []
+        now = time.time()
+        # after the heartbeat, and recent: a replica's clock may lag ours
+        routed[:] = [r for r in routed if r.at > engine.time and now - r.at < _MAX_ROUTED_AGE_S]
+        return routed

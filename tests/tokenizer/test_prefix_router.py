@@ -1,0 +1,122 @@
+"""The prefix router: its block names are the engine's (one definition), it sends a prompt to the replica
+holding its prefix, and falls back to the shared stream where that would not pay."""
+
+from __future__ import annotations
+
+from pagedserve.services.engine.block_pool import KVEventLog
+from pagedserve.services.engine.kv_cache_manager import KVCacheManager
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.tokenizer.prefix_router import PrefixIndex, PrefixRouter
+from pagedserve.shared import kv_blocks
+from pagedserve.shared.protocol import EngineHeartbeat, KVEvents
+from tests.engine.engine_helpers import make_request
+
+BLOCK = 4
+PROMPT = list(range(100, 118))  # 4 full blocks and 2 tokens
+
+
+def beat(
+    engine_id: str, *, used: int = 0, waiting: int = 0, time: float = 0.0, block_size: int = BLOCK
+) -> EngineHeartbeat:
+    return EngineHeartbeat(
+        engine_id,
+        "m",
+        4096,
+        num_waiting=waiting,
+        num_free_blocks=1000 - used,
+        num_total_blocks=1000,
+        time=time,
+        block_size=block_size,
+    )
+
+
+def holding(engine_id: str, token_ids: list[int], salt: str | None = None) -> KVEvents:
+    ids = [kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(token_ids, BLOCK, salt)]
+    return KVEvents(engine_id, BLOCK, ids)
+
+
+def test_the_router_names_blocks_as_the_engine_caches_them() -> None:
+    cache = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    cache.pool.event_log = KVEventLog()
+    for salt in (None, "tenant-a"):
+        request = make_request(PROMPT, SamplingParams(cache_salt=salt, max_tokens=4))
+        assert cache.allocate(request, len(PROMPT)) is not None
+        stored, removed, reset = cache.pool.drain_events()
+        assert [kv_blocks.wire_id(h) for h in stored] == holding("e", PROMPT, salt).stored
+        assert removed == [] and not reset
+        cache.free(request)
+
+
+def test_the_pool_reports_the_net_change_of_its_cache() -> None:
+    cache = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    cache.pool.event_log = KVEventLog()
+    first = make_request(PROMPT[:8])
+    cache.allocate(first, 8)
+    cache.free(first)
+    second = make_request(list(range(500, 516)))
+    cache.allocate(second, 16)  # takes all 4 blocks: the first request's 2 cached blocks are evicted
+    stored, removed, _ = cache.pool.drain_events()
+    assert set(stored) == set(kv_blocks.block_hashes(list(range(500, 516)), BLOCK))
+    assert set(removed) == set(kv_blocks.block_hashes(PROMPT[:8], BLOCK))  # stored, then evicted: gone now
+    cache.free(second)
+    cache.reset_prefix_cache()
+    assert cache.pool.drain_events() == ([], [], True)
+    assert cache.pool.drain_events() == ([], [], False)
+
+
+def test_index_applies_events_and_snapshots() -> None:
+    index = PrefixIndex()
+    index.apply(holding("a", PROMPT))
+    assert index.overlap("a", holding("x", PROMPT).stored) == 4
+    index.apply(KVEvents("a", BLOCK, [], removed=holding("x", PROMPT[:8]).stored[1:2]))
+    assert index.overlap("a", holding("x", PROMPT).stored) == 1  # a later block is useless without block 2
+    index.apply(KVEvents("a", BLOCK, holding("x", PROMPT[:4]).stored, snapshot=True))
+    assert index.num_blocks("a") == 1
+    index.drop("a")
+    assert index.overlap("a", holding("x", PROMPT).stored) == 0
+
+
+def test_a_prompt_goes_to_the_replica_holding_its_prefix() -> None:
+    router = PrefixRouter()
+    router.index.apply(holding("b", PROMPT[:12]))
+    decision = router.route(PROMPT, None, [beat("a"), beat("b")])
+    assert (decision.engine_id, decision.reason, decision.overlap_blocks, decision.prompt_blocks) == (
+        "b",
+        "prefix",
+        3,
+        4,
+    )
+    # another tenant's salt roots another chain: no overlap, so any replica may pull it
+    assert router.route(PROMPT, "other", [beat("a"), beat("b")]).engine_id is None
+
+
+def test_no_overlap_one_replica_or_a_draining_owner_leave_it_to_the_shared_stream() -> None:
+    router = PrefixRouter()
+    assert router.route(PROMPT, None, [beat("a"), beat("b")]).reason == "no_overlap"
+    router.index.apply(holding("b", PROMPT))
+    assert router.route(PROMPT, None, [beat("b")]).reason == "single_engine"
+    draining = beat("b")
+    draining.is_draining = True
+    assert router.route(PROMPT, None, [beat("a"), draining, beat("c")]).reason == "no_overlap"
+
+
+def test_load_outweighs_a_small_overlap_and_a_queue_overflows() -> None:
+    router = PrefixRouter(max_queued=2)
+    router.index.apply(holding("b", PROMPT[:4]))  # one block of four
+    assert router.route(PROMPT, None, [beat("a"), beat("b", used=50)]).reason == "load"
+    router.index.apply(holding("b", PROMPT))
+    assert router.route(PROMPT, None, [beat("a"), beat("b", waiting=2)]).reason == "overflow"
+    # prompt blocks routed since the owner's last heartbeat count as load there; full hits add none
+    engines = [beat("a"), beat("b", time=1.0)]
+    assert [router.route(PROMPT, None, engines).reason for _ in range(8)] == ["prefix"] * 8
+    router.index.apply(KVEvents("b", BLOCK, [], removed=holding("x", PROMPT).stored[2:]))  # half of it now
+    assert [router.route(PROMPT, None, engines).reason for _ in range(4)] == ["prefix", "prefix", "load", "load"]
+
+
+def test_a_gone_replica_is_forgotten() -> None:
+    router = PrefixRouter()
+    router.index.apply(holding("b", PROMPT))
+    router.index.apply(holding("c", PROMPT))  # not seen live yet: kept
+    router.forget_gone({"a", "b"})
+    router.forget_gone({"a"})
+    assert router.index.engines() == ["c"]
