@@ -174,14 +174,27 @@ def serve(config: Config, models: list[str | None]) -> None:
 
 def engine_replicas(config: Config) -> list[tuple[Config, dict[str, str]]]:
     """The engine replicas `serve` starts for a model, as (config, extra environment): with --gpus, one replica
-    per group of --tensor-parallel-size GPUs, each seeing only its own GPUs."""
-    if not config.parallel.gpus:
-        return [(config, {})]
-    gpus = [g.strip() for g in config.parallel.gpus.split(",") if g.strip()]
-    size = config.parallel.tensor_parallel_size
+    per group of --tensor-parallel-size GPUs, each seeing only its own GPUs (--data-parallel-size, where
+    given, must be that many); without, --data-parallel-size replicas (default 1) on one device, which on
+    CUDA only --gpus may share out."""
+    parallel = config.parallel
+    replicas = parallel.data_parallel_size
+    if not parallel.gpus:
+        if (replicas or 1) > 1 and parallel.device != "cpu":
+            raise SystemExit(
+                "pagedserve: --data-parallel-size above 1 needs --gpus (a GPU per replica), or --device cpu"
+            )
+        return [(config, {})] * (replicas or 1)
+    gpus = [g.strip() for g in parallel.gpus.split(",") if g.strip()]
+    size = parallel.tensor_parallel_size
     if len(gpus) % size:
         raise SystemExit(f"pagedserve: --gpus lists {len(gpus)} GPUs, not a multiple of --tensor-parallel-size {size}")
     groups = [gpus[i : i + size] for i in range(0, len(gpus), size)]
+    if replicas is not None and replicas != len(groups):
+        raise SystemExit(
+            f"pagedserve: --data-parallel-size {replicas} but --gpus makes {len(groups)} replicas "
+            f"of --tensor-parallel-size {size}"
+        )
     on_cuda = config.replace(device="cuda")
     return [(on_cuda, {"CUDA_VISIBLE_DEVICES": ",".join(group)}) for group in groups]
 

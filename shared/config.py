@@ -182,9 +182,14 @@ class ParallelConfig:
         "--tensor-parallel-size GPUs (e.g. 0,1,2,3)",
     )
     cpu_threads: int | None = opt(None, "torch intra-op threads (fewer avoids stalls when cores are shared)")
+    data_parallel_size: int | None = opt(
+        None,
+        "serve: engine replicas per model (default: one per --gpus group, else 1); on CUDA give --gpus",
+        short="-dp",
+    )
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "tensor_parallel_size", "cpu_threads")
+        _at_least(self, 1, "tensor_parallel_size", "cpu_threads", "data_parallel_size")
 
 
 @dataclass(slots=True)
@@ -297,6 +302,11 @@ class RoutingConfig:
     abort_record_ttl_s: int = opt(
         3600,
         "how long an abort is remembered, so a tokenizer or engine that reads the request later (it was down) drops it",
+    )
+    redis_outage_grace_s: float = opt(
+        30.0,
+        "a Redis outage shorter than this loses no stream in flight: engines buffer their tokens and gateways "
+        "keep streams open; past it, streams end with an error",
     )
     routing_policy: str = opt(
         "prefix",

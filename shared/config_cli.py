@@ -52,8 +52,6 @@ VLLM_IGNORED: dict[str, tuple[int, str]] = {
 VLLM_REFUSED: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
-    "--data-parallel-size": "run more engine replicas instead (`pagedserve serve --gpus 0,1,...`)",
-    "-dp": "run more engine replicas instead (`pagedserve serve --gpus 0,1,...`)",
     "--enable-lora": "LoRA adapters are not supported yet",
     "--speculative-config": "speculative decoding is not supported yet",
     "--cpu-offload-gb": "CPU weight offload is not supported",

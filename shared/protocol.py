@@ -152,7 +152,8 @@ class EngineHeartbeat:
 @dataclass(slots=True)
 class KVEvents:
     """Prefix blocks an engine's cache gained and lost since its last KV event (shared/kv_blocks.py names
-    them). `snapshot`: `stored` is everything it holds now, and replaces what a router knew of it."""
+    them), and its load; sent after a step that changed either. `snapshot`: `stored` is everything it
+    holds now, and replaces what a router knew of it."""
 
     TAG: ClassVar[str] = "kv_events"
     engine_id: str
@@ -160,6 +161,11 @@ class KVEvents:
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     snapshot: bool = False
+    # its load when it sent this (a router weighs replicas by it: fresher than the heartbeat)
+    time: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
 
 
 @dataclass(slots=True)

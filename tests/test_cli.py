@@ -28,3 +28,14 @@ def test_tensor_parallel_replicas_take_groups_of_gpus() -> None:
     ]
     with pytest.raises(SystemExit):
         _replicas("--gpus", "0,1,2", "--tensor-parallel-size", "2")
+
+
+def test_data_parallel_size_starts_that_many_replicas() -> None:
+    assert _replicas("--device", "cpu", "-dp", "3") == [("cpu", {})] * 3
+    assert _replicas("--gpus", "0,1", "--data-parallel-size", "2") == [
+        ("cuda", {"CUDA_VISIBLE_DEVICES": g}) for g in "01"
+    ]
+    with pytest.raises(SystemExit):  # two replicas on one GPU would each take --gpu-memory-utilization of it
+        _replicas("--device", "cuda", "-dp", "2")
+    with pytest.raises(SystemExit):  # --gpus makes two replicas, not four
+        _replicas("--gpus", "0,1", "-dp", "4")

@@ -27,13 +27,15 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     latency: float = 0.0  # seconds from sending to the end of the stream
     error: str = ""
+    cached_tokens: int = 0  # usage's prompt_tokens_details.cached_tokens: the server's prefix-cache hit
+    output_ids: list[int] = field(default_factory=list)  # streamed token_ids, where asked (return_token_ids)
 
     @property
     def ok(self) -> bool:
         return not self.error
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "output_ids"}
 
 
 @dataclass(slots=True)
@@ -109,6 +111,8 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
                     result.error = f"in-stream error: {json.dumps(chunk['error'])[:300]}"
                     break
                 now = time.perf_counter()
+                for choice in chunk.get("choices") or []:
+                    result.output_ids.extend(choice.get("token_ids") or ())
                 if _content(chunk, chat):
                     if num_chunks == 0:
                         result.ttft = now - start
@@ -124,6 +128,7 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
     if usage is not None:
         result.output_tokens = int(usage.get("completion_tokens") or 0)
         result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
+        result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     else:
         result.output_tokens = num_chunks
     if not result.error and not done:

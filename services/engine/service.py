@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.services.engine.block_pool import KVEventLog
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 _UNAVAILABLE = "service_unavailable_error"
+_MAX_BUFFERED_ITEMS = 50_000  # outputs held through a Redis outage (about a step each), beyond: lost
 _KV_EVENTS_MAXLEN = 10_000  # a router that falls further behind catches up from the next snapshot
 
 
@@ -128,6 +129,7 @@ class EngineService:
         if engine.kv_cache.enable_prefix_caching:
             self.pool.event_log = KVEventLog()
         self._snapshot_due = 0.0  # monotonic time of the next full KV snapshot (0: at once)
+        self._last_load: tuple[int, int, int] | None = None  # (running, waiting, used blocks) last published
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -156,8 +158,8 @@ class EngineService:
                 except Exception:  # a bug must not take every request of this replica down with it
                     log.exception("engine step failed; ending the running requests with an error")
                     self._fail_active("internal engine error")
-            self._publish_kv_events()
             self._update_room()
+            self._publish_kv_events()
         self._send(("close", None))
         self._io_thread.join(timeout=5)
 
@@ -292,26 +294,32 @@ class EngineService:
                 self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
 
     def _publish_kv_events(self) -> None:
-        """What the prefix cache gained and lost since the last call, as one KV event (at most one per
-        step); every kv_snapshot_interval_s, and at once after a Redis outage, all of it instead."""
+        """What the prefix cache gained and lost since the last call, and the load, as one KV event when
+        either changed (at most one per step); every kv_snapshot_interval_s, and at once after a Redis
+        outage, all the cached blocks instead."""
         if self.pool.event_log is None:
             return
         stored, removed, reset = self.pool.drain_events()
-        block_size = self.engine.kv_cache.block_size
-        if reset or time.monotonic() >= self._snapshot_due:
+        stats = self.last_stats
+        load = (stats.num_running, stats.num_waiting, stats.num_total_blocks - stats.num_free_blocks)
+        is_snapshot = reset or time.monotonic() >= self._snapshot_due
+        if not (is_snapshot or stored or removed or load != self._last_load):
+            return
+        self._last_load = load
+        wire = kv_blocks.wire_id
+        if is_snapshot:
             self._snapshot_due = time.monotonic() + self.routing.kv_snapshot_interval_s
-            ids = [kv_blocks.wire_id(h) for h in self.pool.cached_hashes()]
-            self._send(("kv", KVEvents(self.settings.engine_id, block_size, ids, [], snapshot=True)))
-        elif stored or removed:
-            wire = kv_blocks.wire_id
-            self._send(
-                (
-                    "kv",
-                    KVEvents(
-                        self.settings.engine_id, block_size, [wire(h) for h in stored], [wire(h) for h in removed]
-                    ),
-                )
-            )
+            stored, removed = self.pool.cached_hashes(), []
+        events = KVEvents(
+            self.settings.engine_id,
+            self.engine.kv_cache.block_size,
+            [wire(h) for h in stored],
+            [wire(h) for h in removed],
+            is_snapshot,
+            time.time(),
+            *load,
+        )
+        self._send(("kv", events))
 
     def _remember(self, request_id: str) -> None:
         self.recent[request_id] = None
@@ -382,7 +390,10 @@ class EngineService:
                 await self._take(reader, await reader.read(count=wanted, block_ms=200))
                 if time.monotonic() >= reader.next_claim:
                     await self._take(reader, await reader.claim_stale_if_due(count=8))
-                    await self._take_orphans(reader)
+                    try:
+                        await self._take_orphans(reader)
+                    except ResponseError as exc:  # a stream changing under us (another replica took it)
+                        log.warning("could not take over orphaned requests: %s", exc)
                 if self.outage.recovered():
                     self._snapshot_due = 0.0  # Redis may have restarted empty: routers rebuild from a snapshot
             except _REDIS_ERRORS as exc:
@@ -422,6 +433,8 @@ class EngineService:
             # read before claiming: a fresh reader first re-reads its own pending entries, which would
             # deliver what it just claimed a second time
             entries = await orphans.read(count=wanted, block_ms=None) if wanted > 0 else []
+            if not entries and wanted > 0:  # a fresh reader's first read was of its own pending entries
+                entries = await orphans.read(count=wanted, block_ms=None)
             if is_gone:
                 entries += await orphans.claim_dead(count=8)
             if entries:
@@ -432,8 +445,8 @@ class EngineService:
                     "gone" if is_gone else "draining",
                 )
             await self._take(orphans, entries)
-            if is_gone and not entries:  # emptied: gone unless a router sent more meanwhile (atomic)
-                await _delete_if_empty(redis, stream)
+            # emptied: delete it, unless a router sent more meanwhile (atomic)
+            if is_gone and not entries and await _delete_if_empty(redis, stream):
                 self._orphan_readers.pop(stream, None)
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
@@ -520,44 +533,79 @@ class EngineService:
 
     async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
         """Everything the compute loop sent since the last round trip goes out as one pipeline:
-        each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended."""
+        each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended.
+
+        While Redis is away, what could not be sent stays buffered, in order, and goes out once it is
+        back (gateways drop a delta they already have): an outage shorter than redis_outage_grace_s
+        loses no token. Past the grace, or past _MAX_BUFFERED_ITEMS, the buffered tokens are lost and
+        their requests end with an error, as before the grace existed."""
         assert self._outbox is not None
-        maxlen = self.routing.stream_maxlen
+        buffered: list[tuple[str, Any]] = []  # items whose round trip failed, oldest first
+        down_since: float | None = None
+        backoff = 0.05
         while True:
-            items = [await self._outbox.get()]
-            while not self._outbox.empty():
-                items.append(self._outbox.get_nowait())
-            pipe = redis.pipeline(transaction=False)
-            acks: list[EntryRef] = []
-            sent_deltas: list[tuple[str, TokenDeltas]] = []  # lost as a whole if the round trip fails
-            for kind, payload in items:
-                if kind == "deltas":
-                    by_gateway, finished = payload
-                    for gateway_id, deltas in by_gateway.items():
-                        deltas = _without_requests(deltas, self._lost)
-                        if deltas.request_ids:
-                            _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
-                            sent_deltas.append((gateway_id, deltas))
-                    acks.extend(finished)
-                elif kind == "error":
-                    reply_to, error, entry = payload
-                    _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
-                    if entry is not None:
-                        acks.append(entry)
-                elif kind == "ack":
-                    acks.append(payload)
-                elif kind == "kv":
-                    _xadd(pipe, streams.kv_events_stream(self.model), payload, _KV_EVENTS_MAXLEN)
-            _ack_all(pipe, reader.group, acks, self.shared_stream)
-            try:
-                await pipe.execute()
-            except _REDIS_ERRORS as exc:
-                self.outage.failed(f"publishing {len(items)} outputs", exc)
-                self._lose([(rid, gw) for gw, deltas in sent_deltas for rid in deltas.request_ids])
+            if buffered:  # retry soon even if the compute loop sends nothing new
+                try:
+                    first = await asyncio.wait_for(self._outbox.get(), backoff)
+                    buffered.append(first)
+                except TimeoutError:
+                    pass
             else:
-                self.outage.recovered()
-            if any(kind == "close" for kind, _ in items):
+                buffered.append(await self._outbox.get())
+            while not self._outbox.empty():
+                buffered.append(self._outbox.get_nowait())
+            sent_deltas = await self._send_items(redis, reader.group, buffered)
+            is_closing = any(kind == "close" for kind, _ in buffered)
+            if sent_deltas is None:  # delivered
+                buffered, down_since, backoff = [], None, 0.05
+                if self.outage.recovered():
+                    self._snapshot_due = 0.0
+            else:
+                down_since = down_since or time.monotonic()
+                backoff = min(backoff * 2, 1.0)
+                outage_s = time.monotonic() - down_since
+                if is_closing or outage_s > self.routing.redis_outage_grace_s or len(buffered) > _MAX_BUFFERED_ITEMS:
+                    self._lose([(rid, gw) for gw, deltas in sent_deltas for rid in deltas.request_ids])
+                    buffered = []
+            if is_closing:
                 return
+
+    async def _send_items(
+        self, redis: Any, group: str, items: list[tuple[str, Any]]
+    ) -> list[tuple[str, TokenDeltas]] | None:
+        """One pipeline for `items`; None once Redis has them, else the deltas that did not go out."""
+        maxlen = self.routing.stream_maxlen
+        pipe = redis.pipeline(transaction=False)
+        acks: list[EntryRef] = []
+        sent_deltas: list[tuple[str, TokenDeltas]] = []
+        for kind, payload in items:
+            if kind == "deltas":
+                by_gateway, finished = payload
+                for gateway_id, deltas in by_gateway.items():
+                    deltas = _without_requests(deltas, self._lost)
+                    if deltas.request_ids:
+                        _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
+                        sent_deltas.append((gateway_id, deltas))
+                acks.extend(finished)
+            elif kind == "error":
+                reply_to, error, entry = payload
+                _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
+                if entry is not None:
+                    acks.append(entry)
+            elif kind == "ack":
+                acks.append(payload)
+            elif kind == "kv":
+                _xadd(pipe, streams.kv_events_stream(self.model), payload, _KV_EVENTS_MAXLEN)
+        _ack_all(pipe, group, acks, self.shared_stream)
+        try:
+            # an XACK whose group a restarted Redis no longer has fails alone; the XADDs still count
+            for result in await pipe.execute(raise_on_error=False):
+                if isinstance(result, ResponseError):
+                    log.debug("an output command failed: %s", result)
+        except _REDIS_ERRORS as exc:
+            self.outage.failed(f"publishing {len(items)} outputs", exc)
+            return sent_deltas
+        return None
 
     def _lose(self, lost: list[tuple[str, str]]) -> None:
         """(request id, gateway) pairs whose tokens never reached the gateway: send none of their later
@@ -590,8 +638,8 @@ def _ack_all(pipe: Any, group: str, entries: list[EntryRef], shared_stream: str)
 _DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-async def _delete_if_empty(redis: Any, stream: str) -> None:
-    await redis.eval(_DELETE_IF_EMPTY, 1, stream)
+async def _delete_if_empty(redis: Any, stream: str) -> bool:
+    return bool(await redis.eval(_DELETE_IF_EMPTY, 1, stream))
 
 
 def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:

@@ -96,6 +96,9 @@ class Generation:
     span: Span | None = None  # the request's trace span, ended when the generation ends
     response_id: str = ""  # the id clients see, when the request named one (vLLM's request_id); else request_id
     prompt_logprobs: list[Any] | None = None  # per prompt token (None first), when the request asked
+    num_output_tokens: dict[int, int] = field(default_factory=dict)  # per choice: the engine's count so far
+    saw_outage: bool = False  # a Redis outage began while it ran
+    has_gap: bool = False  # tokens were lost in that outage: it must continue elsewhere
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -126,15 +129,22 @@ class Generation:
                 if timeout <= 0:
                     raise APIError(408, "the request timed out", code="timeout")
                 self._check_queue_wait()
+                if self.has_gap and self.frontend.registry.is_settled():
+                    self.has_gap = self.saw_outage = False
+                    await self._migrate("tokens were lost in a Redis outage", quiet=True)
                 try:
                     reply = await asyncio.wait_for(self.queue.get(), timeout)
                 except TimeoutError:
                     if self._is_engine_lost():
-                        await self._migrate()
+                        await self._migrate(f"engine {self.engine_id} is gone")
+                        silent_since = time.monotonic()
+                    elif self._was_lost_queued() and self.frontend.registry.is_settled():
+                        self.saw_outage = False
+                        await self._migrate("it was queued in a Redis that restarted", quiet=True)
                         silent_since = time.monotonic()
                     elif time.monotonic() - silent_since > settings.engine_silence_timeout_s:
                         entry = self.frontend.registry.get(self.model)
-                        if entry is None or not entry.is_live:
+                        if self.frontend.registry.is_settled() and (entry is None or not entry.is_live):
                             raise model_unavailable(self.model) from None
                         silent_since = time.monotonic()  # engines are alive but busy: keep waiting
                     continue
@@ -179,6 +189,9 @@ class Generation:
 
     def _apply(self, reply: Any) -> ChoiceUpdate | None:
         if isinstance(reply, Disconnected):
+            if not reply.final:
+                self.saw_outage = True
+                return None  # the engines hold this request's tokens until Redis is back
             raise APIError(503, reply.message, retry_after=2)
         if isinstance(reply, RequestError):
             raise APIError(reply.status, reply.message, param=reply.param, code=reply.code, type=reply.type)
@@ -188,6 +201,18 @@ class Generation:
             # another replica claimed the entry of the one streaming it (its heartbeat expired) and runs it
             # from scratch: drop that; the request moves as a continuation once that engine is gone
             return None
+        if self.has_gap:
+            return None  # it continues from what the client has, elsewhere
+        seen = self.num_output_tokens.get(reply.index, 0)
+        if reply.token_ids and self.saw_outage and reply.num_output_tokens <= seen:
+            return None  # sent again: an engine re-sends what it buffered through a Redis outage
+        if reply.token_ids and self.saw_outage and reply.num_output_tokens - len(reply.token_ids) > seen:
+            # tokens Redis took just before it went down never reached us: continue from what the client
+            # has, as after an engine loss, rather than stream on with a hole (the outage is logged once)
+            self.has_gap = True
+            return None
+        if reply.token_ids:
+            self.num_output_tokens[reply.index] = reply.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         self.engine_id = reply.engine_id
         now = time.monotonic()
@@ -218,15 +243,24 @@ class Generation:
             self.frontend.abort_choice(self, reply.index)  # a stop string ended one choice of several
         return ChoiceUpdate(reply.index, text.text, token_ids, reply.logprobs, finish)
 
+    def _was_lost_queued(self) -> bool:
+        """Redis went away (and came back empty, for all we know) before any engine sent a token: a request
+        still queued in a stream went with it, and one an engine had taken would have sent its tokens
+        by now (engines re-send what they held once Redis is back), so it is submitted again."""
+        return self.saw_outage and self.engine_id is None and not self.has_first_token
+
     def _is_engine_lost(self) -> bool:
         registry = self.frontend.registry
         entry = registry.get(self.model)
-        if self.engine_id is None or not registry.is_redis_up or entry is None:
-            return False  # not started yet (a dead reader's entry is claimed by another), or Redis is down
+        if self.engine_id is None or not registry.is_settled() or entry is None:
+            # not started yet (a dead reader's entry is claimed by another), or Redis is down or has just
+            # come back (the engines' records reappear within a heartbeat)
+            return False
         return all(e.engine_id != self.engine_id for e in entry.engines)
 
-    async def _migrate(self) -> None:
-        """Resubmit to a live replica as a continuation, or end the request if that is impossible."""
+    async def _migrate(self, why: str, quiet: bool = False) -> None:
+        """Resubmit to a live replica as a continuation, or end the request if that is impossible. `quiet`:
+        log at INFO (after a Redis outage, which is warned of once), not a warning per request."""
         entry = self.frontend.registry.get(self.model)
         can_continue = len(self.choices) == 1 or (  # an older engine would restart every choice from scratch
             entry is not None and all(e.supports_choice_continuation for e in entry.engines)
@@ -237,7 +271,9 @@ class Generation:
             )
         self.num_migrations += 1
         old_id, self.current_id = self.current_id, f"{self.request_id}.r{self.num_migrations}"
-        log.warning("engine %s is gone; %s continues as %s", self.engine_id, self.request_id, self.current_id)
+        log.log(
+            logging.INFO if quiet else logging.WARNING, "%s; %s continues as %s", why, self.request_id, self.current_id
+        )
         self.engine_id = None
         await self.frontend.move(self, old_id)
 
@@ -248,7 +284,7 @@ class Frontend:
         self.routing = config.routing
         self.redis = streams.connect(config.routing.url, settings.redis_max_connections)
         self.publisher = Publisher(self.redis)  # every XADD of every request, pipelined
-        self.router = ResponseRouter(self.redis, settings.gateway_id)
+        self.router = ResponseRouter(self.redis, settings.gateway_id, config.routing.redis_outage_grace_s)
         self.registry = ModelRegistry(self.redis, settings.registry_refresh_s)
         self.num_in_flight = 0
         self.is_draining = False

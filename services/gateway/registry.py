@@ -13,6 +13,7 @@ from pagedserve.shared.protocol import DecodeError, EngineHeartbeat, TokenizerHe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_SETTLE_S = 3.0  # engines beat every second (heartbeat_interval_s); a few beats of margin
 
 
 @dataclass(slots=True)
@@ -46,6 +47,12 @@ class ModelRegistry:
         self.redis, self.refresh_s = redis, refresh_s
         self.models: dict[str, ModelEntry] = {}  # every model ever seen; engines = the live ones
         self.is_redis_up = False
+        self.up_since = time.monotonic()  # when is_redis_up last became True
+
+    def is_settled(self) -> bool:
+        """Redis is up and has been long enough for every live engine to have beaten since: a Redis that
+        restarted empty holds no engine records for up to a heartbeat, and their absence means nothing."""
+        return self.is_redis_up and time.monotonic() - self.up_since >= _SETTLE_S
 
     def live_models(self) -> list[ModelEntry]:
         return [m for m in self.models.values() if m.is_live]
@@ -65,6 +72,8 @@ class ModelRegistry:
             self.models.setdefault(beat.model, ModelEntry(beat.model)).engines.append(beat)
         for tokenizer in tokenizers:
             self.models.setdefault(tokenizer.model, ModelEntry(tokenizer.model)).tokenizers.append(tokenizer)
+        if not self.is_redis_up:
+            self.up_since = time.monotonic()
         self.is_redis_up = True
 
     async def refresh_now(self) -> None:

@@ -38,17 +38,21 @@ class Delta:
 
 @dataclass(slots=True)
 class Disconnected:
-    """Redis went away: replies for in-flight requests may be lost."""
+    """Redis went away. Not `final`: replies are delayed (engines hold them until it is back), so a running
+    request waits, while one not accepted yet is answered 503 at once. `final`: the outage outlasted the
+    grace, and replies may be lost."""
 
     message: str
+    final: bool = True
 
 
 Reply = Accepted | RequestError | Delta | Disconnected
 
 
 class ResponseRouter:
-    def __init__(self, redis: Any, gateway_id: str) -> None:
+    def __init__(self, redis: Any, gateway_id: str, outage_grace_s: float = 0.0) -> None:
         self.redis = redis
+        self.outage_grace_s = outage_grace_s
         self.stream = streams.response_stream(gateway_id)
         self.queues: dict[str, asyncio.Queue[Reply]] = {}
         self.last_id = b"0-0"  # a gateway's stream is its own: read all of it, once
@@ -63,21 +67,27 @@ class ResponseRouter:
         self.queues.pop(request_id, None)
 
     async def run(self) -> None:
-        was_down = False
+        down_since: float | None = None
+        has_given_up = False
+        message = "lost the connection to the request queue (Redis); retry shortly"  # the detail is logged
         while True:
             try:
                 reply = await self.redis.xread({self.stream: self.last_id}, block=1000, count=512)
-                if was_down:
-                    log.info("redis is back; response stream resumed")
-                    was_down = False
+                if down_since is not None:
+                    log.info("redis is back after %.1f s; response stream resumed", time.monotonic() - down_since)
+                    down_since, has_given_up = None, False
             except RedisTimeoutError:
                 continue  # a slow reply loses nothing: the stream keeps the entries after last_id
             except (RedisConnectionError, OSError) as exc:
-                if not was_down:
+                if down_since is None:
                     log.warning("response stream lost: %s", exc)
-                    self._fail_all("lost the connection to the request queue (Redis); retry shortly")  # detail: logged
-                    was_down = True
-                await asyncio.sleep(0.5)
+                    down_since = time.monotonic()
+                    self._fail_all(message, final=self.outage_grace_s <= 0)
+                elif not has_given_up and time.monotonic() - down_since > self.outage_grace_s:
+                    log.warning("redis is still away after %.0f s: ending the streams in flight", self.outage_grace_s)
+                    has_given_up = True
+                    self._fail_all(message, final=True)
+                await asyncio.sleep(0.25)
                 continue
             for _, items in reply or []:
                 for entry_id, fields in items:
@@ -122,6 +132,6 @@ class ResponseRouter:
         else:
             log.error("unexpected %s on the response stream", type(msg).__name__)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, final: bool) -> None:
         for queue in self.queues.values():
-            queue.put_nowait(Disconnected(message))
+            queue.put_nowait(Disconnected(message, final))

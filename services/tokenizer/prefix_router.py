@@ -7,11 +7,11 @@ cache-aware router).
                                                                                   or the shared stream
 
 The cost of a replica is the prompt blocks it would still have to compute plus its decode load, both in
-KV blocks: the blocks its running sequences hold (its last heartbeat; a shared prefix counts once) and
-the prompt blocks routed to it since that it must compute. A request with no useful overlap anywhere,
-or whose best replica has requests waiting for room, goes to the shared stream, where whichever replica
-has room pulls it: pull-based balancing stays, and a hot prefix spreads to a second replica when its
-owner is saturated.
+KV blocks: the blocks in use there (its latest report: KV events come after every step that changes
+its load) plus the context of each request routed to it since. A request with no useful overlap
+anywhere, or whose best replica has requests waiting for room, goes to the shared stream, where
+whichever replica has room pulls it: pull-based balancing stays, and a hot prefix spreads to a second
+replica when its owner is busy.
 """
 
 from __future__ import annotations
@@ -26,13 +26,27 @@ from pagedserve.shared.protocol import EngineHeartbeat, KVEvents
 _MAX_ROUTED_AGE_S = 5.0
 
 
+@dataclass(slots=True)
+class Load:
+    time: float  # the replica's wall clock when it was so
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int  # physical: a prefix shared by several sequences counts once
+
+
 class PrefixIndex:
-    """Which replica holds which prefix block (blocks named by `kv_blocks.wire_id`), fed by KV events."""
+    """Which replica holds which prefix block (blocks named by `kv_blocks.wire_id`), and each one's load as
+    of its last KV event, fed by KV events."""
 
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = {}  # engine id -> the blocks its cache holds
+        self.loads: dict[str, Load] = {}
 
     def apply(self, events: KVEvents) -> None:
+        if events.time:
+            self.loads[events.engine_id] = Load(
+                events.time, events.num_running, events.num_waiting, events.num_used_blocks
+            )
         if events.snapshot:
             self._blocks[events.engine_id] = set(events.stored)
             return
@@ -42,6 +56,7 @@ class PrefixIndex:
 
     def drop(self, engine_id: str) -> None:
         self._blocks.pop(engine_id, None)
+        self.loads.pop(engine_id, None)
 
     def engines(self) -> list[str]:
         return list(self._blocks)
@@ -97,9 +112,8 @@ class PrefixRouter:
                 hashes[engine.block_size] = [kv_blocks.wire_id(h) for h in full]
             block_ids = hashes[engine.block_size]
             hit = self.index.overlap(engine.engine_id, block_ids)
-            routed = self._recent(engine)
-            in_use = engine.num_total_blocks - engine.num_free_blocks + sum(r.num_blocks for r in routed)
-            cost = (len(block_ids) - hit) + in_use
+            load = self.load_of(engine)
+            cost = (len(block_ids) - hit) + load.num_used_blocks + sum(r.num_blocks for r in self._recent(load, engine))
             if best is None or cost < best[0] or (cost == best[0] and hit > best[2]):
                 best = (cost, engine, hit, len(block_ids))
         if best is None:
@@ -108,12 +122,11 @@ class PrefixRouter:
         max_hit = max((self.index.overlap(e.engine_id, hashes.get(e.block_size, [])) for e in live), default=0)
         if hit == 0:
             return RouteDecision(None, "no_overlap" if max_hit == 0 else "load", 0, num_blocks)
-        if engine.num_waiting >= self.max_queued:  # it has no room now (its last heartbeat said so)
+        if self.load_of(engine).num_waiting >= self.max_queued:  # it has no room now
             return RouteDecision(None, "overflow", hit, num_blocks)
-        # What it will newly hold: the blocks it computes (the prefix is shared). A request that hits in
-        # full adds nothing until the next heartbeat shows it running: back-to-back turns of one
-        # conversation stay where their history is.
-        self._routed.setdefault(engine.engine_id, []).append(_Routed(time.time(), num_blocks - hit))
+        # Until its next report shows the request running there: its context, as decode load (attention
+        # reads a shared prefix once per sequence)
+        self._routed.setdefault(engine.engine_id, []).append(_Routed(time.time(), num_blocks))
         return RouteDecision(engine.engine_id, "prefix", hit, num_blocks)
 
     def forget_gone(self, live_engine_ids: set[str]) -> None:
@@ -124,12 +137,21 @@ class PrefixRouter:
             self._routed.pop(engine_id, None)
         self._live = set(live_engine_ids)
 
-    def _recent(self, engine: EngineHeartbeat) -> list[_Routed]:
-        """Requests routed to `engine` after its last heartbeat (so not counted in it yet)."""
+    def load_of(self, engine: EngineHeartbeat) -> Load:
+        """The replica's latest load: from its last KV event (sent after any step that changed it) or its
+        heartbeat (every second), whichever is newer."""
+        reported = self.index.loads.get(engine.engine_id)
+        if reported is not None and reported.time >= engine.time:
+            return reported
+        used = engine.num_total_blocks - engine.num_free_blocks
+        return Load(engine.time, engine.num_running, engine.num_waiting, used)
+
+    def _recent(self, load: Load, engine: EngineHeartbeat) -> list[_Routed]:
+        """Requests routed to `engine` after its load was reported (so not counted in it yet)."""
         routed = self._routed.get(engine.engine_id)
         if not routed:
             return []
         now = time.time()
-        # after the heartbeat, and recent: a replica's clock may lag ours
-        routed[:] = [r for r in routed if r.at > engine.time and now - r.at < _MAX_ROUTED_AGE_S]
+        # after the report, and recent: a replica's clock may lag ours
+        routed[:] = [r for r in routed if r.at > load.time and now - r.at < _MAX_ROUTED_AGE_S]
         return routed

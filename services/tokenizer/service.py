@@ -43,7 +43,7 @@ from pagedserve.shared.protocol import (
 from pagedserve.shared.publisher import Publisher
 
 log = logging.getLogger(__name__)
-_MAX_BACKOFF_S = 2.0  # bounds how long after Redis returns the tokenizer takes requests again
+_MAX_BACKOFF_S = 0.5  # bounds how long after Redis returns the tokenizer takes requests again
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 

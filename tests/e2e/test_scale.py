@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -24,7 +25,7 @@ import pytest
 import redis
 
 from pagedserve.shared import streams
-from pagedserve.shared.protocol import EngineHeartbeat, decode_as
+from pagedserve.shared.protocol import EngineHeartbeat, GenerateRequest, TokenDeltas, decode, decode_as, encode
 from pagedserve.shared.redis_server import free_port
 from tests.conftest import RunningServices, start_service, stop_all
 from tests.e2e.checks import num_pending
@@ -233,15 +234,23 @@ def test_work_sent_to_a_hung_replica_is_taken_over(scaled: ScaledServices) -> No
     r = redis.Redis.from_url(scaled.redis_url)
     scaled.processes[owner].send_signal(signal.SIGSTOP)  # hung: its heartbeat lives on for its TTL
     try:
-        replies: list[openai.types.Completion] = []
-        sending = threading.Thread(target=lambda: replies.append(_complete(scaled, prompt)))
+        replies: list[openai.types.Completion | BaseException] = []
+
+        def send() -> None:
+            try:
+                replies.append(_complete(scaled, prompt))
+            except BaseException as exc:  # shown by the assertion below
+                replies.append(exc)
+
+        sending = threading.Thread(target=send)
         sending.start()
         deadline = time.monotonic() + 10
         while not r.xlen(streams.engine_stream(MODEL, owner)):  # the router sent it to the owner's stream
             assert sending.is_alive() and time.monotonic() < deadline, "the request was not routed to its owner"
             time.sleep(0.05)
-        sending.join(timeout=60)
-        assert replies and replies[0].choices[0].text == reference  # the other replica took it over
+        sending.join(timeout=90)
+        assert replies and isinstance(replies[0], openai.types.Completion), (replies, time.monotonic() - deadline)
+        assert replies[0].choices[0].text == reference  # the other replica took it over
         _wait_finished(scaled, other, before[other] + 1)
     finally:
         scaled.processes[owner].send_signal(signal.SIGCONT)
@@ -250,3 +259,40 @@ def test_work_sent_to_a_hung_replica_is_taken_over(scaled: ScaledServices) -> No
     while len(_heartbeats(scaled)) < len(ENGINE_IDS):  # the hung replica is back
         assert time.monotonic() < deadline, "the stopped replica did not come back"
         time.sleep(0.2)
+
+
+def test_work_never_read_from_a_gone_replicas_stream_is_run_once_and_the_stream_removed(
+    scaled: ScaledServices,
+) -> None:
+    """The other half of a takeover: entries no replica had read yet (here a replica that never came up)."""
+    stream = streams.engine_stream(MODEL, "scale-engine-gone")
+    reply_to = "gw-orphans"
+    r = redis.Redis.from_url(scaled.redis_url)
+    try:
+        sampling = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        for i in range(2):
+            request = GenerateRequest(f"orphan-{i}", reply_to, MODEL, [5, 6, 7, 8 + i], dict(sampling))
+            r.xadd(stream, {streams.DATA_FIELD: encode(request)})
+        tokens: dict[str, list[int]] = {"orphan-0": [], "orphan-1": []}
+        finished: set[str] = set()
+        last_id, deadline = "0", time.monotonic() + 30
+        while finished != set(tokens):
+            assert time.monotonic() < deadline, f"not taken over: {tokens}"
+            reply: Any = r.xread({streams.response_stream(reply_to): last_id}, block=500)
+            for _, items in reply or []:
+                for entry_id, fields in items:
+                    last_id = entry_id
+                    deltas = decode(fields[streams.DATA_FIELD])
+                    assert isinstance(deltas, TokenDeltas)
+                    for request_id, ids, finish in zip(deltas.request_ids, deltas.token_ids, deltas.finish_reasons):
+                        tokens[request_id] += ids
+                        if finish is not None:
+                            finished.add(request_id)
+        assert all(len(ids) == 3 for ids in tokens.values()), tokens  # each ran once, to its end
+        deadline = time.monotonic() + 10
+        while r.exists(stream):  # emptied, then removed by the replica that took it
+            assert time.monotonic() < deadline, "the gone replica's stream was left behind"
+            time.sleep(0.2)
+    finally:
+        r.delete(stream, streams.response_stream(reply_to))
+        r.close()

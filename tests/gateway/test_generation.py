@@ -8,16 +8,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from transformers import AutoTokenizer
 
 from pagedserve.services.gateway.detokenizer import ChoiceText
 from pagedserve.services.gateway.errors import APIError
 from pagedserve.services.gateway.frontend import ChoiceUpdate, Frontend, Generation
 from pagedserve.services.gateway.registry import ModelEntry
-from pagedserve.services.gateway.router import Delta
+from pagedserve.services.gateway.router import Delta, Disconnected, ResponseRouter
 from pagedserve.services.gateway.token_text import TokenTexts
 from pagedserve.shared.config import Config
-from pagedserve.shared.protocol import Accepted, CompletionRequest, EngineHeartbeat, RequestError
+from pagedserve.shared.protocol import (
+    Accepted,
+    CompletionRequest,
+    EngineHeartbeat,
+    RequestError,
+    TokenizerHeartbeat,
+)
 from pagedserve.shared.redis_server import free_port
 
 
@@ -37,7 +44,8 @@ class Recorder:
 def make_generation(tokenizer: Any, n: int, stop: list[str], can_abort_choices: bool) -> tuple[Generation, Recorder]:
     frontend = Frontend(Config.of(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
     beat = EngineHeartbeat("e1", "m", 2048, supports_choice_abort=can_abort_choices)
-    frontend.registry.models["m"] = ModelEntry("m", engines=[beat])
+    # served: an engine and a tokenizer service (else the frontend re-reads Redis before answering)
+    frontend.registry.models["m"] = ModelEntry("m", engines=[beat], tokenizers=[TokenizerHeartbeat("t", "m", 0.0)])
     recorder = Recorder()
     frontend.abort = recorder  # type: ignore[method-assign]
     queue = frontend.router.register("r1")
@@ -166,3 +174,59 @@ def test_a_request_given_up_before_acceptance_is_aborted(tokenizer: Any, ending:
     asyncio.run(give_up())
     assert recorder.aborts == [("r3", None)]  # a tokenizer or engine that has it drops it
     assert frontend.num_in_flight == 1 and "r3" not in frontend.router.queues  # r3's slot freed
+
+
+def counted(index: int, ids: list[int], count: int, finish: str | None = None) -> Delta:
+    """A delta as engines send it: `count` is the choice's output tokens so far, these included."""
+    return Delta(index, ids, None, finish, 2, count, 0, "e1")
+
+
+def test_a_delta_sent_again_after_a_redis_outage_is_dropped(tokenizer: Any) -> None:
+    gen, _ = make_generation(tokenizer, 1, [], False)
+    words = tokenizer.encode(" Paris is nice")
+    replies = [
+        counted(0, words[:1], 1),
+        Disconnected("redis went away", final=False),  # the stream stays open
+        counted(0, words[:1], 1),  # re-sent: the engine held it and could not know it had arrived
+        counted(0, words[1:], len(words), "length"),
+    ]
+    updates = asyncio.run(run(gen, replies))
+    assert "".join(u.text for u in updates) == " Paris is nice" and gen.finish_reasons == {0: "length"}
+
+
+def test_tokens_lost_in_a_redis_outage_make_the_request_continue_from_what_the_client_has(tokenizer: Any) -> None:
+    gen, _ = make_generation(tokenizer, 1, [], False)
+    words = tokenizer.encode(" Paris is nice and old")
+    gen.queue.put_nowait(counted(0, words[:1], 1))
+    gen.queue.put_nowait(Disconnected("redis went away", final=False))
+    gen.queue.put_nowait(counted(0, words[3:], len(words)))  # tokens 2 and 3 died with Redis
+
+    async def scenario() -> str:
+        moved: list[str] = []
+
+        async def move(g: Generation, old_id: str) -> None:
+            moved.append(old_id)
+            g.queue.put_nowait(Delta(0, words[1:], None, "length", 2, len(words), 0, "e2"))  # the continuation
+
+        gen.frontend.move = move  # type: ignore[method-assign,assignment]
+        gen.frontend.registry.up_since -= 60  # Redis has been back long enough
+        gen.frontend.registry.is_redis_up = True
+        text = "".join([u.text async for u in gen.updates()])
+        assert moved == ["r1"] and gen.current_id == "r1.r1"
+        return text
+
+    assert asyncio.run(scenario()) == " Paris is nice and old"  # no hole, nothing twice
+
+
+def test_an_outage_past_the_grace_ends_the_streams_in_flight() -> None:
+    async def scenario() -> list[Any]:
+        router = ResponseRouter(aioredis.Redis(port=free_port(), socket_connect_timeout=0.1), "gw", 0.3)
+        queue = router.register("r1")
+        task = asyncio.create_task(router.run())
+        seen = [await asyncio.wait_for(queue.get(), 10), await asyncio.wait_for(queue.get(), 10)]
+        task.cancel()
+        return seen
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, Disconnected) and not first.final  # the stream waits for Redis
+    assert isinstance(second, Disconnected) and second.final  # the grace is over: it ends with an error

@@ -38,7 +38,7 @@ def published(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 
 
 def migrate(gen: Generation) -> None:
-    asyncio.run(gen._migrate())  # what updates() does once the engine's heartbeat is gone
+    asyncio.run(gen._migrate("engine e1 is gone"))  # what updates() does once the engine's heartbeat is gone
 
 
 def can_continue_choices(gen: Generation, is_supported: bool) -> None:

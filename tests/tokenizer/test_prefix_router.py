@@ -3,6 +3,8 @@ holding its prefix, and falls back to the shared stream where that would not pay
 
 from __future__ import annotations
 
+import time
+
 from pagedserve.services.engine.block_pool import KVEventLog
 from pagedserve.services.engine.kv_cache_manager import KVCacheManager
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -106,11 +108,15 @@ def test_load_outweighs_a_small_overlap_and_a_queue_overflows() -> None:
     assert router.route(PROMPT, None, [beat("a"), beat("b", used=50)]).reason == "load"
     router.index.apply(holding("b", PROMPT))
     assert router.route(PROMPT, None, [beat("a"), beat("b", waiting=2)]).reason == "overflow"
-    # prompt blocks routed since the owner's last heartbeat count as load there; full hits add none
+    # a request routed there counts as load (its context) until a report newer than it: a burst spreads
     engines = [beat("a"), beat("b", time=1.0)]
-    assert [router.route(PROMPT, None, engines).reason for _ in range(8)] == ["prefix"] * 8
-    router.index.apply(KVEvents("b", BLOCK, [], removed=holding("x", PROMPT).stored[2:]))  # half of it now
-    assert [router.route(PROMPT, None, engines).reason for _ in range(4)] == ["prefix", "prefix", "load", "load"]
+    assert [router.route(PROMPT, None, engines).reason for _ in range(3)] == ["prefix", "prefix", "load"]
+    # the owner's KV event after its next step says what is in use now: the requests have finished
+    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 1, num_running=0, num_used_blocks=0))
+    assert router.route(PROMPT, None, engines).reason == "prefix"
+    # and a report newer than the heartbeat is the one that counts
+    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 2, num_waiting=2, num_used_blocks=0))
+    assert router.route(PROMPT, None, engines).reason == "overflow"
 
 
 def test_a_gone_replica_is_forgotten() -> None:
