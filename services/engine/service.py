@@ -529,7 +529,8 @@ class EngineService:
             except RedisError as exc:  # any: a heartbeat that stops for good makes the replica look dead
                 self.redis_ok = False
                 self.outage.failed("sending the heartbeat", exc)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            # while Redis is away, try often: the replica is registered again as soon as it is back
+            await asyncio.sleep(self.settings.heartbeat_interval_s if self.redis_ok else 0.2)
 
     async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
         """Everything the compute loop sent since the last round trip goes out as one pipeline:

@@ -390,9 +390,11 @@ class Frontend:
         entry = await self.registry.get_fresh(req.model)  # listed by another worker a moment ago: served here
         if entry is None:
             raise model_not_found(req.model)
-        if not entry.is_live:
+        # Just after a Redis outage the services' records come back within a heartbeat: a model served
+        # before it is taken (its request waits in the stream), not refused for that second.
+        if not entry.is_live and self.registry.is_settled():
             raise model_unavailable(req.model)
-        if not entry.tokenizers and self.registry.is_redis_up:  # nobody would answer: say so now, not in 30 s
+        if not entry.tokenizers and self.registry.is_settled():  # nobody would answer: say so now, not in 30 s
             raise APIError(
                 503,
                 f"no tokenizer service is running for model {req.model!r}; start one "

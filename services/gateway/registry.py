@@ -47,7 +47,8 @@ class ModelRegistry:
         self.redis, self.refresh_s = redis, refresh_s
         self.models: dict[str, ModelEntry] = {}  # every model ever seen; engines = the live ones
         self.is_redis_up = False
-        self.up_since = time.monotonic()  # when is_redis_up last became True
+        self.has_been_up = False
+        self.up_since = -float("inf")  # when Redis last came back after an outage (the first start is none)
 
     def is_settled(self) -> bool:
         """Redis is up and has been long enough for every live engine to have beaten since: a Redis that
@@ -72,9 +73,9 @@ class ModelRegistry:
             self.models.setdefault(beat.model, ModelEntry(beat.model)).engines.append(beat)
         for tokenizer in tokenizers:
             self.models.setdefault(tokenizer.model, ModelEntry(tokenizer.model)).tokenizers.append(tokenizer)
-        if not self.is_redis_up:
+        if not self.is_redis_up and self.has_been_up:
             self.up_since = time.monotonic()
-        self.is_redis_up = True
+        self.is_redis_up = self.has_been_up = True
 
     async def refresh_now(self) -> None:
         """Read the heartbeats now, for an answer about which models are served: each gateway worker

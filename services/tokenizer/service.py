@@ -120,6 +120,8 @@ class TokenizerService:
                 self.router.forget_gone({e.engine_id for e in self.engines})
             except _REDIS_ERRORS as exc:  # the read loop reports the outage; keep the last limit
                 log.debug("tokenizer heartbeat failed: %s", exc)
+                await asyncio.sleep(0.2)  # registered again as soon as Redis is back
+                continue
             await asyncio.sleep(self.settings.tokenizer_heartbeat_interval_s)
 
     async def _read_kv_events(self) -> None:
