@@ -60,15 +60,16 @@ python3 - "$OUT" $POLICIES << 'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| routing | ok / failed | prefix hit rate | TTFT p50/p99 ms | later-turn TTFT p50/p99 ms | ITL p50 ms | req/s |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
+print("| routing | ok / failed | prefix hit rate | TTFT p50/p99 ms | later-turn TTFT p50/p99 ms | ITL p50 ms | req/s | requests per replica |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for policy in sys.argv[2:]:
     path = out / f"multiturn_{policy}.json"
     if not path.exists():
-        print(f"| {policy} | no result | | | | | |")
+        print(f"| {policy} | no result | | | | | | |")
         continue
     s = json.loads(path.read_text())["summary"]
     t, lt = s["ttft_ms"], s["ttft_ms_later_turns"]
     print(f"| {policy} | {s['completed']} / {s['failed']} | {s['prefix_hit_rate']:.1%} | {t['p50']:.1f} / {t['p99']:.1f} "
-          f"| {lt['p50']:.1f} / {lt['p99']:.1f} | {s['itl_ms']['p50']:.2f} | {s['request_throughput']:.1f} |")
+          f"| {lt['p50']:.1f} / {lt['p99']:.1f} | {s['itl_ms']['p50']:.2f} | {s['request_throughput']:.1f} "
+          f"| {sorted(s.get('requests_per_engine', {}).values())} |")
 PY

@@ -107,6 +107,16 @@ def scrape_prefix_cache(urls: list[str]) -> dict[str, float]:
     return totals
 
 
+def finished_per_engine(base_url: str) -> dict[str, float]:
+    """Requests each engine replica has finished, from the gateway's /metrics (the engines' heartbeats)."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=10).text):
+        if family.name == "pagedserve_engine_requests_finished":
+            for sample in family.samples:
+                counts[sample.labels["engine_id"]] = sample.value
+    return counts
+
+
 def summarize(convs: list[Conversation], seconds: float) -> dict[str, Any]:
     results = [r for conv in convs for r in conv.results]
     ok = [r for r in results if r.ok]
@@ -155,6 +165,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {s['completed']} / {s['failed']} | {rate} | {dist(s['ttft_ms'])} | {dist(s['ttft_ms_later_turns'])} "
             f"| {dist(s['itl_ms'])} | {s['request_throughput']:.2f} | {s['output_throughput']:,.0f} |",
             "",
+            f"Requests per engine replica: {s.get('requests_per_engine')}",
+            "",
         ]
     )
 
@@ -200,8 +212,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     convs = conversations(source.pool, workload)
     config = ClientConfig(args.url, args.model, api_key=args.api_key, extra_body={"return_token_ids": True})
     before = scrape_prefix_cache(args.metrics_url) if args.metrics_url else None
+    finished_before = finished_per_engine(args.url)
     seconds = asyncio.run(run(config, convs, workload, args.max_concurrency))
     summary = summarize(convs, seconds)
+    time.sleep(2)  # the engines' next heartbeats carry their counts
+    finished = finished_per_engine(args.url)
+    summary["requests_per_engine"] = {e: int(n - finished_before.get(e, 0)) for e, n in sorted(finished.items())}
     if before is not None:
         after = scrape_prefix_cache(args.metrics_url)
         queries = after["queries"] - before["queries"]

@@ -111,9 +111,10 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
                     result.error = f"in-stream error: {json.dumps(chunk['error'])[:300]}"
                     break
                 now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    result.output_ids.extend(choice.get("token_ids") or ())
-                if _content(chunk, chat):
+                new_ids = [i for choice in chunk.get("choices") or [] for i in choice.get("token_ids") or ()]
+                result.output_ids.extend(new_ids)
+                # a token that decodes to no text (random weights sample special tokens) is still a token
+                if _content(chunk, chat) or new_ids:
                     if num_chunks == 0:
                         result.ttft = now - start
                     else:

@@ -175,6 +175,9 @@ class _EngineLoad(Collector):
             "num_waiting": GaugeMetricFamily("pagedserve_engine_waiting", "Sequences waiting", labels=labels),
             "num_free_blocks": GaugeMetricFamily("pagedserve_engine_free_kv_blocks", "Free KV blocks", labels=labels),
             "num_total_blocks": GaugeMetricFamily("pagedserve_engine_kv_blocks", "KV blocks", labels=labels),
+            "num_requests_finished": GaugeMetricFamily(
+                "pagedserve_engine_requests_finished", "Requests finished since the engine started", labels=labels
+            ),
         }
         for entry in self.models.live_models():
             for beat in entry.engines:
