@@ -316,6 +316,9 @@ class RoutingConfig:
         choices=("prefix", "pull"),
     )
     prefix_max_queued: int = opt(4, "a replica with this many requests waiting gets no more routed to it by prefix")
+    prefix_max_imbalance: int = opt(
+        16, "a replica with this many requests more than the least loaded one gets no more routed to it by prefix"
+    )
     kv_snapshot_interval_s: float = opt(
         30.0, "how often an engine publishes all its cached prefix blocks (a router started later catches up)"
     )

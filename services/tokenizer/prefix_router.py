@@ -6,12 +6,15 @@ cache-aware router).
     heartbeats ─► load (KV blocks in use) ─────────┴─► PrefixRouter.route(prompt) ─► one engine's stream
                                                                                   or the shared stream
 
-The cost of a replica is the prompt blocks it would still have to compute plus its decode load, both in
-KV blocks: the blocks in use there (its latest report: KV events come after every step that changes
-its load) plus the context of each request routed to it since. A request with no useful overlap
-anywhere, or whose best replica has requests waiting for room, goes to the shared stream, where
-whichever replica has room pulls it: pull-based balancing stays, and a hot prefix spreads to a second
-replica when its owner is busy.
+The policy is SGLang's cache-aware one, with the load known from the replicas' own reports (KV events
+come after every step that changes it; heartbeats every second) plus the requests routed since:
+
+- the replica holding the longest prefix of the prompt gets it, when that prefix is worth it (at least
+  min_hit_blocks blocks, or min_hit_ratio of the prompt) and the loads are balanced;
+- a prompt with no such prefix anywhere goes to the shared stream, where whichever replica has room
+  pulls it: pull-based balancing stays for new work;
+- so does one whose best replica has max_queued requests waiting (no room), or carries more than
+  max_imbalance requests above the least loaded replica: a hot prefix then spreads to a second one.
 """
 
 from __future__ import annotations
@@ -93,41 +96,39 @@ class _Routed:
 class PrefixRouter:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     max_queued: int = 4  # a replica with this many requests waiting (no room to run them) gets no more
+    max_imbalance: int = 16  # requests more than the least loaded replica before a prefix hit stops counting
+    min_hit_blocks: int = 32  # a hit this long is worth routing for (512 tokens of 16)...
+    min_hit_ratio: float = 0.5  # ...and so is one covering this share of the prompt
     _routed: dict[str, list[_Routed]] = field(default_factory=dict)
     _live: set[str] = field(default_factory=set)
 
     def route(
         self, token_ids: Sequence[int], cache_salt: str | None, engines: Sequence[EngineHeartbeat]
     ) -> RouteDecision:
-        live = [e for e in engines if not e.is_draining]
+        live = [e for e in engines if not e.is_draining and e.block_size > 0]
         if len(live) < 2:  # one replica pulls everything anyway
             return RouteDecision(None, "single_engine")
         hashes: dict[int, list[int]] = {}  # per block size (replicas normally share one)
-        best: tuple[float, EngineHeartbeat, int, int] | None = None
-        for engine in live:
-            if engine.block_size <= 0:
-                continue
-            if engine.block_size not in hashes:
-                full = kv_blocks.block_hashes(token_ids, engine.block_size, cache_salt)
-                hashes[engine.block_size] = [kv_blocks.wire_id(h) for h in full]
-            block_ids = hashes[engine.block_size]
-            hit = self.index.overlap(engine.engine_id, block_ids)
-            load = self.load_of(engine)
-            cost = (len(block_ids) - hit) + load.num_used_blocks + sum(r.num_blocks for r in self._recent(load, engine))
-            if best is None or cost < best[0] or (cost == best[0] and hit > best[2]):
-                best = (cost, engine, hit, len(block_ids))
-        if best is None:
-            return RouteDecision(None, "no_overlap")
-        _, engine, hit, num_blocks = best
-        max_hit = max((self.index.overlap(e.engine_id, hashes.get(e.block_size, [])) for e in live), default=0)
-        if hit == 0:
-            return RouteDecision(None, "no_overlap" if max_hit == 0 else "load", 0, num_blocks)
-        if self.load_of(engine).num_waiting >= self.max_queued:  # it has no room now
+        for size in {e.block_size for e in live}:
+            hashes[size] = [kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(token_ids, size, cache_salt)]
+        hits = {e.engine_id: self.index.overlap(e.engine_id, hashes[e.block_size]) for e in live}
+        loads = {e.engine_id: self._queued(e) for e in live}
+        # the longest prefix; among equals, the least loaded
+        best = max(live, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
+        hit, num_blocks = hits[best.engine_id], len(hashes[best.block_size])
+        if hit == 0 or (hit < self.min_hit_blocks and hit < self.min_hit_ratio * num_blocks):
+            return RouteDecision(None, "no_overlap", hit, num_blocks)
+        if self.load_of(best).num_waiting >= self.max_queued:  # it has no room now
             return RouteDecision(None, "overflow", hit, num_blocks)
-        # Until its next report shows the request running there: its context, as decode load (attention
-        # reads a shared prefix once per sequence)
-        self._routed.setdefault(engine.engine_id, []).append(_Routed(time.time(), num_blocks))
-        return RouteDecision(engine.engine_id, "prefix", hit, num_blocks)
+        if loads[best.engine_id] - min(loads.values()) > self.max_imbalance:
+            return RouteDecision(None, "load", hit, num_blocks)
+        self._routed.setdefault(best.engine_id, []).append(_Routed(time.time(), num_blocks))
+        return RouteDecision(best.engine_id, "prefix", hit, num_blocks)
+
+    def _queued(self, engine: EngineHeartbeat) -> int:
+        """Requests on the replica: running and waiting as of its latest report, plus those routed since."""
+        load = self.load_of(engine)
+        return load.num_running + load.num_waiting + len(self._recent(load, engine))
 
     def forget_gone(self, live_engine_ids: set[str]) -> None:
         """Drop what is known of replicas that were live and are gone (their heartbeat expired). One not

@@ -64,7 +64,9 @@ class TokenizerService:
             claim_idle_ms=settings.claim_idle_ms,
         )
         self.publisher = Publisher(self.redis)
-        self.router = PrefixRouter(max_queued=config.routing.prefix_max_queued)
+        self.router = PrefixRouter(
+            max_queued=config.routing.prefix_max_queued, max_imbalance=config.routing.prefix_max_imbalance
+        )
         self.is_prefix_routing = config.routing.routing_policy == "prefix"
         self.engines: list[EngineHeartbeat] = []  # the model's live replicas, as of the last heartbeat round
         self._stopping = asyncio.Event()

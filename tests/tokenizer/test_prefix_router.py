@@ -25,7 +25,7 @@ def beat(
         "m",
         4096,
         num_waiting=waiting,
-        num_free_blocks=1000 - used,
+        num_free_blocks=1000,
         num_total_blocks=1000,
         time=time,
         block_size=block_size,
@@ -92,8 +92,10 @@ def test_a_prompt_goes_to_the_replica_holding_its_prefix() -> None:
     assert router.route(PROMPT, "other", [beat("a"), beat("b")]).engine_id is None
 
 
-def test_no_overlap_one_replica_or_a_draining_owner_leave_it_to_the_shared_stream() -> None:
+def test_no_useful_overlap_one_replica_or_a_draining_owner_leave_it_to_the_shared_stream() -> None:
     router = PrefixRouter()
+    assert router.route(PROMPT, None, [beat("a"), beat("b")]).reason == "no_overlap"
+    router.index.apply(holding("b", PROMPT[:4]))  # a quarter of the prompt, and short: not worth it
     assert router.route(PROMPT, None, [beat("a"), beat("b")]).reason == "no_overlap"
     router.index.apply(holding("b", PROMPT))
     assert router.route(PROMPT, None, [beat("b")]).reason == "single_engine"
@@ -102,21 +104,23 @@ def test_no_overlap_one_replica_or_a_draining_owner_leave_it_to_the_shared_strea
     assert router.route(PROMPT, None, [beat("a"), draining, beat("c")]).reason == "no_overlap"
 
 
-def test_load_outweighs_a_small_overlap_and_a_queue_overflows() -> None:
-    router = PrefixRouter(max_queued=2)
-    router.index.apply(holding("b", PROMPT[:4]))  # one block of four
-    assert router.route(PROMPT, None, [beat("a"), beat("b", used=50)]).reason == "load"
+def test_imbalance_and_a_queue_stop_the_prefix_from_counting() -> None:
+    router = PrefixRouter(max_queued=2, max_imbalance=3)
     router.index.apply(holding("b", PROMPT))
     assert router.route(PROMPT, None, [beat("a"), beat("b", waiting=2)]).reason == "overflow"
-    # a request routed there counts as load (its context) until a report newer than it: a burst spreads
+    # requests routed since the owner's last report count as its load: a burst spreads past the imbalance
     engines = [beat("a"), beat("b", time=1.0)]
-    assert [router.route(PROMPT, None, engines).reason for _ in range(3)] == ["prefix", "prefix", "load"]
-    # the owner's KV event after its next step says what is in use now: the requests have finished
-    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 1, num_running=0, num_used_blocks=0))
+    reasons = [router.route(PROMPT, None, engines).reason for _ in range(5)]
+    assert reasons == ["prefix"] * 4 + ["load"]
+    # the owner's KV event after its next step says what runs there now: the requests have finished
+    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 1, num_running=0))
     assert router.route(PROMPT, None, engines).reason == "prefix"
-    # and a report newer than the heartbeat is the one that counts
-    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 2, num_waiting=2, num_used_blocks=0))
-    assert router.route(PROMPT, None, engines).reason == "overflow"
+    # a report newer than the heartbeat is the one that counts
+    router.index.apply(KVEvents("b", BLOCK, time=time.time() + 2, num_running=9))
+    assert router.route(PROMPT, None, engines).reason == "load"
+    # equal prefixes: the less loaded replica
+    router.index.apply(holding("a", PROMPT))
+    assert router.route(PROMPT, None, engines).engine_id == "a"
 
 
 def test_a_gone_replica_is_forgotten() -> None:
