@@ -65,6 +65,7 @@ _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 _UNAVAILABLE = "service_unavailable_error"
 _MAX_BUFFERED_ITEMS = 50_000  # outputs held through a Redis outage (about a step each), beyond: lost
+_KV_EVENT_INTERVAL_S = 0.02  # at most 50 KV events a second per replica: each one costs every router a read
 _KV_EVENTS_MAXLEN = 10_000  # a router that falls further behind catches up from the next snapshot
 
 
@@ -130,6 +131,7 @@ class EngineService:
             self.pool.event_log = KVEventLog()
         self._snapshot_due = 0.0  # monotonic time of the next full KV snapshot (0: at once)
         self._last_load: tuple[int, int, int] | None = None  # (running, waiting, used blocks) last published
+        self._last_kv_event = 0.0  # monotonic time of the last KV event
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -294,18 +296,21 @@ class EngineService:
                 self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
 
     def _publish_kv_events(self) -> None:
-        """What the prefix cache gained and lost since the last call, and the load, as one KV event when
-        either changed (at most one per step); every kv_snapshot_interval_s, and at once after a Redis
-        outage, all the cached blocks instead."""
+        """What the prefix cache gained and lost since the last event, and the load, as one KV event when
+        either changed (at most one per step and per _KV_EVENT_INTERVAL_S); every kv_snapshot_interval_s,
+        and at once after a Redis outage, all the cached blocks instead."""
         if self.pool.event_log is None:
             return
+        now = time.monotonic()
+        if now - self._last_kv_event < _KV_EVENT_INTERVAL_S and now < self._snapshot_due:
+            return  # the log keeps accumulating: routers need not hear of every step
         stored, removed, reset = self.pool.drain_events()
         stats = self.last_stats
         load = (stats.num_running, stats.num_waiting, stats.num_total_blocks - stats.num_free_blocks)
-        is_snapshot = reset or time.monotonic() >= self._snapshot_due
+        is_snapshot = reset or now >= self._snapshot_due
         if not (is_snapshot or stored or removed or load != self._last_load):
             return
-        self._last_load = load
+        self._last_load, self._last_kv_event = load, now
         wire = kv_blocks.wire_id
         if is_snapshot:
             self._snapshot_due = time.monotonic() + self.routing.kv_snapshot_interval_s
