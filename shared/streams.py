@@ -121,6 +121,7 @@ class GroupReader:
         claim_idle_ms: int = 60_000,
         heartbeat_key: Callable[[str], str] | None = None,
         dead_grace_ms: int = 2_000,
+        prune_idle_ms: int = 60_000,
     ) -> None:
         """`heartbeat_key(consumer)`: the key a live consumer keeps alive (a TTL it refreshes); once it
         is gone, that consumer's entries idle for `dead_grace_ms` are claimed without waiting
@@ -130,6 +131,7 @@ class GroupReader:
         self.redis, self.group, self.consumer = redis, group, consumer
         self.claim_idle_ms = claim_idle_ms
         self.heartbeat_key, self.dead_grace_ms = heartbeat_key, dead_grace_ms
+        self.prune_idle_ms = prune_idle_ms
         self._reading_pending = True  # re-read our own pending entries first (after a restart)
         self.next_claim = 0.0  # monotonic time of the next claim_stale_if_due that asks Redis
 
@@ -204,7 +206,17 @@ class GroupReader:
         claimed: list[tuple[str, bytes, dict[bytes, bytes] | None]] = []
         for info in consumers:
             name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
-            if name == self.consumer or not info["pending"] or await self.redis.exists(self.heartbeat_key(name)):
+            if name == self.consumer:
+                continue
+            if not info["pending"]:
+                # A replica gone for good (a new id each start) would be listed here every second forever:
+                # drop it once it has nothing pending and has not read for prune_idle_ms (a live one
+                # reads every second; one that comes back is re-created by its next read).
+                if info["idle"] > self.prune_idle_ms and not await self.redis.exists(self.heartbeat_key(name)):
+                    await self.redis.xgroup_delconsumer(stream, self.group, name)
+                    log.info("removed consumer %s from %s: gone, nothing pending", name, stream)
+                continue
+            if await self.redis.exists(self.heartbeat_key(name)):
                 continue
             pending: Any = await self.redis.xpending_range(
                 stream, self.group, "-", "+", count, consumername=name, idle=self.dead_grace_ms

@@ -40,6 +40,7 @@ class ChoiceText:
     num_sent: int = 0  # characters of `text` already sent
     is_stopped: bool = False
     stop_string: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
+    stop_token_id: int | None = None  # or the request's stop token (stop_token_ids) that did
     token_ids: list[int] = field(default_factory=list)
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
     skip_special_tokens: bool = True

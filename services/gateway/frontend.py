@@ -236,6 +236,8 @@ class Generation:
         text = choice.add(shown, is_last=reply.finish_reason is not None)
         if reply.finish_reason == "stop" and token_ids:
             choice.token_ids.append(token_ids[-1])
+            if token_ids[-1] in (self.sampling.get("stop_token_ids") or ()):  # not EOS: vLLM names it
+                choice.stop_token_id = token_ids[-1]
         finish = text.finish_reason or reply.finish_reason
         if finish is not None:
             self.finish_reasons[reply.index] = finish

@@ -73,9 +73,13 @@ def envelope(gen: GenerationView, obj: str, choices: list[dict[str, Any]]) -> di
     }
 
 
-def stop_reason(gen: GenerationView, index: int) -> str | None:
-    """vLLM's `stop_reason`: the stop string that ended the choice, None for EOS, length or a stop token."""
-    return gen.choices[index].stop_string if index < len(gen.choices) else None
+def stop_reason(gen: GenerationView, index: int) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or the request's stop token id that ended the choice; None for
+    EOS or length."""
+    if index >= len(gen.choices):
+        return None
+    choice = gen.choices[index]
+    return choice.stop_string if choice.stop_string is not None else choice.stop_token_id
 
 
 def chat_chunk(gen: Generation, update: ChoiceUpdate, is_first: bool) -> dict[str, Any]:

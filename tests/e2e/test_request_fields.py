@@ -132,6 +132,11 @@ def test_response_fields_vllm_clients_read(services: RunningServices) -> None:
     stop = plain["text"].strip().split()[0]
     stopped = httpx.post(f"{services.base_url}/v1/completions", json={**body, "stop": [stop]}, timeout=120).json()
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["stop_reason"] == stop
+    ids = httpx.post(f"{services.base_url}/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
+    second = ids.json()["choices"][0]["token_ids"][1]
+    by_id = httpx.post(f"{services.base_url}/v1/completions", json={**body, "stop_token_ids": [second]}, timeout=120)
+    assert by_id.json()["choices"][0]["finish_reason"] == "stop"
+    assert by_id.json()["choices"][0]["stop_reason"] == second  # the stop token's id, as vLLM answers
     chat = httpx.post(
         f"{services.base_url}/v1/chat/completions",
         timeout=120,

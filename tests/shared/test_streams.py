@@ -130,6 +130,28 @@ def test_entries_of_a_consumer_without_heartbeat_are_claimed_at_once(redis_serve
     run(go())
 
 
+def test_a_gone_consumer_with_nothing_pending_is_removed(redis_server: PrivateRedis) -> None:
+    async def go() -> None:
+        r = streams.connect(redis_server.url)
+        stream, group = _names()
+        key = lambda consumer: f"{stream}:hb:{consumer}"
+        for name in ("gone", "idle-but-alive"):
+            reader = streams.GroupReader(r, stream, group, name)
+            await reader.ensure_group()
+            await reader.read(block_ms=10)
+        await r.set(key("idle-but-alive"), b"1")
+        survivor = streams.GroupReader(r, stream, group, "survivor", heartbeat_key=key, prune_idle_ms=100)
+        await survivor.claim_dead()
+        assert len(await r.xinfo_consumers(stream, group)) == 2  # not idle long enough yet
+        await asyncio.sleep(0.2)
+        await survivor.claim_dead()
+        names = {c["name"] for c in await r.xinfo_consumers(stream, group)}
+        assert names == {b"idle-but-alive"}  # its heartbeat says it lives, however idle
+        await r.aclose()
+
+    run(go())
+
+
 @pytest.mark.parametrize("maxlen", [50])
 def test_publish_trims_the_stream(redis_server: PrivateRedis, maxlen: int) -> None:
     async def go() -> None:
