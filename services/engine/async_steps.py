@@ -130,7 +130,7 @@ def is_stop_token(request: Request, token_id: int, position: int) -> bool:
     return stop_rule.is_stop_token(
         token_id,
         position + 1 - request.num_prompt_tokens,
-        request.params.min_tokens,
+        request.min_tokens_now,
         request.eos_token_ids,
         request.params.stop_token_ids,
     )

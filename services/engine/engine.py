@@ -46,6 +46,7 @@ from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.services.engine.structured.admission import GrammarAdmission
+from pagedserve.services.engine.token_chars import TokenChars
 from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Engine:
         self.grammars = GrammarAdmission(
             config.model.tokenizer or self.model_dir, self.vocab_size, sorted(self.eos_token_ids)
         )
+        self.token_chars = TokenChars(config.model.tokenizer or self.model_dir, self.vocab_size)
         if self.device.type == "cuda" and config.runner.warm_up:
             self._warm_up()
         # Everything alive now (torch, the model, tokenizers: ~400k objects) lives as long as the engine:
@@ -158,6 +160,13 @@ class Engine:
             )
             for index, outputs in resumed.items()
         ]
+        if params.min_characters:
+            try:
+                lengths = self.token_chars.lengths
+            except Exception as exc:  # a model directory without tokenizer files
+                raise ValueError(f"min_characters: the model's tokenizer could not be loaded ({exc})") from None
+            for request in choices:
+                request.token_chars = lengths
         self._requests[request_id] = choices
         for request in choices:
             if request.num_output_tokens >= max_tokens:  # a continuation that was already complete

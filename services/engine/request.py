@@ -11,6 +11,8 @@ Ownership, so that no two classes update the same counter:
 from __future__ import annotations
 
 import enum
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,8 @@ class Request:
     grammar: GrammarState | None = None  # only with structured output (set by the engine)
     # Positions of sampled tokens the host has not seen yet (at most two: steps N and N+1).
     placeholder_positions: list[int] = field(default_factory=list)
+    token_chars: Sequence[int] | None = None  # characters per token id, with min_characters (set by the engine)
+    has_min_characters: bool = False  # the output's text reached min_characters (it only grows)
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:
@@ -110,7 +114,7 @@ class Request:
             token_id,
             self.num_output_tokens,
             self.num_tokens,
-            min_tokens=self.params.min_tokens,
+            min_tokens=self.min_tokens_now,
             max_tokens=self.max_tokens,
             max_model_len=max_model_len,
             eos_token_ids=self.eos_token_ids,
@@ -120,4 +124,20 @@ class Request:
     @property
     def is_min_tokens_pending(self) -> bool:
         """EOS/stop tokens are masked out of sampling while this holds."""
-        return self.num_output_tokens < self.params.min_tokens
+        return self.num_output_tokens < self.params.min_tokens or self.is_min_characters_pending
+
+    @property
+    def min_tokens_now(self) -> int:
+        """The output length from which a stop token ends the sequence: min_tokens, or never while the text
+        is short of min_characters."""
+        return sys.maxsize if self.is_min_characters_pending else self.params.min_tokens
+
+    @property
+    def is_min_characters_pending(self) -> bool:
+        if self.has_min_characters or not self.params.min_characters or self.token_chars is None:
+            return False
+        chars, table = 0, self.token_chars
+        for token_id in self.output_token_ids:  # placeholders (not sampled yet) are out of range: 0
+            chars += table[token_id] if 0 <= token_id < len(table) else 0
+        self.has_min_characters = chars >= self.params.min_characters
+        return not self.has_min_characters

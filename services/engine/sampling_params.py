@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = the sampled token's logprob plus the top k (k <= 20)
     max_tokens: int | None = None  # None = whatever context is left
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many tokens exist
+    min_characters: int = 0  # ... and until the output's text has this many characters (token_chars.py)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
@@ -71,6 +72,7 @@ class SamplingParams:
         )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(self.min_characters >= 0, "min_characters", "must be >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         _check(
             self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty"

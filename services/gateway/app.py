@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.services.gateway import completions as completions_route
 from pagedserve.services.gateway import (
+    beam_response,
     ignored_fields,
     responses,
     responses_api,
@@ -29,6 +29,7 @@ from pagedserve.services.gateway import (
     structured,
     token_routes,
 )
+from pagedserve.services.gateway import completions as completions_route
 from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
@@ -88,6 +89,11 @@ def build_app(config: Config) -> Starlette:
             settings.gateway_id,
             traceparent=request.headers.get("traceparent"),
         )
+        echo = req.echo_text
+        if req.use_beam_search:
+            beam_response.check(req)
+            response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id
+            return await beam_response.respond(req, [wire], frontend, response_id, [echo])
         try:
             gen = await frontend.submit(wire, req.stop_strings, req.num_choices, req.text_options)
         except APIError as exc:  # name the field the client actually sent
@@ -105,11 +111,14 @@ def build_app(config: Config) -> Starlette:
                 reasoning=reasoning,
                 legacy_functions=req.uses_legacy_functions,
                 return_token_ids=req.return_token_ids,
+                echoes=[echo] if echo else [],
             )
             return streaming.event_stream(gen, streaming.chat_events(gen, fmt, tools), settings.sse_keepalive_s)
         k = req.prompt_logprobs  # vLLM's extra: prompt_logprobs at the top of the body (never streamed)
 
         def finish(body: dict[str, Any]) -> None:
+            for choice in body["choices"] if echo else ():
+                choice["message"]["content"] = echo + (choice["message"]["content"] or "")
             if k is not None:
                 body.update(prompt_logprobs=responses.vllm_prompt_logprobs(gen.token_texts, gen, k))
             if req.uses_legacy_functions:

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedserve.services.gateway import responses, schemas, streaming
+from pagedserve.services.gateway import beam_response, responses, schemas, streaming
 from pagedserve.services.gateway.batch import BatchGeneration, parts_of, submit_batch
 from pagedserve.services.gateway.frontend import Frontend, Generation
 from pagedserve.services.gateway.wire_request import to_wire
@@ -30,6 +30,11 @@ async def serve(
         to_wire(req, request_id if len(prompts) == 1 else f"{request_id}-{i}", settings.gateway_id, traceparent, prompt)
         for i, prompt in enumerate(prompts)
     ]
+    if req.use_beam_search:
+        beam_response.check(req)
+        response_id = f"cmpl-{req.request_id}" if req.request_id is not None else request_id
+        echoes = [p if isinstance(p, str) else "" for p in prompts] if req.echo else None
+        return await beam_response.respond(req, wires, frontend, response_id, echoes)
     gen: Generation | BatchGeneration
     if len(wires) == 1:
         gen = await frontend.submit(wires[0], req.stop_strings, req.num_choices, req.text_options)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +118,7 @@ class Generation:
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
 
-    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+    async def updates(self) -> AsyncGenerator[ChoiceUpdate]:
         """Choice updates until every choice finished; raises APIError if the request cannot go on."""
         settings = self.frontend.settings
         deadline = time.monotonic() + settings.request_timeout_s

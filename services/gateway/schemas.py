@@ -92,6 +92,7 @@ class _SamplingFields(Strict):
     stop_token_ids: list[TokenId] | None = None
     max_tokens: Count | None = None
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    min_characters: int | None = Field(default=None, ge=0, le=MAX_INT32)  # EOS held off until the text is this long
     ignore_eos: bool | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool | None = None
@@ -109,6 +110,8 @@ class _SamplingFields(Strict):
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache isolation per tenant
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's: keep k prompt tokens
     truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
+    use_beam_search: bool = False  # vLLM's: the n best of n (or best_of) beams, best first (beam_search.py)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)  # vLLM's: score = logprob / length ** this
     # vLLM's disaggregation and plugin hooks: accepted (not reported as ignored); nothing here reads them.
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -138,6 +141,11 @@ class _SamplingFields(Strict):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    @property
+    def beam_width(self) -> int:
+        best_of = getattr(self, "best_of", None)
+        return max(self.num_choices, best_of or 0)
 
     @property
     def text_options(self) -> TextOptions:
@@ -170,6 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's chat-template extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
+    echo: bool = False  # vLLM's: the answer starts with the last message when it is the assistant's
     documents: list[dict[str, str]] | None = None  # for RAG templates that take them
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -209,6 +218,12 @@ class ChatCompletionRequest(_SamplingFields):
         call = self.function_call
         self.tool_choice = NamedToolChoice(type="function", function=call) if isinstance(call, FunctionName) else call
         return self
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat `echo`: the last message's text when the answer continues the same (assistant) role."""
+        last = self.messages[-1]
+        return str(last.as_template_input()["content"]) if self.echo and last.role == "assistant" else ""
 
     @property
     def uses_legacy_functions(self) -> bool:
@@ -294,8 +309,10 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, settings: Gatew
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req, settings)
     else:
-        if req.best_of is not None and req.best_of != req.num_choices:
-            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if req.best_of is not None and req.best_of < req.num_choices:
+            raise APIError(400, "best_of must be at least n", param="best_of")
+        if req.best_of is not None and req.best_of != req.num_choices and not req.use_beam_search:
+            raise APIError(400, "best_of other than n is supported with use_beam_search only", param="best_of")
         if req.suffix is not None:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
         if len(req.prompts) * req.num_choices > settings.max_prompts:
@@ -338,6 +355,8 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         fields["logit_bias"] = dict(req.logit_bias)
     if req.priority:  # only then, like prompt_logprobs
         fields["priority"] = req.priority
+    if req.min_characters:  # only then, like priority
+        fields["min_characters"] = req.min_characters
     for name in ("allowed_token_ids", "bad_words", "cache_salt"):  # the tokenizer turns bad_words into token ids
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)

@@ -161,6 +161,8 @@ async def chat_events(
                 delta["tool_calls"] = calls
             if (calls or thought) and not update.text:
                 delta["content"] = None
+            if is_first and fmt.echoes:  # vLLM's chat echo: the continued message comes first
+                delta["content"] = fmt.echoes[0] + (delta.get("content") or "")
             if fmt.legacy_functions:
                 chunk["choices"][0]["finish_reason"] = responses.legacy_finish_reason(update.finish_reason)
             if fmt.return_token_ids:

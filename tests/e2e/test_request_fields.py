@@ -4,6 +4,8 @@ Strict mode (400 naming the field) is checked in tests/gateway/test_app.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -217,3 +219,16 @@ def test_return_token_ids(services: RunningServices, stream: bool) -> None:
         model=services.model, prompt="Hi there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     assert detok == whole.choices[0].text
+
+
+def test_min_characters_holds_off_the_end_until_the_text_is_that_long(services: RunningServices) -> None:
+    client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+    ask: dict[str, Any] = dict(model=services.model, messages=[{"role": "user", "content": "Say hi."}], temperature=0)
+    plain = client.chat.completions.create(**ask, max_tokens=64).choices[0]
+    assert plain.finish_reason == "stop"
+    short = len(plain.message.content or "")
+    longer = client.chat.completions.create(**ask, max_tokens=64, extra_body={"min_characters": short + 20})
+    text = longer.choices[0].message.content or ""
+    assert len(text) >= short + 20 or longer.choices[0].finish_reason == "length"
+    assert text.startswith(plain.message.content or "")  # greedy: the same text, then more where it had ended
+    assert len(text) > short

@@ -110,7 +110,7 @@ def test_a_migrated_request_is_released_once_under_every_id(tokenizer: Any, publ
         if ending == "client_leaves":  # the client goes away after one more token
             gen.queue.put_nowait(delta(0, words[1:2]))
             await anext(updates)
-            await updates.aclose()  # type: ignore[attr-defined]  # an async generator
+            await updates.aclose()
         else:
             with contextlib.suppress(APIError):
                 _ = [u async for u in updates]
