@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from pagedserve.services.gateway import beam_response, schemas
 from pagedserve.services.gateway.beam_search import Beam, BeamResult, choices_of, extend, score
+from pagedserve.services.gateway.errors import APIError
 
 EOS = 9
 
@@ -50,3 +54,22 @@ def test_choices_cut_at_stop_strings_and_say_why_they_ended() -> None:
     assert kept.text == "bc"
     [with_stop] = choices_of(BeamResult(1, [0], beams[1:], _Tokenizer(), None), 1, ["ef"], 1.0, include_stop_str=True)
     assert with_stop.text == "def"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 11}, "n"),
+        ({"best_of": 12}, "n"),
+        ({"response_format": {"type": "json_object"}}, "use_beam_search"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "use_beam_search"),
+    ],
+)
+def test_what_beam_search_cannot_do_is_a_400_naming_it(extra: dict[str, Any], param: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, **extra}
+    cls = schemas.CompletionRequest if "best_of" in extra else schemas.ChatCompletionRequest
+    if cls is schemas.CompletionRequest:
+        body = {"model": "m", "prompt": "hi", "use_beam_search": True, **extra}
+    with pytest.raises(APIError) as err:
+        beam_response.check(cls.model_validate(body))
+    assert err.value.status == 400 and err.value.param == param
