@@ -113,6 +113,7 @@ def chat_request_of(req: ResponsesRequest) -> schemas.ChatCompletionRequest:
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "prompt_cache_key": req.prompt_cache_key,
     }
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:

@@ -190,7 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # routes a conversation's requests to one replica (prefix_router.py)
     safety_identifier: str | None = None
     reasoning_effort: str | None = None  # reaches templates that take it (as a chat_template_kwargs key)
     verbosity: str | None = None
@@ -357,6 +357,9 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         fields["priority"] = req.priority
     if req.min_characters:  # only then, like priority
         fields["min_characters"] = req.min_characters
+    cache_key = getattr(req, "prompt_cache_key", None)  # OpenAI's (chat): a routing hint for the tokenizer
+    if cache_key:
+        fields["prompt_cache_key"] = cache_key
     for name in ("allowed_token_ids", "bad_words", "cache_salt"):  # the tokenizer turns bad_words into token ids
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)

@@ -14,12 +14,16 @@ come after every step that changes it; heartbeats every second) plus the request
 - a prompt with no such prefix anywhere goes to the shared stream, where whichever replica has room
   pulls it: pull-based balancing stays for new work;
 - so does one whose best replica has max_queued requests waiting (no room), or carries more than
-  max_imbalance requests above the least loaded replica: a hot prefix then spreads to a second one.
+  max_imbalance requests above the least loaded replica: a hot prefix then spreads to a second one;
+- OpenAI's `prompt_cache_key` is a hint for prompts with no such prefix yet (a conversation's first turns,
+  or a burst before the replicas' KV events arrive): a key's requests go where its last one went (the
+  least loaded replica the first time), under the same room and balance rules.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +31,7 @@ from pagedserve.shared import kv_blocks
 from pagedserve.shared.protocol import EngineHeartbeat, KVEvents
 
 _MAX_ROUTED_AGE_S = 5.0
+_MAX_CACHE_KEYS = 100_000  # prompt_cache_key -> replica, least recently used dropped first
 
 
 @dataclass(slots=True)
@@ -81,7 +86,7 @@ class PrefixIndex:
 @dataclass(slots=True)
 class RouteDecision:
     engine_id: str | None  # None: the shared stream
-    reason: str  # prefix | no_overlap | overflow | single_engine | load
+    reason: str  # prefix | cache_key | no_overlap | overflow | single_engine | load
     overlap_blocks: int = 0
     prompt_blocks: int = 0
 
@@ -101,9 +106,14 @@ class PrefixRouter:
     min_hit_ratio: float = 0.5  # ...and so is one covering this share of the prompt
     _routed: dict[str, list[_Routed]] = field(default_factory=dict)
     _live: set[str] = field(default_factory=set)
+    _keyed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # prompt_cache_key -> replica
 
     def route(
-        self, token_ids: Sequence[int], cache_salt: str | None, engines: Sequence[EngineHeartbeat]
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        engines: Sequence[EngineHeartbeat],
+        cache_key: str | None = None,
     ) -> RouteDecision:
         live = [e for e in engines if not e.is_draining and e.block_size > 0]
         if len(live) < 2:  # one replica pulls everything anyway
@@ -116,14 +126,28 @@ class PrefixRouter:
         # the longest prefix; among equals, the least loaded
         best = max(live, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
         hit, num_blocks = hits[best.engine_id], len(hashes[best.block_size])
+        reason = "prefix"
         if hit == 0 or (hit < self.min_hit_blocks and hit < self.min_hit_ratio * num_blocks):
-            return RouteDecision(None, "no_overlap", hit, num_blocks)
+            if cache_key is None:
+                return RouteDecision(None, "no_overlap", hit, num_blocks)
+            by_id = {e.engine_id: e for e in live}
+            keyed = by_id.get(self._keyed.get(cache_key, ""))
+            best = keyed or min(live, key=lambda e: loads[e.engine_id])
+            hit, num_blocks, reason = hits[best.engine_id], len(hashes[best.block_size]), "cache_key"
         if self.load_of(best).num_waiting >= self.max_queued:  # it has no room now
             return RouteDecision(None, "overflow", hit, num_blocks)
         if loads[best.engine_id] - min(loads.values()) > self.max_imbalance:
             return RouteDecision(None, "load", hit, num_blocks)
         self._routed.setdefault(best.engine_id, []).append(_Routed(time.time(), num_blocks))
-        return RouteDecision(best.engine_id, "prefix", hit, num_blocks)
+        if cache_key is not None:
+            self._remember(cache_key, best.engine_id)
+        return RouteDecision(best.engine_id, reason, hit, num_blocks)
+
+    def _remember(self, cache_key: str, engine_id: str) -> None:
+        self._keyed[cache_key] = engine_id
+        self._keyed.move_to_end(cache_key)
+        if len(self._keyed) > _MAX_CACHE_KEYS:
+            self._keyed.popitem(last=False)
 
     def _queued(self, engine: EngineHeartbeat) -> int:
         """Requests on the replica: running and waiting as of its latest report, plus those routed since."""

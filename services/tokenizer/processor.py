@@ -10,7 +10,7 @@ from typing import Any
 from pagedserve.shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
 from pagedserve.shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
 
-_TOKENIZER_ONLY = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side"})
+_TOKENIZER_ONLY = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side", "prompt_cache_key"})
 
 
 @dataclass(slots=True)

@@ -145,13 +145,13 @@ class TokenizerService:
                     except DecodeError as exc:
                         log.error("skipping a bad KV event %s: %s", entry_id, exc)
 
-    def _route(self, generate: GenerateRequest) -> str:
+    def _route(self, generate: GenerateRequest, cache_key: str | None) -> str:
         """The stream this request goes to: a replica's own when it holds the prompt's prefix, else the
         shared one. The decision is on the request's span and in the metrics."""
         if not self.is_prefix_routing:
             return streams.generate_stream(self.model)
         salt = generate.sampling.get("cache_salt") if isinstance(generate.sampling, dict) else None
-        decision = self.router.route(generate.prompt_token_ids, salt, self.engines)
+        decision = self.router.route(generate.prompt_token_ids, salt, self.engines, cache_key)
         span = trace.get_current_span()
         span.set_attribute("pagedserve.route.engine", decision.engine_id or "shared")
         span.set_attribute("pagedserve.route.reason", decision.reason)
@@ -215,7 +215,7 @@ class TokenizerService:
         # Accepted goes first, in the same pipelined batch as the work itself: one round trip.
         sent = [
             self.publisher.send(reply_stream, accepted, maxlen),
-            self.publisher.send(self._route(generate), generate, maxlen),
+            self.publisher.send(self._route(generate, req.sampling.get("prompt_cache_key")), generate, maxlen),
         ]
         await asyncio.gather(*sent)
         return "accepted"

@@ -130,3 +130,23 @@ def test_a_gone_replica_is_forgotten() -> None:
     router.forget_gone({"a", "b"})
     router.forget_gone({"a"})
     assert router.index.engines() == ["c"]
+
+
+def test_a_prompt_cache_key_keeps_a_conversation_on_one_replica_until_a_prefix_says_otherwise() -> None:
+    router = PrefixRouter(max_queued=2)
+    engines = [beat("a"), beat("b"), beat("c")]
+    first = router.route(PROMPT, None, engines, cache_key="user-1")
+    assert first.reason == "cache_key" and first.engine_id is not None
+    # the key's replica again, though another is now less loaded (the first request counts on it)
+    assert router.route(list(range(7)), None, engines, cache_key="user-1").engine_id == first.engine_id
+    other = router.route(PROMPT, None, engines, cache_key="user-2")
+    assert other.reason == "cache_key" and other.engine_id != first.engine_id  # the least loaded one
+    assert router.route(PROMPT, None, engines).reason == "no_overlap"  # no key: the shared stream
+    # a useful prefix elsewhere wins, and the key follows it
+    holder = next(e for e in "abc" if e != first.engine_id)
+    router.index.apply(holding(holder, PROMPT))
+    assert router.route(PROMPT, None, engines, cache_key="user-1").engine_id == holder
+    assert router.route(list(range(9)), None, engines, cache_key="user-1").engine_id == holder
+    # the key's replica with no room: the shared stream
+    full = [beat(e, waiting=2 if e == holder else 0) for e in "abc"]
+    assert router.route(list(range(9)), None, full, cache_key="user-1").reason == "overflow"
