@@ -72,6 +72,53 @@ _KV_EVENTS_MAXLEN = 10_000  # a router that falls further behind catches up from
 EntryRef = tuple[str, bytes]  # (stream, entry id): what to XACK once the request ends
 
 
+# What the I/O thread hands the compute loop (the inbox)...
+@dataclass(slots=True, frozen=True)
+class _Generate:
+    entry: EntryRef
+    request: GenerateRequest
+
+
+@dataclass(slots=True, frozen=True)
+class _Lost:
+    requests: list[tuple[str, str]]  # (request id, gateway): tokens that never reached the gateway
+
+
+@dataclass(slots=True, frozen=True)
+class _Wake:
+    """Nothing to do but look at the stop flag."""
+
+
+_Inbound = _Generate | Abort | _Lost | _Wake
+
+
+# ...and what the compute loop hands the I/O thread (the outbox), in order.
+@dataclass(slots=True, frozen=True)
+class _StepDeltas:
+    by_gateway: dict[str, TokenDeltas]
+    finished: list[EntryRef]
+
+
+@dataclass(slots=True, frozen=True)
+class _Error:
+    reply_to: str
+    error: RequestError
+    entry: EntryRef | None  # acknowledged with the error, when the request came from a stream
+
+
+@dataclass(slots=True, frozen=True)
+class _Ack:
+    entry: EntryRef
+
+
+@dataclass(slots=True, frozen=True)
+class _Close:
+    """The compute loop is done: send what is buffered, then stop."""
+
+
+_Outbound = _StepDeltas | _Error | _Ack | KVEvents | _Close
+
+
 @dataclass(slots=True)
 class _Active:
     entry: EntryRef
@@ -105,7 +152,7 @@ class EngineService:
         self._queued: dict[str, RequestTrace] = {}  # traces of requests not scheduled yet
         self.model_source = model_source
         self.generation_defaults = read_generation_defaults(config.model.generation_config, engine.model_dir)
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.inbox: queue.Queue[_Inbound] = queue.Queue()
         self.active: dict[str, _Active] = {}
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.has_room = threading.Event()
@@ -118,7 +165,7 @@ class EngineService:
         self.last_stats = engine.stats()
         self.redis_ok = False  # the last heartbeat reached Redis
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[tuple[str, Any]] | None = None
+        self._outbox: asyncio.Queue[_Outbound] | None = None
         self._io_ready = threading.Event()
         self._io_thread = threading.Thread(target=self._run_io, name="engine-redis-io", daemon=True)
         self.outage = OutageLog(log)  # I/O thread only
@@ -162,7 +209,7 @@ class EngineService:
                     self._fail_active("internal engine error")
             self._update_room()
             self._publish_kv_events()
-        self._send(("close", None))
+        self._send(_Close())
         self._io_thread.join(timeout=5)
 
     def stop(self) -> None:
@@ -170,7 +217,7 @@ class EngineService:
         now = time.monotonic()
         self.drain_deadline = now if self.stopping.is_set() else now + self.settings.drain_timeout_s
         self.stopping.set()
-        self.inbox.put(("wake", None))
+        self.inbox.put(_Wake())
         log.info("engine %s draining %d requests", self.settings.engine_id, len(self.active))
 
     def is_ready(self) -> bool:
@@ -186,13 +233,13 @@ class EngineService:
         except queue.Empty:
             return
         while True:
-            kind, payload = item
-            if kind == "generate":
-                self._add(*payload)
-            elif kind == "abort":
-                self._abort(payload.request_ids, payload.choice_indexes)
-            elif kind == "lost":
-                self._fail_lost(payload)
+            match item:
+                case _Generate(entry, request):
+                    self._add(entry, request)
+                case Abort(request_ids=request_ids, choice_indexes=choice_indexes):
+                    self._abort(request_ids, choice_indexes)
+                case _Lost(requests):
+                    self._fail_lost(requests)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -211,7 +258,7 @@ class EngineService:
     def _add(self, entry: EntryRef, req: GenerateRequest) -> None:
         if req.request_id in self.active or req.request_id in self.recent:
             if req.request_id not in self.active:
-                self._send(("ack", entry))  # finished, aborted, or a redelivered duplicate
+                self._send(_Ack(entry))  # finished, aborted, or a redelivered duplicate
             return
         try:
             params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
@@ -220,7 +267,7 @@ class EngineService:
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
-            self._send(("error", (req.reply_to, error, entry)))
+            self._send(_Error(req.reply_to, error, entry))
             return
         trace = RequestTrace(req, self.settings.engine_id)
         num_choices = params.n if resumed is None else len(resumed)
@@ -270,7 +317,7 @@ class EngineService:
                     del self.active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
-            self._send(("deltas", (dict(by_gateway), finished_entries)))
+            self._send(_StepDeltas(dict(by_gateway), finished_entries))
 
     def _fail_active(self, message: str) -> None:
         self._fail(list(self.active), 500, message, "internal_server_error")
@@ -283,7 +330,7 @@ class EngineService:
             self._queued.pop(request_id, None)
             state.trace.fail(message)
             error = RequestError(request_id, status, message, type=error_type)
-            self._send(("error", (state.reply_to, error, state.entry)))
+            self._send(_Error(state.reply_to, error, state.entry))
             self._remember(request_id)
 
     def _fail_lost(self, lost: list[tuple[str, str]]) -> None:
@@ -293,7 +340,7 @@ class EngineService:
         self._fail(active, 503, message, _UNAVAILABLE)
         for rid, reply_to in lost:  # finished in the very step whose tokens were lost: tell the gateway too
             if rid not in active:
-                self._send(("error", (reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None)))
+                self._send(_Error(reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None))
 
     def _publish_kv_events(self) -> None:
         """What the prefix cache gained and lost since the last event, and the load, as one KV event when
@@ -324,7 +371,7 @@ class EngineService:
             time.time(),
             *load,
         )
-        self._send(("kv", events))
+        self._send(events)
 
     def _remember(self, request_id: str) -> None:
         self.recent[request_id] = None
@@ -341,7 +388,7 @@ class EngineService:
         else:
             self.has_room.clear()
 
-    def _send(self, item: tuple[str, Any]) -> None:
+    def _send(self, item: _Outbound) -> None:
         assert self._loop is not None and self._outbox is not None
         self._loop.call_soon_threadsafe(self._outbox.put_nowait, item)
 
@@ -467,7 +514,7 @@ class EngineService:
                 wait = telemetry.record_stream_wait(entry.stream, entry.entry_id, entry.message.traceparent, read_at)
                 if self.metrics is not None:
                     self.metrics.stream_wait.observe(wait)
-                self.inbox.put(("generate", ((entry.stream, entry.entry_id), entry.message)))
+                self.inbox.put(_Generate((entry.stream, entry.entry_id), entry.message))
             else:
                 log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
                 await self._ack(reader.redis, reader.group, entry)
@@ -494,7 +541,7 @@ class EngineService:
                         log.error("skipping undecodable control entry %s: %s", entry_id, exc)
                         continue
                     if isinstance(msg, Abort):
-                        self.inbox.put(("abort", msg))
+                        self.inbox.put(msg)
 
     async def _heartbeat(self, redis: Any, reader: streams.GroupReader) -> None:
         key = streams.engine_key(self.model, self.settings.engine_id)
@@ -546,7 +593,7 @@ class EngineService:
         loses no token. Past the grace, or past _MAX_BUFFERED_ITEMS, the buffered tokens are lost and
         their requests end with an error, as before the grace existed."""
         assert self._outbox is not None
-        buffered: list[tuple[str, Any]] = []  # items whose round trip failed, oldest first
+        buffered: list[_Outbound] = []  # items whose round trip failed, oldest first
         down_since: float | None = None
         backoff = 0.05
         while True:
@@ -561,7 +608,7 @@ class EngineService:
             while not self._outbox.empty():
                 buffered.append(self._outbox.get_nowait())
             sent_deltas = await self._send_items(redis, reader.group, buffered)
-            is_closing = any(kind == "close" for kind, _ in buffered)
+            is_closing = any(isinstance(item, _Close) for item in buffered)
             if sent_deltas is None:  # delivered
                 buffered, down_since, backoff = [], None, 0.05
                 if self.outage.recovered():
@@ -576,32 +623,29 @@ class EngineService:
             if is_closing:
                 return
 
-    async def _send_items(
-        self, redis: Any, group: str, items: list[tuple[str, Any]]
-    ) -> list[tuple[str, TokenDeltas]] | None:
+    async def _send_items(self, redis: Any, group: str, items: list[_Outbound]) -> list[tuple[str, TokenDeltas]] | None:
         """One pipeline for `items`; None once Redis has them, else the deltas that did not go out."""
         maxlen = self.routing.stream_maxlen
         pipe = redis.pipeline(transaction=False)
         acks: list[EntryRef] = []
         sent_deltas: list[tuple[str, TokenDeltas]] = []
-        for kind, payload in items:
-            if kind == "deltas":
-                by_gateway, finished = payload
-                for gateway_id, deltas in by_gateway.items():
-                    deltas = _without_requests(deltas, self._lost)
-                    if deltas.request_ids:
-                        _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
-                        sent_deltas.append((gateway_id, deltas))
-                acks.extend(finished)
-            elif kind == "error":
-                reply_to, error, entry = payload
-                _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
-                if entry is not None:
+        for item in items:
+            match item:
+                case _StepDeltas(by_gateway, finished):
+                    for gateway_id, deltas in by_gateway.items():
+                        deltas = _without_requests(deltas, self._lost)
+                        if deltas.request_ids:
+                            _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
+                            sent_deltas.append((gateway_id, deltas))
+                    acks.extend(finished)
+                case _Error(reply_to, error, entry):
+                    _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
+                    if entry is not None:
+                        acks.append(entry)
+                case _Ack(entry):
                     acks.append(entry)
-            elif kind == "ack":
-                acks.append(payload)
-            elif kind == "kv":
-                _xadd(pipe, streams.kv_events_stream(self.model), payload, _KV_EVENTS_MAXLEN)
+                case KVEvents():
+                    _xadd(pipe, streams.kv_events_stream(self.model), item, _KV_EVENTS_MAXLEN)
         _ack_all(pipe, group, acks, self.shared_stream)
         try:
             # an XACK whose group a restarted Redis no longer has fails alone; the XADDs still count
@@ -622,7 +666,7 @@ class EngineService:
         while len(self._lost) > _RECENT_IDS:
             self._lost.popitem(last=False)
         if new:
-            self.inbox.put(("lost", new))
+            self.inbox.put(_Lost(new))
 
     async def _backoff(self, doing: str, exc: BaseException) -> None:
         self.outage.failed(doing, exc)

@@ -49,7 +49,7 @@ def test_nothing_lost_keeps_the_message() -> None:
 def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
     engine = Engine(Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4), model=tiny_model)
     service = EngineService(Config.of(engine_id="eng-test"), "m", engine, model_source=None)
-    sent: list[tuple[str, Any]] = []
+    sent: list[Any] = []
     service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
     params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
     service._add(b"1-0", GenerateRequest("running", "gw1", "m", [5, 6, 7], params))
@@ -57,8 +57,8 @@ def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalL
     sent.clear()
     service._fail_lost([("running", "gw1"), ("finished", "gw2")])  # "finished": ended in the lost step
     assert "running" not in service.active and "running" in service.recent
-    errors = [(kind, reply_to, error.request_id, error.status, entry_id) for kind, (reply_to, error, entry_id) in sent]
-    assert errors == [("error", "gw1", "running", 503, b"1-0"), ("error", "gw2", "finished", 503, None)]
+    errors = [(e.reply_to, e.error.request_id, e.error.status, e.entry) for e in sent]
+    assert errors == [("gw1", "running", 503, b"1-0"), ("gw2", "finished", 503, None)]
     while engine.has_unfinished():  # the engine dropped the sequence and freed its blocks
         engine.step()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
