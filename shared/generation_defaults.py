@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def read_generation_defaults(setting: str, model_dir: Path | str | None) -> dict
     return defaults
 
 
-def fill_sampling(sampling: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def fill_sampling(sampling: Mapping[str, Any], defaults: dict[str, Any]) -> Mapping[str, Any]:
     """`sampling` with the defaults of the sampling fields it leaves out (max_tokens is the tokenizer's)."""
     missing = {name: defaults[name] for name in SAMPLING_FIELDS if name in defaults and name not in sampling}
     return {**sampling, **missing} if missing else sampling

@@ -6,20 +6,58 @@ Decoding checks the version and the tag and builds the dataclass from known fiel
 newer producer's extra fields are ignored and garbage raises `DecodeError` (never anything else).
 Nothing is ever unpickled.
 
-Sampling options travel as a plain dict whose keys are the engine's `SamplingParams` fields:
-the engine validates them, and the wire stays free of engine imports.
+Sampling options travel as a `Sampling` map: typed for every producer and reader (a TypedDict, checked
+by mypy), with the engine's `SamplingParams` field names, and a map rather than a struct because an
+absent field means something: the model's generation defaults fill only what a request left out. The
+engine validates the values; the wire stays free of engine imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypedDict, TypeVar
 
 import msgpack
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class Sampling(TypedDict, total=False):
+    """A request's sampling options as the services pass them on; every key is optional."""
+
+    # the engine's SamplingParams fields (services/engine/sampling_params.py)
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[str, float]  # token id (as a string: a JSON object's key) -> bias
+    seed: int | None
+    logprobs: int | None
+    max_tokens: int | None  # set by the tokenizer: the resolved budget
+    min_tokens: int
+    min_characters: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    prompt_logprobs: int | None
+    structured_output: dict[str, Any] | None  # GrammarSpec.to_wire()
+    priority: int
+    allowed_token_ids: list[int] | None
+    bad_words_token_ids: list[list[int]] | None  # set by the tokenizer from bad_words
+    cache_salt: str | None
+    # the tokenizer's own, taken off before the engine sees the request
+    bad_words: list[str]
+    truncate_prompt_tokens: int
+    truncation_side: Literal["left", "right"]
+    prompt_cache_key: str
+
+
+TOKENIZER_ONLY_SAMPLING = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side", "prompt_cache_key"})
 
 
 class DecodeError(ValueError):
@@ -33,7 +71,7 @@ class ChatRequest:
     reply_to: str  # the gateway id whose response stream gets the replies
     model: str
     messages: list[dict[str, Any]]
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=lambda: Sampling())
     max_tokens: int | None = None  # None = the context that is left
     stream: bool = False
     arrival_time: float = 0.0
@@ -52,7 +90,7 @@ class CompletionRequest:
     reply_to: str
     model: str
     prompt: str | list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=lambda: Sampling())
     max_tokens: int | None = None
     stream: bool = False
     arrival_time: float = 0.0
@@ -66,7 +104,7 @@ class GenerateRequest:
     reply_to: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # includes the resolved max_tokens and stop_token_ids
+    sampling: Sampling  # includes the resolved max_tokens and stop_token_ids
     arrival_time: float = 0.0
     traceparent: str | None = None
     # A continuation (migration to another replica) carries the tokens already streamed.

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +130,7 @@ class _Active:
     num_output_tokens: int = 0
 
 
-def sampling_params_from_wire(sampling: dict[str, Any]) -> SamplingParams:
+def sampling_params_from_wire(sampling: Mapping[str, Any]) -> SamplingParams:
     """Build and validate SamplingParams from a wire dict (logit_bias keys arrive as strings)."""
     fields = dict(sampling)
     if fields.get("structured_output") is not None:

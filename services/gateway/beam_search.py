@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.services.gateway.frontend import ChoiceUpdate, Frontend, Generation
-from pagedserve.shared.protocol import ChatRequest, CompletionRequest
+from pagedserve.shared.protocol import ChatRequest, CompletionRequest, Sampling
 
 MAX_LOGPROBS = 20  # what an engine lists per token
 MAX_WIDTH = MAX_LOGPROBS // 2  # each beam's 2 * width candidates come from one logprobs list
@@ -80,8 +80,10 @@ async def search(
 ) -> BeamResult:
     """Run the search for one prompt; APIErrors (the request's checks, a lost engine) propagate."""
     ignore_eos = bool(first.sampling.get("ignore_eos"))
-    sampling = {k: v for k, v in first.sampling.items() if k not in ("seed", "prompt_logprobs", "structured_output")}
-    sampling.update(n=1, temperature=0.0, min_tokens=0, logprobs=max(2 * width, num_logprobs or 0))
+    sampling = first.sampling.copy()  # each step: one greedy token and its candidates, nothing else
+    for name in ("seed", "prompt_logprobs", "structured_output"):
+        sampling.pop(name, None)  # type: ignore[misc]  # a literal of Sampling's optional keys
+    sampling.update(Sampling(n=1, temperature=0.0, min_tokens=0, logprobs=max(2 * width, num_logprobs or 0)))
     first = replace(first, sampling=sampling, stream=False)
     gen = await frontend.submit(first, [], 1)
     top = await _first_top(gen)  # then aborted: only the first token's list is used
@@ -127,7 +129,7 @@ async def _next_top(
     return await _first_top(await frontend.submit(req, [], 1))
 
 
-def _eos_ids(tokenizer: Any, sampling: dict[str, Any]) -> set[int]:
+def _eos_ids(tokenizer: Any, sampling: Sampling) -> set[int]:
     """The tokenizer's EOS (vLLM's rule) and the request's stop_token_ids."""
     eos = getattr(tokenizer, "eos_token_id", None)
     return {*([eos] if isinstance(eos, int) else []), *(sampling.get("stop_token_ids") or [])}

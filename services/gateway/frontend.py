@@ -38,7 +38,15 @@ from pagedserve.services.gateway.tokenizers import TokenizerCache
 from pagedserve.shared import streams, telemetry
 from pagedserve.shared.config import Config
 from pagedserve.shared.outage import OutageLog
-from pagedserve.shared.protocol import Abort, Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
+from pagedserve.shared.protocol import (
+    Abort,
+    Accepted,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestError,
+    Sampling,
+)
 from pagedserve.shared.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -80,7 +88,7 @@ class Generation:
     queue: asyncio.Queue[Any]
     choices: list[ChoiceText]
     token_texts: TokenTexts
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=lambda: Sampling())
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)

@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
-from pagedserve.shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError
-
-_TOKENIZER_ONLY = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side", "prompt_cache_key"})
+from pagedserve.shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError, Sampling
 
 
 @dataclass(slots=True)
@@ -119,7 +117,8 @@ class PromptProcessor:
         bad_ids = self._check_token_ids(req)
         if bad_ids is not None:
             return bad_ids
-        sampling = {**self._engine_sampling(req.sampling), "max_tokens": max_tokens}
+        sampling = self._engine_sampling(req.sampling)
+        sampling["max_tokens"] = max_tokens
         accepted = Accepted(req.request_id, num_prompt, max_tokens, prompt_token_ids=prompt_ids)
         generate = GenerateRequest(
             request_id=req.request_id,
@@ -132,7 +131,7 @@ class PromptProcessor:
         )
         return accepted, generate
 
-    def _truncated(self, prompt_ids: list[int], sampling: dict[str, Any]) -> list[int]:
+    def _truncated(self, prompt_ids: list[int], sampling: Sampling) -> list[int]:
         """vLLM's truncate_prompt_tokens: keep that many prompt tokens (-1: the context's worth), cut from the
         left by default (the end of a long prompt matters most), before the context check."""
         keep = sampling.get("truncate_prompt_tokens")
@@ -143,20 +142,30 @@ class PromptProcessor:
             return prompt_ids
         return prompt_ids[:keep] if sampling.get("truncation_side") == "right" else prompt_ids[len(prompt_ids) - keep :]
 
-    def _engine_sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+    def _engine_sampling(self, sampling: Sampling) -> Sampling:
         """The engine's sampling fields: `bad_words` (text) becomes `bad_words_token_ids`; the tokenizer's own
-        fields (truncation) are dropped."""
-        engine = {k: v for k, v in sampling.items() if k not in _TOKENIZER_ONLY}
-        if sampling.get("bad_words"):
-            engine["bad_words_token_ids"] = bad_word_token_ids(self.tokenizer, sampling["bad_words"])
+        fields (protocol.TOKENIZER_ONLY_SAMPLING) are dropped."""
+        engine = sampling.copy()
+        bad_words = engine.pop("bad_words", None)
+        engine.pop("truncate_prompt_tokens", None)
+        engine.pop("truncation_side", None)
+        engine.pop("prompt_cache_key", None)
+        if bad_words:
+            engine["bad_words_token_ids"] = bad_word_token_ids(self.tokenizer, bad_words)
         return engine
 
     def _check_token_ids(self, req: ChatRequest | CompletionRequest) -> RequestError | None:
         """stop_token_ids and logit_bias keys must be token ids of this model (checked before any SSE byte)."""
         vocab = self.limits.vocab_size or len(self.tokenizer)
-        for param in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        sampling = req.sampling
+        given = {
+            "stop_token_ids": sampling.get("stop_token_ids"),
+            "logit_bias": sampling.get("logit_bias"),  # its keys
+            "allowed_token_ids": sampling.get("allowed_token_ids"),
+        }
+        for param, values in given.items():
             try:
-                ids = [int(t) for t in req.sampling.get(param) or []]  # logit_bias: its keys
+                ids = [int(t) for t in values or []]
             except (TypeError, ValueError):
                 return RequestError(req.request_id, 400, f"{param}: token ids must be integers", param=param)
             bad = first_out_of_vocab(ids, vocab)

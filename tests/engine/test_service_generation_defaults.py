@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.service import EngineService
 from pagedserve.shared.config import Config
-from pagedserve.shared.protocol import GenerateRequest
+from pagedserve.shared.protocol import GenerateRequest, Sampling
 
 
-def added_params(engine: Engine, setting: str, sampling: dict[str, Any]) -> SamplingParams:
+def added_params(engine: Engine, setting: str, sampling: Sampling) -> SamplingParams:
     service = EngineService(Config.of(engine_id="eng-test", generation_config=setting), "m", engine, None)
     seen: list[SamplingParams] = []
     engine.add_request = lambda rid, prompt, params, *rest: seen.append(params)  # type: ignore[method-assign]
