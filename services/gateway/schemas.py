@@ -18,8 +18,8 @@ from pagedserve.services.gateway.detokenizer import TextOptions
 from pagedserve.services.gateway.errors import APIError
 from pagedserve.services.gateway.messages import ChatMessage, Strict
 from pagedserve.shared.config import GatewayConfig
-from pagedserve.shared.generation_defaults import SAMPLING_FIELDS
 from pagedserve.shared.prompts import check_template_kwargs
+from pagedserve.shared.protocol import Sampling
 
 MAX_INT32 = 2**31 - 1  # bounds counts and token ids so they always fit the wire (msgpack: 64 bits)
 MAX_LOGPROBS = 20
@@ -330,22 +330,29 @@ def _check_chat(req: ChatCompletionRequest, settings: GatewayConfig) -> None:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
 
 
-def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> Sampling:
     """The engine's SamplingParams fields for this request (max_tokens is resolved by the tokenizer)."""
-    fields: dict[str, Any] = {
-        "n": req.num_choices,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "min_tokens": req.min_tokens or 0,
-        "ignore_eos": bool(req.ignore_eos),
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "logprobs": req.num_logprobs,
-    }
+    fields = Sampling(
+        n=req.num_choices,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=list(req.stop_token_ids or []),
+        logprobs=req.num_logprobs,
+    )
     # Left out when unset: the model's generation_config.json may default them (shared/generation_defaults.py);
     # else the engine's SamplingParams defaults (1, 1, off, off, 1) apply.
-    fields.update({name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None})
-    if fields.get("top_k") == -1:
-        fields["top_k"] = 0  # -1 and 0 both mean off
+    if req.temperature is not None:
+        fields["temperature"] = req.temperature
+    if req.top_p is not None:
+        fields["top_p"] = req.top_p
+    if req.top_k is not None:
+        fields["top_k"] = 0 if req.top_k == -1 else req.top_k  # -1 and 0 both mean off
+    if req.min_p is not None:
+        fields["min_p"] = req.min_p
+    if req.repetition_penalty is not None:
+        fields["repetition_penalty"] = req.repetition_penalty
     if req.seed is not None:
         fields["seed"] = req.seed
     prompt_logprobs = max(req.prompt_logprobs if req.prompt_logprobs is not None else -1, _echo_logprobs(req))
@@ -360,9 +367,12 @@ def sampling_dict(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     cache_key = getattr(req, "prompt_cache_key", None)  # OpenAI's (chat): a routing hint for the tokenizer
     if cache_key:
         fields["prompt_cache_key"] = cache_key
-    for name in ("allowed_token_ids", "bad_words", "cache_salt"):  # the tokenizer turns bad_words into token ids
-        if getattr(req, name) is not None:
-            fields[name] = getattr(req, name)
+    if req.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = req.allowed_token_ids
+    if req.bad_words is not None:  # the tokenizer turns them into token ids
+        fields["bad_words"] = req.bad_words
+    if req.cache_salt is not None:
+        fields["cache_salt"] = req.cache_salt
     if req.truncate_prompt_tokens is not None:  # the tokenizer's, taken off before the engine sees the request
         fields["truncate_prompt_tokens"] = req.truncate_prompt_tokens
         fields["truncation_side"] = req.truncation_side
