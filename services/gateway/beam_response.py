@@ -38,8 +38,10 @@ async def respond(
     wires: list[ChatRequest] | list[CompletionRequest],
     frontend: Frontend,
     response_id: str,
-    echoes: list[str] | None = None,
+    echoes: list[str] | list[str | list[int]] | None = None,
 ) -> Response:
+    """`echoes`: per prompt, what the text starts with (chat: the continued message; completions: the prompt,
+    token ids decoded with their special tokens)."""
     is_chat = isinstance(req, schemas.ChatCompletionRequest)
     k = req.num_logprobs
     results = await asyncio.gather(
@@ -70,7 +72,8 @@ async def respond(
     for p, (result, beams) in enumerate(zip(results, per_prompt)):
         for beam in beams:
             index = len(choices)
-            text = (echoes[p] if echoes else "") + beam.text
+            echo = echoes[p] if echoes else ""
+            text = (echo if isinstance(echo, str) else str(result.tokenizer.decode(echo))) + beam.text
             choice: dict[str, Any] = {"index": index}
             if is_chat:
                 choice["message"] = {"role": "assistant", "content": text, "refusal": None}

@@ -33,8 +33,7 @@ async def serve(
     if req.use_beam_search:
         beam_response.check(req)
         response_id = f"cmpl-{req.request_id}" if req.request_id is not None else request_id
-        echoes = [p if isinstance(p, str) else "" for p in prompts] if req.echo else None
-        return await beam_response.respond(req, wires, frontend, response_id, echoes)
+        return await beam_response.respond(req, wires, frontend, response_id, prompts if req.echo else None)
     gen: Generation | BatchGeneration
     if len(wires) == 1:
         gen = await frontend.submit(wires[0], req.stop_strings, req.num_choices, req.text_options)

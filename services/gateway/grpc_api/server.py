@@ -53,11 +53,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(*convert.status_of(exc))  # raises
         request_id = request.request_id or internal_id
         self.running[request_id] = gen
+        ended: set[int] = set()  # choices whose final update went out
         try:
             async for update in gen.updates():
                 response = convert.to_response(request_id, update, gen.token_texts)
-                if gen.is_finished:
-                    response.usage.CopyFrom(convert.to_usage(gen.usage()))
+                if update.finish_reason is not None:
+                    ended.add(update.index)
+                    if len(ended) == len(gen.choices):  # the call's last response (choices can end in one step)
+                        response.usage.CopyFrom(convert.to_usage(gen.usage()))
                 yield response
         except APIError as exc:
             await context.abort(*convert.status_of(exc))

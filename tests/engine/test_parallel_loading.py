@@ -1,0 +1,182 @@
+"""Weights into (sharded) models without a process group: `load_sharded` reads each rank's slices, or a
+tensor whole where the family reorders it, and fills what `load_weights` fills; `load_random` gives every
+tensor-parallel size the same weights, made from (seed, name, shard id) only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.weights import safetensors_files
+from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
+from pagedserve.services.engine.parallel.state import ParallelContext
+from tests.models.tiny_models import build_tiny_model
+
+CPU = torch.device("cpu")
+QKV = "model.layers.1.self_attn.qkv_proj.weight"
+
+
+def _ctx(rank: int, world: int) -> ParallelContext:
+    return ParallelContext(rank, world, CPU)  # no groups: enough for building and loading
+
+
+def params(model: CausalLM) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def checkpoint_names(files: list[Path]) -> list[str]:
+    names: list[str] = []
+    for path in files:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            names += f.keys()
+    return names
+
+
+class WholeReads:
+    """safe_open, recording the tensors read whole (get_tensor) rather than sliced."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        real_safe_open, names = safetensors.safe_open, self.names
+
+        class Handle:
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                self._handle = real_safe_open(*args, **kwargs)
+
+            def keys(self) -> list[str]:
+                return list(self._handle.keys())
+
+            def get_slice(self, name: str) -> object:
+                return self._handle.get_slice(name)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                names.append(name)
+                return self._handle.get_tensor(name)
+
+        monkeypatch.setattr("pagedserve.services.engine.parallel.loading.safe_open", Handle)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Llama in several safetensors files (read by slices), GPT-NeoX (per-head fused qkv, reordered whole)."""
+    cases = ("llama-gqa-tied-llama3rope-sharded", "gpt_neox-parallel-partial-rotary")
+    dirs = {case: tmp_path_factory.mktemp(case) for case in cases}
+    for case, folder in dirs.items():
+        build_tiny_model(case, folder)
+    return dirs
+
+
+@pytest.mark.parametrize(
+    ("case", "reordered"),
+    [("llama-gqa-tied-llama3rope-sharded", ""), ("gpt_neox-parallel-partial-rotary", ".query_key_value.")],
+)
+def test_one_rank_loads_what_load_weights_loads(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, case: str, reordered: str
+) -> None:
+    folder = family_dirs[case]
+    expected = params(load_model(folder, "float32", CPU, show_progress=False))  # through load_weights
+    model = load_model(folder, "float32", CPU, show_progress=False)
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    whole = WholeReads(monkeypatch)
+    files = safetensors_files(folder)
+    assert len(files) > 1 or not case.endswith("sharded")
+    load_sharded(model, files, show_progress=False)
+    got = params(model)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    # Only what the family reorders is read whole, each tensor once; everything else by slices.
+    assert sorted(whole.names) == sorted(n for n in checkpoint_names(files) if reordered and reordered in n)
+
+
+def test_reordered_tensors_are_sliced_per_rank_after_reordering(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = family_dirs["gpt_neox-parallel-partial-rotary"]
+    full = params(load_model(folder, "float32", CPU, show_progress=False))
+    whole = WholeReads(monkeypatch)
+    shards = [params(load_model(folder, "float32", CPU, show_progress=False, parallel=_ctx(r, 2))) for r in range(2)]
+    assert len(whole.names) == 2 * 2 * 2  # 2 layers' qkv weight and bias, read whole once per rank
+    q, k, v = full[QKV].split(64)  # [q | k | v] once reordered: 4 heads of 16, no GQA
+    for rank, shard in enumerate(shards):
+        rows = slice(rank * 32, (rank + 1) * 32)
+        assert torch.equal(shard[QKV], torch.cat([q[rows], k[rows], v[rows]]))
+    dense = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s[dense] for s in shards], dim=1), full[dense])  # row-parallel: columns split
+
+
+def test_random_tensors_depend_on_seed_name_and_shard_only() -> None:
+    name, shape = "model.layers.0.mlp.gate_up_proj.weight", (64, 32)
+    gate = random_tensor(name, "gate", shape, 1, CPU)
+    assert torch.equal(gate, random_tensor(name, "gate", shape, 1, CPU))  # reproducible
+    for other in (
+        random_tensor(name, "up", shape, 1, CPU),
+        random_tensor(name, "gate", shape, 2, CPU),
+        random_tensor("model.layers.1.mlp.gate_up_proj.weight", "gate", shape, 1, CPU),
+    ):
+        assert not torch.equal(gate, other)
+    assert gate.dtype == torch.bfloat16 and 0.015 < gate.float().std().item() < 0.025  # N(0, 0.02) in bf16
+    assert abs(gate.float().mean().item()) < 0.005
+    for norm in (
+        "model.norm.weight",
+        "model.layers.3.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ):
+        assert torch.equal(random_tensor(norm, None, (8,), 1, CPU), torch.ones(8))
+    assert torch.equal(random_tensor("model.layers.0.self_attn.qkv_proj.bias", "q", (8,), 1, CPU), torch.zeros(8))
+
+
+def test_random_weights_are_identical_for_one_rank_and_two(tiny_model_dir: Path) -> None:
+    seed = 7
+    model = load_model(tiny_model_dir, "float32", CPU, show_progress=False)
+    checkpoint = params(model)
+    load_random(model, seed)
+    full = params(model)
+    assert all(not torch.equal(full[n], checkpoint[n]) for n in full if "norm" not in n)  # every tensor rewritten
+
+    def rand(name: str, shard: str | None, shape: tuple[int, ...]) -> torch.Tensor:
+        return random_tensor(name, shard, shape, seed, CPU).float()
+
+    assert torch.equal(full["model.embed_tokens.weight"], rand("model.embed_tokens.weight", None, (256, 64)))
+    assert torch.equal(
+        full[QKV], torch.cat([rand(QKV, "q", (64, 64)), rand(QKV, "k", (32, 64)), rand(QKV, "v", (32, 64))])
+    )
+    assert torch.equal(full["model.norm.weight"], torch.ones(64))
+
+    shards = [
+        params(load_model(tiny_model_dir, "float32", CPU, parallel=_ctx(r, 2), random_weights_seed=seed))
+        for r in range(2)
+    ]
+    assert torch.equal(torch.cat([s["model.embed_tokens.weight"] for s in shards]), full["model.embed_tokens.weight"])
+    assert torch.equal(torch.cat([s["lm_head.weight"] for s in shards]), full["lm_head.weight"])
+    q, k, v = full[QKV].split([64, 32, 32])  # 4 query heads and 2 KV heads of 16: one KV head per rank
+    for rank, shard in enumerate(shards):
+        expected = torch.cat(
+            [q[rank * 32 : (rank + 1) * 32], k[rank * 16 : (rank + 1) * 16], v[rank * 16 : (rank + 1) * 16]]
+        )
+        assert torch.equal(shard[QKV], expected)
+        assert torch.equal(shard["model.norm.weight"], full["model.norm.weight"])  # replicated
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([s[down] for s in shards], dim=1), full[down])
+
+
+def test_a_checkpoint_missing_a_parameter_or_naming_an_unknown_one_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = load_model(tiny_model_dir, "float32", CPU, show_progress=False)
+    tensors = load_file(str(tiny_model_dir / "model.safetensors"))
+    missing = {n: t for n, t in tensors.items() if n != "model.norm.weight"}
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks parameters: \['model.norm.weight'\]"):
+        load_sharded(model, [tmp_path / "missing.safetensors"], show_progress=False)
+    extra = {**tensors, "model.layers.9.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"].clone()}
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(KeyError, match=r"model\.layers\.9\.mlp\.gate_up_proj\.weight"):
+        load_sharded(model, [tmp_path / "extra.safetensors"], show_progress=False)
