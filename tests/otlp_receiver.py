@@ -1,8 +1,14 @@
 """A tiny OTLP/HTTP trace receiver for tests: decodes the protobuf ExportTraceServiceRequest bodies
-that the services' OTLP exporters POST to /v1/traces, and keeps the spans as plain records."""
+that the services' OTLP exporters POST to /v1/traces, and keeps the spans as plain records.
+
+`python otlp_receiver.py [port]` runs it as a trace collector (the compose test's stand-in for Jaeger):
+it listens on every interface and answers `GET /spans` with the spans received so far, as JSON."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +45,7 @@ def _value(v: AnyValue) -> Any:
 
 
 class OTLPReceiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         receiver = self
@@ -61,10 +67,23 @@ class OTLPReceiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
+            def do_GET(self) -> None:
+                if self.path != "/spans":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                with receiver._lock:
+                    body = json.dumps([dataclasses.asdict(s) for s in receiver.spans]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -110,3 +129,9 @@ class OTLPReceiver:
             if names <= {s.name for s in spans} or time.monotonic() > deadline:
                 return spans
             time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    collector = OTLPReceiver("0.0.0.0", int(sys.argv[1]) if len(sys.argv) > 1 else 4318)
+    print(f"OTLP receiver on {collector.endpoint}", flush=True)
+    collector.server.serve_forever()
