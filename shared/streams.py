@@ -78,6 +78,16 @@ def tokenizer_key(model: str, tokenizer_id: str) -> str:
     return f"ps:{{{model}}}:tokenizer:{tokenizer_id}"
 
 
+def gateway_key(gateway_id: str) -> str:
+    """A gateway process's record: a TTL it refreshes, holding an id of the process (a worker that replaces a
+    dead one keeps the gateway id). Engines stop the requests of a gateway whose process is gone."""
+    return f"ps:{{{gateway_id}}}:gateway"
+
+
+GATEWAY_BEAT_S = 1.0  # how often a gateway refreshes its record
+GATEWAY_TTL_S = 3.0  # and its lifetime: a killed gateway's record is gone this long after its last beat
+
+
 def aborted_key(model: str, request_id: str) -> str:
     """A short-lived record that the gateway gave up on `request_id` (see `aborted_ids`)."""
     return f"ps:{{{model}}}:aborted:{request_id}"

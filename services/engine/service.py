@@ -174,6 +174,10 @@ class EngineService:
         self.shared_stream = streams.generate_stream(model)
         self.own_stream = streams.engine_stream(model, self.settings.engine_id)
         self._orphan_readers: dict[str, streams.GroupReader] = {}  # I/O thread only: dead replicas' streams
+        # I/O thread only: request id -> the gateway process it came from (its record), and gateway id -> since
+        # when its record is missing (see _stop_orphaned)
+        self._gateway_process: dict[str, bytes] = {}
+        self._gateway_missing: dict[str, float] = {}
         self.pool = engine.kv_cache.pool
         if engine.kv_cache.enable_prefix_caching:
             self.pool.event_log = KVEventLog()
@@ -573,6 +577,7 @@ class EngineService:
                     by_stream[active.entry[0]].append(active.entry[1])
                 for stream, entry_ids in by_stream.items():
                     await reader.refresh_claims(entry_ids, stream=stream)
+                await self._stop_orphaned(redis)
                 # Redis may have restarted empty, or our record expired (we were stopped) and routers forgot
                 # this replica's blocks: publish all of them again
                 if self.outage.recovered() or time.monotonic() - last_beat > self.settings.heartbeat_ttl_s:
@@ -581,9 +586,41 @@ class EngineService:
                 self.redis_ok = True
             except RedisError as exc:  # any: a heartbeat that stops for good makes the replica look dead
                 self.redis_ok = False
+                self._gateway_missing.clear()  # a gateway's record is missing only while Redis is up
                 self.outage.failed("sending the heartbeat", exc)
             # while Redis is away, try often: the replica is registered again as soon as it is back
             await asyncio.sleep(self.settings.heartbeat_interval_s if self.redis_ok else 0.2)
+
+    async def _stop_orphaned(self, redis: Any) -> None:
+        """Abort the requests of a gateway process that is gone, rather than run them for nobody: its record
+        (streams.gateway_key) has been missing for longer than the Redis outage a gateway waits out (it may
+        only have lost Redis), or names another process (a worker that replaced it). A request whose gateway
+        had no record when first looked at here (an older gateway) runs on."""
+        owners = [(request_id, state.reply_to) for request_id, state in list(self.active.items())]
+        gateways = sorted({gateway for _, gateway in owners})
+        if not gateways:
+            self._gateway_process, self._gateway_missing = {}, {}
+            return
+        async with redis.pipeline(transaction=False) as pipe:  # one round trip; no cross-slot MGET
+            for gateway in gateways:
+                pipe.get(streams.gateway_key(gateway))
+            records = dict(zip(gateways, await pipe.execute(), strict=True))
+        now, grace = time.monotonic(), max(self.routing.redis_outage_grace_s, 2 * streams.GATEWAY_BEAT_S)
+        self._gateway_missing = {g: self._gateway_missing.get(g, now) for g in gateways if records[g] is None}
+        seen, self._gateway_process = self._gateway_process, {}
+        orphans: dict[str, list[str]] = defaultdict(list)
+        for request_id, gateway in owners:
+            process, known = records[gateway], seen.get(request_id)
+            if known is None:  # first looked at (or its gateway never kept a record)
+                if process is not None:
+                    self._gateway_process[request_id] = process
+            elif process == known or (process is None and now - self._gateway_missing[gateway] <= grace):
+                self._gateway_process[request_id] = known
+            else:
+                orphans[gateway].append(request_id)
+        for gateway, request_ids in orphans.items():
+            log.warning("gateway %s is gone: stopping its %d requests", gateway, len(request_ids))
+            self.inbox.put(Abort(request_ids, reason="gateway gone"))
 
     async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
         """Everything the compute loop sent since the last round trip goes out as one pipeline:

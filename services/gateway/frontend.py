@@ -167,6 +167,10 @@ class Generation:
                     yield update
                 if error is not None:
                     raise error
+                if not merged and self._is_engine_lost():
+                    # Only another replica's tokens came: it claimed the lost engine's entry and runs it from
+                    # scratch (dropped above). They must not hide the loss until that run ends.
+                    await self._migrate(f"engine {self.engine_id} is gone")
         finally:
             self.frontend.release(self)
 
@@ -312,7 +316,19 @@ class Frontend:
         except _REDIS_ERRORS as exc:
             log.warning("redis not reachable at start: %s", exc)
         self._readers.append(asyncio.create_task(self._warm_tokenizers()))
+        self._readers.append(asyncio.create_task(self._beat()))
         self._tasks = list(self._readers)
+
+    async def _beat(self) -> None:
+        """Keep this process's record (streams.gateway_key) alive: once it is gone (the process was killed)
+        or names another process (a worker that replaced this one), engines stop its requests."""
+        key, process = streams.gateway_key(self.settings.gateway_id), uuid.uuid4().hex
+        while True:
+            try:
+                await self.redis.set(key, process, px=int(streams.GATEWAY_TTL_S * 1000))
+            except Exception as exc:  # any: a beat that stops for good would get every request stopped
+                log.debug("gateway record not refreshed: %s", exc)  # the router and the requests report outages
+            await asyncio.sleep(streams.GATEWAY_BEAT_S)
 
     async def _warm_tokenizers(self) -> None:
         """Load each model's tokenizer as soon as the model has a live engine, not on its first request:
@@ -420,13 +436,13 @@ class Frontend:
             tokenizer, token_texts = await self.tokenizers.get(req.model, entry.model_source)
             await self.publisher.publish(streams.request_stream(req.model), req, self.routing.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
+        except TimeoutError:  # first: the builtin TimeoutError is an OSError, one of _REDIS_ERRORS
+            self._give_up(req.model, req.request_id)
+            raise APIError(503, "no tokenizer answered in time; retry shortly", retry_after=2) from None
         except _REDIS_ERRORS as exc:
             self.outage.failed(f"submitting {req.request_id}", exc)  # the detail goes to the log, not the client
             self._give_up(req.model, req.request_id)
             raise APIError(503, "the request queue (Redis) is unavailable; retry shortly", retry_after=2) from None
-        except TimeoutError:
-            self._give_up(req.model, req.request_id)
-            raise APIError(503, "no tokenizer answered in time; retry shortly", retry_after=2) from None
         except BaseException:  # the client left (cancelled) before acceptance, or a bug
             self._give_up(req.model, req.request_id)
             raise

@@ -62,6 +62,8 @@ class TokenizerService:
             streams.TOKENIZER_GROUP,
             settings.consumer_name,
             claim_idle_ms=settings.claim_idle_ms,
+            # a tokenizer whose heartbeat expired (killed) has its requests claimed at once, not after claim_idle_ms
+            heartbeat_key=lambda consumer: streams.tokenizer_key(model, consumer),
         )
         self.publisher = Publisher(self.redis)
         self.router = PrefixRouter(

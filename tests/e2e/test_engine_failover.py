@@ -39,13 +39,15 @@ def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
 ) -> None:
     base_url = f"{services.base_url}/v1"
 
-    async def ask(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
+    async def ask(client: openai.AsyncOpenAI, prompt: str, stream: bool, salt: str) -> str:
         kwargs = {
             "model": services.model,
             "messages": [{"role": "user", "content": prompt}],
             "temperature": 0,
             "max_tokens": MAX_TOKENS,
-            "extra_body": {"ignore_eos": True},
+            # Each run its own prefix-cache salt: the cache-aware router would otherwise send every prompt to the
+            # engine that served them in the reference run, and the extra replica would get none to lose.
+            "extra_body": {"ignore_eos": True, "cache_salt": salt},
         }
         if not stream:
             reply = await client.chat.completions.create(**kwargs)
@@ -55,11 +57,11 @@ def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
             parts.extend(c.delta.content or "" for c in chunk.choices)
         return "".join(parts)
 
-    async def run() -> list[str]:
+    async def run(salt: str) -> list[str]:
         async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as client:
-            return list(await asyncio.gather(*(ask(client, p, stream=True) for p in PROMPTS)))
+            return list(await asyncio.gather(*(ask(client, p, stream=True, salt=salt) for p in PROMPTS)))
 
-    expected = asyncio.run(run())  # the greedy answers with one healthy engine
+    expected = asyncio.run(run("reference"))  # the greedy answers with one healthy engine
 
     r = redis.Redis.from_url(services.redis_url)
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
@@ -101,7 +103,7 @@ def test_losing_a_replica_mid_stream_loses_and_repeats_nothing(
 
         async def scenario() -> list[str]:
             killer = asyncio.create_task(kill_when_busy())
-            answers = await run()
+            answers = await run(f"fault-{sig.name}")
             await asyncio.wait_for(killer, timeout=5)
             return answers
 

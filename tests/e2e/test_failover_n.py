@@ -38,7 +38,7 @@ class Answer:
     completion_tokens: int = -1
 
 
-async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: float) -> Answer:
+async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: float, salt: str) -> Answer:
     answer = Answer()
     stream = await client.chat.completions.create(
         model=model,
@@ -50,7 +50,9 @@ async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: 
         logprobs=True,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        # each run its own prefix-cache salt: the cache-aware router would otherwise send every prompt to the
+        # engine that served them in the reference run, and the extra replica would get none to lose
+        extra_body={"ignore_eos": True, "cache_salt": salt},
     )
     async for chunk in stream:
         if chunk.usage is not None:
@@ -75,16 +77,16 @@ def _num_moves(services: RunningServices) -> int:
 
 
 def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: RunningServices) -> None:
-    async def run() -> tuple[list[Answer], list[Answer]]:
+    async def run(salt: str) -> tuple[list[Answer], list[Answer]]:
         async with openai.AsyncOpenAI(
             base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300
         ) as client:
-            greedy = [ask(client, services.model, p, 0.0) for p in GREEDY_PROMPTS]
-            sampled = [ask(client, services.model, p, 0.9) for p in SAMPLED_PROMPTS]
+            greedy = [ask(client, services.model, p, 0.0, salt) for p in GREEDY_PROMPTS]
+            sampled = [ask(client, services.model, p, 0.9, salt) for p in SAMPLED_PROMPTS]
             answers = await asyncio.gather(*greedy, *sampled)
             return list(answers[: len(greedy)]), list(answers[len(greedy) :])
 
-    expected_greedy, _ = asyncio.run(run())  # one healthy engine
+    expected_greedy, _ = asyncio.run(run("reference"))  # one healthy engine
     assert all(a.texts[0] == a.texts[1] for a in expected_greedy)
 
     r = redis.Redis.from_url(services.redis_url)
@@ -126,7 +128,7 @@ def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: Runni
 
         async def scenario() -> tuple[list[Answer], list[Answer]]:
             killer = asyncio.create_task(kill_when_busy())
-            answers = await run()
+            answers = await run("fault")
             await asyncio.wait_for(killer, timeout=5)
             return answers
 
