@@ -17,6 +17,7 @@ Frontend.release is its one end: slot, router queues under every id it had, span
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _WATCH_INTERVAL_S = 1.0  # how often a waiting request checks that its engine is still alive
 _MAX_MIGRATIONS = 3
+_ABORT_WAIT_S = 1.0  # how long a request that failed before acceptance waits for its abort to be recorded
 
 
 @dataclass(slots=True)
@@ -437,7 +439,11 @@ class Frontend:
             await self.publisher.publish(streams.request_stream(req.model), req, self.routing.stream_maxlen)
             reply = await asyncio.wait_for(self._first_reply(queue), self.settings.accept_timeout_s)
         except TimeoutError:  # first: the builtin TimeoutError is an OSError, one of _REDIS_ERRORS
-            self._give_up(req.model, req.request_id)
+            # The abort is recorded before the client hears of the failure: a tokenizer that resumes just after
+            # must find it, or the request would run for a client that was told it failed.
+            self._forget(req.request_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.abort(req.model, req.request_id)), _ABORT_WAIT_S)
             raise APIError(503, "no tokenizer answered in time; retry shortly", retry_after=2) from None
         except _REDIS_ERRORS as exc:
             self.outage.failed(f"submitting {req.request_id}", exc)  # the detail goes to the log, not the client
