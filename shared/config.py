@@ -319,6 +319,9 @@ class RoutingConfig:
     prefix_max_imbalance: int = opt(
         16, "a replica with this many requests more than the least loaded one gets no more routed to it by prefix"
     )
+    prefix_min_hit_tokens: int = opt(
+        64, "a cached prefix shorter than this is never worth routing for, whatever share of the prompt it is"
+    )
     kv_snapshot_interval_s: float = opt(
         30.0, "how often an engine publishes all its cached prefix blocks (a router started later catches up)"
     )

@@ -10,7 +10,9 @@ The policy is SGLang's cache-aware one, with the load known from the replicas' o
 come after every step that changes it; heartbeats every second) plus the requests routed since:
 
 - the replica holding the longest prefix of the prompt gets it, when that prefix is worth it (at least
-  min_hit_blocks blocks, or min_hit_ratio of the prompt) and the loads are balanced;
+  min_hit_blocks blocks, or min_hit_ratio of the prompt and min_hit_tokens long: a short chat's shared
+  system-prompt block is half its prompt, and would send a whole burst to one replica) and the loads
+  are balanced;
 - a prompt with no such prefix anywhere goes to the shared stream, where whichever replica has room
   pulls it: pull-based balancing stays for new work;
 - so does one whose best replica has max_queued requests waiting (no room), or carries more than
@@ -103,7 +105,8 @@ class PrefixRouter:
     max_queued: int = 4  # a replica with this many requests waiting (no room to run them) gets no more
     max_imbalance: int = 16  # requests more than the least loaded replica before a prefix hit stops counting
     min_hit_blocks: int = 32  # a hit this long is worth routing for (512 tokens of 16)...
-    min_hit_ratio: float = 0.5  # ...and so is one covering this share of the prompt
+    min_hit_ratio: float = 0.5  # ...and so is one covering this share of the prompt...
+    min_hit_tokens: int = 64  # ...if it is at least this long
     _routed: dict[str, list[_Routed]] = field(default_factory=dict)
     _live: set[str] = field(default_factory=set)
     _keyed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # prompt_cache_key -> replica
@@ -127,7 +130,8 @@ class PrefixRouter:
         best = max(live, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
         hit, num_blocks = hits[best.engine_id], len(hashes[best.block_size])
         reason = "prefix"
-        if hit == 0 or (hit < self.min_hit_blocks and hit < self.min_hit_ratio * num_blocks):
+        is_share = hit >= self.min_hit_ratio * num_blocks and hit * best.block_size >= self.min_hit_tokens
+        if hit == 0 or (hit < self.min_hit_blocks and not is_share):
             if cache_key is None:
                 return RouteDecision(None, "no_overlap", hit, num_blocks)
             by_id = {e.engine_id: e for e in live}

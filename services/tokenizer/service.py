@@ -67,7 +67,9 @@ class TokenizerService:
         )
         self.publisher = Publisher(self.redis)
         self.router = PrefixRouter(
-            max_queued=config.routing.prefix_max_queued, max_imbalance=config.routing.prefix_max_imbalance
+            max_queued=config.routing.prefix_max_queued,
+            max_imbalance=config.routing.prefix_max_imbalance,
+            min_hit_tokens=config.routing.prefix_min_hit_tokens,
         )
         self.is_prefix_routing = config.routing.routing_policy == "prefix"
         self.engines: list[EngineHeartbeat] = []  # the model's live replicas, as of the last heartbeat round

@@ -15,6 +15,7 @@ from tests.engine.engine_helpers import make_request
 
 BLOCK = 4
 PROMPT = list(range(100, 118))  # 4 full blocks and 2 tokens
+# The routers below take any hit by its share of the prompt (min_hit_tokens=0): these prompts are tiny.
 
 
 def beat(
@@ -79,7 +80,7 @@ def test_index_applies_events_and_snapshots() -> None:
 
 
 def test_a_prompt_goes_to_the_replica_holding_its_prefix() -> None:
-    router = PrefixRouter()
+    router = PrefixRouter(min_hit_tokens=0)
     router.index.apply(holding("b", PROMPT[:12]))
     decision = router.route(PROMPT, None, [beat("a"), beat("b")])
     assert (decision.engine_id, decision.reason, decision.overlap_blocks, decision.prompt_blocks) == (
@@ -93,7 +94,7 @@ def test_a_prompt_goes_to_the_replica_holding_its_prefix() -> None:
 
 
 def test_no_useful_overlap_one_replica_or_a_draining_owner_leave_it_to_the_shared_stream() -> None:
-    router = PrefixRouter()
+    router = PrefixRouter(min_hit_tokens=0)
     assert router.route(PROMPT, None, [beat("a"), beat("b")]).reason == "no_overlap"
     router.index.apply(holding("b", PROMPT[:4]))  # a quarter of the prompt, and short: not worth it
     assert router.route(PROMPT, None, [beat("a"), beat("b")]).reason == "no_overlap"
@@ -105,7 +106,7 @@ def test_no_useful_overlap_one_replica_or_a_draining_owner_leave_it_to_the_share
 
 
 def test_imbalance_and_a_queue_stop_the_prefix_from_counting() -> None:
-    router = PrefixRouter(max_queued=2, max_imbalance=3)
+    router = PrefixRouter(min_hit_tokens=0, max_queued=2, max_imbalance=3)
     router.index.apply(holding("b", PROMPT))
     assert router.route(PROMPT, None, [beat("a"), beat("b", waiting=2)]).reason == "overflow"
     # requests routed since the owner's last report count as its load: a burst spreads past the imbalance
@@ -124,7 +125,7 @@ def test_imbalance_and_a_queue_stop_the_prefix_from_counting() -> None:
 
 
 def test_a_gone_replica_is_forgotten() -> None:
-    router = PrefixRouter()
+    router = PrefixRouter(min_hit_tokens=0)
     router.index.apply(holding("b", PROMPT))
     router.index.apply(holding("c", PROMPT))  # not seen live yet: kept
     router.forget_gone({"a", "b"})
@@ -133,7 +134,7 @@ def test_a_gone_replica_is_forgotten() -> None:
 
 
 def test_a_prompt_cache_key_keeps_a_conversation_on_one_replica_until_a_prefix_says_otherwise() -> None:
-    router = PrefixRouter(max_queued=2)
+    router = PrefixRouter(min_hit_tokens=0, max_queued=2)
     engines = [beat("a"), beat("b"), beat("c")]
     first = router.route(PROMPT, None, engines, cache_key="user-1")
     assert first.reason == "cache_key" and first.engine_id is not None
@@ -150,3 +151,15 @@ def test_a_prompt_cache_key_keeps_a_conversation_on_one_replica_until_a_prefix_s
     # the key's replica with no room: the shared stream
     full = [beat(e, waiting=2 if e == holder else 0) for e in "abc"]
     assert router.route(list(range(9)), None, full, cache_key="user-1").reason == "overflow"
+
+
+def test_a_short_shared_prefix_is_no_reason_to_route() -> None:
+    """Half of a two-block prompt is cached (a short chat's system prompt): too short to be worth a replica's
+    queue. The same share of a long prompt is."""
+    router = PrefixRouter(min_hit_tokens=4 * BLOCK)
+    short = list(range(200, 208))  # 2 blocks
+    router.index.apply(holding("b", short[:4]))
+    assert router.route(short, None, [beat("a"), beat("b")]).reason == "no_overlap"
+    long = list(range(300, 332))  # 8 blocks, 4 of them cached
+    router.index.apply(holding("b", long[:16]))
+    assert router.route(long, None, [beat("a"), beat("b")]).reason == "prefix"
