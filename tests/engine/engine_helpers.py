@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+import safetensors
 import torch
 
 from pagedserve.services.engine.engine import Engine
@@ -46,3 +48,27 @@ def run(engine: Engine) -> dict[tuple[str, int], list[RequestOutput]]:
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
+
+
+class WholeReads:
+    """safe_open, recording the tensors read whole (get_tensor) rather than sliced."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        real_safe_open, names = safetensors.safe_open, self.names
+
+        class Handle:
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                self._handle = real_safe_open(*args, **kwargs)
+
+            def keys(self) -> list[str]:
+                return list(self._handle.keys())
+
+            def get_slice(self, name: str) -> object:
+                return self._handle.get_slice(name)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                names.append(name)
+                return self._handle.get_tensor(name)
+
+        monkeypatch.setattr("pagedserve.services.engine.parallel.loading.safe_open", Handle)

@@ -16,6 +16,7 @@ from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.weights import safetensors_files
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
 from pagedserve.services.engine.parallel.state import ParallelContext
+from tests.engine.engine_helpers import WholeReads
 from tests.models.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -36,30 +37,6 @@ def checkpoint_names(files: list[Path]) -> list[str]:
         with safetensors.safe_open(str(path), framework="pt") as f:
             names += f.keys()
     return names
-
-
-class WholeReads:
-    """safe_open, recording the tensors read whole (get_tensor) rather than sliced."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.names: list[str] = []
-        real_safe_open, names = safetensors.safe_open, self.names
-
-        class Handle:
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                self._handle = real_safe_open(*args, **kwargs)
-
-            def keys(self) -> list[str]:
-                return list(self._handle.keys())
-
-            def get_slice(self, name: str) -> object:
-                return self._handle.get_slice(name)
-
-            def get_tensor(self, name: str) -> torch.Tensor:
-                names.append(name)
-                return self._handle.get_tensor(name)
-
-        monkeypatch.setattr("pagedserve.services.engine.parallel.loading.safe_open", Handle)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import safetensors
 import torch
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.parallel.linear import attention_parts
 from pagedserve.services.engine.parallel.state import ParallelContext
+from tests.engine.engine_helpers import WholeReads
 
 CPU = torch.device("cpu")
 
@@ -65,29 +65,12 @@ def test_uneven_kv_split_is_allowed_but_unreplicable_heads_are_refused() -> None
 
 def test_rank_shards_are_slices_of_the_full_weights(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = dict(load_model(tiny_model_dir, "float32", CPU, show_progress=False).named_parameters())
-    whole_reads: list[str] = []
-    real_safe_open = safetensors.safe_open
-
-    class CountingHandle:
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            self._handle = real_safe_open(*args, **kwargs)
-
-        def keys(self) -> list[str]:
-            return list(self._handle.keys())
-
-        def get_slice(self, name: str) -> object:
-            return self._handle.get_slice(name)
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            whole_reads.append(name)
-            return self._handle.get_tensor(name)
-
-    monkeypatch.setattr("pagedserve.services.engine.parallel.loading.safe_open", CountingHandle)
+    whole = WholeReads(monkeypatch)
     shards = [
         dict(load_model(tiny_model_dir, "float32", CPU, show_progress=False, parallel=_ctx(rank, 2)).named_parameters())
         for rank in range(2)
     ]
-    assert whole_reads == []  # Llama tensors: get_slice only
+    assert whole.names == []  # Llama tensors: get_slice only
 
     def joined(name: str, dim: int) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=dim)
