@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedserve.services.gateway.frontend import ChoiceUpdate, Frontend, Generation
 from pagedserve.shared.protocol import ChatRequest, CompletionRequest, Sampling
+from pagedserve.shared.stop_rule import find_stop_string
 
 MAX_LOGPROBS = 20  # what an engine lists per token
 MAX_WIDTH = MAX_LOGPROBS // 2  # each beam's 2 * width candidates come from one logprobs list
@@ -164,7 +165,7 @@ def choices_of(
         reason: str | int | None = None
         if beam.is_eos and ids and ids[-1] != getattr(result.tokenizer, "eos_token_id", None):
             reason = ids[-1]
-        cut = min(((text.find(s), s) for s in stop if s in text), default=None)
+        cut = find_stop_string(text, stop)  # the gateway's rule: the earliest stop string
         if cut is not None:
             end = cut[0] + (len(cut[1]) if include_stop_str else 0)
             text, finish, reason = text[:end], "stop", cut[1]
