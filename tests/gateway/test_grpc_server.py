@@ -184,6 +184,41 @@ def test_abort_ends_a_running_call_by_the_clients_id(setup: Any, tokenizer: Any)
     assert recorder.aborted_ids == {running[0].request_id}  # the engine is told to stop it
 
 
+def test_a_client_id_is_claimed_before_submit_returns(setup: Any, tokenizer: Any) -> None:
+    """Two calls with one id, the first still inside a slow submit: the second is refused, never submitted."""
+    service, frontend, _, recorder = setup
+    submitted: list[Generation] = []
+    release = asyncio.Event()
+
+    async def slow_submit(req: CompletionRequest, stop: list[str], n: int, text: Any = None) -> Generation:
+        gen = open_generation(frontend, tokenizer, req.request_id, tokenizer.encode(str(req.prompt)))
+        submitted.append(gen)
+        await release.wait()  # the call is past the id check but not yet running
+        return gen
+
+    frontend.submit = slow_submit
+
+    async def scenario() -> Aborted:
+        first = asyncio.create_task(generate(service, prompt_request("Hi", "twin"), Context()))
+        while not submitted:
+            await asyncio.sleep(0.01)
+        with pytest.raises(Aborted) as duplicate:  # at once: it must not wait on the first call's submit
+            await asyncio.wait_for(generate(service, prompt_request("Hi", "twin"), Context()), 5)
+        release.set()
+        while "twin" not in service.running:
+            await asyncio.sleep(0.01)
+        await service.Abort(pb.AbortRequest(request_id="twin"), Context())
+        with pytest.raises(Aborted):
+            await asyncio.wait_for(first, 5)
+        return duplicate.value
+
+    duplicate = asyncio.run(scenario())
+    assert duplicate.code == grpc.StatusCode.ALREADY_EXISTS
+    assert len(submitted) == 1  # the second call never reached the engine
+    assert recorder.aborted_ids == {submitted[0].request_id}  # Abort found the first call's generation
+    assert service.running == {} and service.claimed == set() and frontend.num_in_flight == 0
+
+
 def test_list_models_names_the_servable_ones(setup: Any) -> None:
     service, frontend, _, _ = setup
     engine = EngineHeartbeat("e1", "m", 4096)

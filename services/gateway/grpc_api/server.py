@@ -38,11 +38,22 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.frontend, self.settings = frontend, settings
         self.keys = [k.encode() for k in settings.api_keys]
         self.running: dict[str, Generation] = {}  # by the id the client knows
+        self.claimed: set[str] = set()  # client ids taken, from before submit until the call ends
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         await self._authorize(context)
-        if request.request_id and request.request_id in self.running:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is running")
+        client_id = request.request_id
+        if client_id in self.claimed:  # checked and claimed with no await between: two calls can't both pass
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {client_id!r} is running")
+        if client_id:
+            self.claimed.add(client_id)
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self.claimed.discard(client_id)
+
+    async def _generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         try:
             req = convert.to_api_request(request, self.settings)
             internal_id = self.frontend.new_request_id("grpc")
