@@ -41,6 +41,7 @@ LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": 
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 TOOL_CALL_PARSERS = ("hermes", "llama3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "gpt_oss", "openai")
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -254,7 +255,7 @@ class GatewayConfig:
     reasoning_parser: str | None = opt(
         None,
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",
-        choices=("deepseek_r1", "qwen3", "mistral"),
+        choices=REASONING_PARSERS,
     )
     strict_request_fields: bool = opt(False, "unknown request fields get 400 instead of a warning")
     disable_log_requests: bool = opt(False, "no log line per request")

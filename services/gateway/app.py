@@ -34,7 +34,7 @@ from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from pagedserve.services.gateway.reasoning import PARSERS
+from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
 from pagedserve.services.gateway.tool_calls import tool_call_states
 from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
 from pagedserve.services.gateway.wire_request import to_wire
@@ -95,7 +95,9 @@ def build_app(config: Config) -> Starlette:
             response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id
             return await beam_response.respond(req, [wire], frontend, response_id, [echo])
         try:
-            gen = await frontend.submit(wire, req.stop_strings, req.num_choices, req.text_options)
+            gen = await frontend.submit(
+                wire, req.stop_strings, req.num_choices, text_options_for(reasoning, req.text_options)
+            )
         except APIError as exc:  # name the field the client actually sent
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
