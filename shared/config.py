@@ -257,6 +257,11 @@ class GatewayConfig:
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",
         choices=REASONING_PARSERS,
     )
+    responses_store_ttl_s: int = opt(
+        3600,
+        "a /v1/responses response with store=true is kept in Redis this long, for GET, DELETE and "
+        "previous_response_id; 0 = never stored",
+    )
     strict_request_fields: bool = opt(False, "unknown request fields get 400 instead of a warning")
     disable_log_requests: bool = opt(False, "no log line per request")
     uvicorn_log_level: str = opt(

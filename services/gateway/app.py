@@ -35,6 +35,8 @@ from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
+from pagedserve.services.gateway.response_store import ResponseStore
+from pagedserve.services.gateway.response_store import not_found as response_not_found
 from pagedserve.services.gateway.tool_calls import tool_call_states
 from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
 from pagedserve.services.gateway.wire_request import to_wire
@@ -51,6 +53,7 @@ def build_app(config: Config) -> Starlette:
     metrics.track_in_flight(lambda: frontend.num_in_flight)
     ignored_log = ignored_fields.IgnoredFieldsLog()
     reasoning = PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
+    store = ResponseStore(frontend.redis, settings.responses_store_ttl_s)  # in Redis: shared by every worker
 
     async def parse(request: Request, cls: type[Any]) -> tuple[Any, list[str]]:
         """The validated request, and the unknown fields it came with (dropped; none when strict)."""
@@ -138,7 +141,20 @@ def build_app(config: Config) -> Starlette:
 
     async def create_response(request: Request) -> Response:
         req, ignored = await parse(request, responses_api.ResponsesRequest)
-        return _reporting(await responses_api.serve(request, req, frontend, settings), ignored)
+        return _reporting(await responses_api.serve(request, req, frontend, settings, store, reasoning), ignored)
+
+    async def get_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        stored = await store.load(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        return JSONResponse(stored.response)
+
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await store.delete(response_id):
+            raise response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def embeddings(request: Request) -> Response:
         raise APIError(
@@ -194,6 +210,8 @@ def build_app(config: Config) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
