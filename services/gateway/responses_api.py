@@ -255,7 +255,11 @@ class _Run:
             "input_tokens": usage["prompt_tokens"],
             "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            # cache_write_tokens: the SDK's type requires it; our prefix cache has no write to count
+            "input_tokens_details": {
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0,
+            },
             "output_tokens_details": {"reasoning_tokens": num_reasoning},
         }
 
