@@ -291,6 +291,12 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "workers", "max_in_flight", "max_n")
+        if (
+            self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS
+        ):  # optional: no argparse choices
+            raise ValueError(
+                f"reasoning_parser: unknown {self.reasoning_parser!r} (expected one of {', '.join(REASONING_PARSERS)})"
+            )
         if not 0 < self.sse_keepalive_s <= 15:
             raise ValueError("sse_keepalive_s must be in (0, 15]: a queued stream must never look dead to a proxy")
         if self.max_queue_wait_s <= 0:
