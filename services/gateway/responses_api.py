@@ -189,7 +189,7 @@ class _Run:
                 more_thought, more_text = self.splitter.flush()
                 thought, text = thought + more_thought, text + more_text
         calls: list[dict[str, Any]] = []
-        if self.tools is not None:
+        if self.tools is not None and (text or is_last):  # (a named call's header waits for its first text)
             text, calls = self.tools.feed(text)
             if is_last:
                 tail, more = self.tools.finish()
