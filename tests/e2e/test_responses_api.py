@@ -84,7 +84,7 @@ def test_unknown_ids_are_404s_and_other_tools_a_400(services: RunningServices) -
     assert "tools" in str(bad.value)
 
 
-def test_a_named_tool_comes_back_as_a_function_call_item(services: RunningServices) -> None:
+def test_a_named_tool_comes_back_as_a_function_call_item_and_its_result_continues_it(services: RunningServices) -> None:
     client = _client(services)
     tools = [
         {
@@ -108,7 +108,7 @@ def test_a_named_tool_comes_back_as_a_function_call_item(services: RunningServic
         max_output_tokens=40,
         store=False,
     )
-    response = client.responses.create(**kwargs)
+    response = client.responses.create(**{**kwargs, "store": True})
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     assert isinstance(json.loads(call.arguments)["city"], str)  # the grammar made it parse
@@ -121,3 +121,17 @@ def test_a_named_tool_comes_back_as_a_function_call_item(services: RunningServic
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
     with pytest.raises(openai.NotFoundError):  # store=False: nothing kept
         client.responses.retrieve(final.id)
+
+    # The tool's result continues the stored response: the call and its output reach the chat template, after
+    # the first prompt (the same tools rendered in it) and its answer.
+    answer = client.responses.create(
+        model=services.model,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        tools=tools,
+        temperature=0,
+        max_output_tokens=8,
+    )
+    assert answer.output and answer.previous_response_id == response.id
+    assert answer.usage is not None and response.usage is not None
+    assert answer.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens
