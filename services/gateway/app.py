@@ -35,6 +35,7 @@ from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
+from pagedserve.services.gateway.response_items import item_page
 from pagedserve.services.gateway.response_store import ResponseStore
 from pagedserve.services.gateway.response_store import not_found as response_not_found
 from pagedserve.services.gateway.tool_calls import tool_call_states
@@ -150,6 +151,18 @@ def build_app(config: Config) -> Starlette:
             raise response_not_found(response_id)
         return JSONResponse(stored.response)
 
+    async def list_input_items(request: Request) -> Response:
+        response_id, query = request.path_params["response_id"], request.query_params
+        stored = await store.load(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        limit, order = query.get("limit", "20"), query.get("order", "desc")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        return JSONResponse(item_page(stored.input_items, query.get("after"), int(limit), order))
+
     async def delete_response(request: Request) -> Response:
         response_id = request.path_params["response_id"]
         if not await store.delete(response_id):
@@ -212,6 +225,7 @@ def build_app(config: Config) -> Starlette:
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),

@@ -12,6 +12,7 @@ Items arrive validated (the models below) from a request, or as the plain dicts 
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
@@ -87,11 +88,38 @@ class NamedFunction(Strict):
     name: str = Field(min_length=1)
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
-    """A request's input as plain items (what a stored response keeps)."""
+    """A request's input as plain items, each with an id and a message's content as parts (what a stored
+    response keeps, and GET .../input_items lists)."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    return [item.model_dump(exclude_none=True) | {"type": _item_type(item)} for item in value]
+        value = [MessageItem(role="user", content=value)]
+    items = []
+    for given in value:
+        item = given.model_dump(exclude_none=True) | {"type": _item_type(given)}
+        item.setdefault("id", f"{_ID_PREFIXES[item['type']]}_{uuid.uuid4().hex}")
+        if item["type"] == "message" and isinstance(item["content"], str):
+            kind = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def item_page(items: list[dict[str, Any]], after: str | None, limit: int, order: str) -> dict[str, Any]:
+    """OpenAI's list of items: `limit` of them in `order` (asc | desc), after the item with id `after`."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start = ids.index(after) + 1 if after in ids else 0
+    page = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(ordered),
+    }
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

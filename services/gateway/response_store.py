@@ -1,7 +1,7 @@
 """Stored /v1/responses responses: in Redis with a TTL, so every gateway worker and replica shares them.
 
     store=true  ─► save(response, input items)      one key per response (streams.stored_response_key)
-    GET    /v1/responses/{id}  ─► load(id).response
+    GET    /v1/responses/{id}  ─► load(id).response           (/input_items: load(id).input_items)
     DELETE /v1/responses/{id}  ─► delete(id)
     previous_response_id       ─► load(id).conversation(): its input items (its own history first) and its
                                    output items, the history before the new input

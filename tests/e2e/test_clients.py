@@ -97,6 +97,10 @@ def test_openai_responses_are_stored_continued_streamed_and_deleted(services: Ru
     assert second.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(second.id).output_text == second.output_text
+    # its input items, newest first: the new question, then the first response's answer and its input
+    items = client.responses.input_items.list(second.id, limit=3)
+    assert [item.type for item in items.data] == ["message"] * 3 and items.has_more is False
+    assert [getattr(item, "role", None) for item in items.data] == ["user", "assistant", "user"]
 
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pagedserve.services.gateway.errors import APIError
-from pagedserve.services.gateway.response_items import input_items
+from pagedserve.services.gateway.response_items import input_items, item_page
 from pagedserve.services.gateway.response_output import OutputItems
 from pagedserve.services.gateway.responses_api import ResponsesRequest, chat_request_of
 from pagedserve.services.gateway.schemas import ChatCompletionRequest, NamedToolChoice
@@ -142,3 +142,25 @@ def test_items_stream_their_events_in_openai_order() -> None:
     }
     assert all(item["status"] == "completed" for item in output.items)
     assert output.close() == []  # nothing open
+
+
+def test_input_items_get_ids_and_list_in_pages() -> None:
+    req = ResponsesRequest.model_validate(
+        {"model": "m", "input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "id": "m2"}]}
+    )
+    first, second = input_items(req.input)
+    assert first["id"].startswith("msg_") and first["content"] == [{"type": "input_text", "text": "a"}]
+    assert second["id"] == "m2" and second["content"] == [{"type": "output_text", "text": "b"}]
+    (plain,) = input_items("hi")
+    assert (plain["role"], plain["content"]) == ("user", [{"type": "input_text", "text": "hi"}])
+
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page = item_page(items, after=None, limit=2, order="desc")
+    assert ([i["id"] for i in page["data"]], page["first_id"], page["last_id"], page["has_more"]) == (
+        ["i4", "i3"],
+        "i4",
+        "i3",
+        True,
+    )
+    rest = item_page(items, after="i1", limit=20, order="asc")
+    assert [i["id"] for i in rest["data"]] == ["i2", "i3", "i4"] and rest["has_more"] is False
