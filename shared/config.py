@@ -41,6 +41,7 @@ LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": 
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 TOOL_CALL_PARSERS = ("hermes", "llama3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "gpt_oss", "openai")
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -254,7 +255,12 @@ class GatewayConfig:
     reasoning_parser: str | None = opt(
         None,
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",
-        choices=("deepseek_r1", "qwen3", "mistral"),
+        choices=REASONING_PARSERS,
+    )
+    responses_store_ttl_s: int = opt(
+        3600,
+        "a /v1/responses response with store=true is kept in Redis this long, for GET, DELETE and "
+        "previous_response_id; 0 = never stored",
     )
     strict_request_fields: bool = opt(False, "unknown request fields get 400 instead of a warning")
     disable_log_requests: bool = opt(False, "no log line per request")
@@ -285,6 +291,12 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "workers", "max_in_flight", "max_n")
+        if (
+            self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS
+        ):  # optional: no argparse choices
+            raise ValueError(
+                f"reasoning_parser: unknown {self.reasoning_parser!r} (expected one of {', '.join(REASONING_PARSERS)})"
+            )
         if not 0 < self.sse_keepalive_s <= 15:
             raise ValueError("sse_keepalive_s must be in (0, 15]: a queued stream must never look dead to a proxy")
         if self.max_queue_wait_s <= 0:

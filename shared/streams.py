@@ -93,6 +93,11 @@ def aborted_key(model: str, request_id: str) -> str:
     return f"ps:{{{model}}}:aborted:{request_id}"
 
 
+def stored_response_key(response_id: str) -> str:
+    """A /v1/responses response kept for `previous_response_id` and GET (services/gateway/response_store.py)."""
+    return f"ps:{{{response_id}}}:response"
+
+
 ENGINE_KEY_PATTERN = "ps:*:engine:*"
 TOKENIZER_KEY_PATTERN = "ps:*:tokenizer:*"
 RESPONSE_STREAM_PATTERN = "ps:*:resp"

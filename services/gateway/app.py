@@ -34,7 +34,10 @@ from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from pagedserve.services.gateway.reasoning import PARSERS
+from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
+from pagedserve.services.gateway.response_items import item_page
+from pagedserve.services.gateway.response_store import ResponseStore
+from pagedserve.services.gateway.response_store import not_found as response_not_found
 from pagedserve.services.gateway.tool_calls import tool_call_states
 from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
 from pagedserve.services.gateway.wire_request import to_wire
@@ -51,6 +54,7 @@ def build_app(config: Config) -> Starlette:
     metrics.track_in_flight(lambda: frontend.num_in_flight)
     ignored_log = ignored_fields.IgnoredFieldsLog()
     reasoning = PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
+    store = ResponseStore(frontend.redis, settings.responses_store_ttl_s)  # in Redis: shared by every worker
 
     async def parse(request: Request, cls: type[Any]) -> tuple[Any, list[str]]:
         """The validated request, and the unknown fields it came with (dropped; none when strict)."""
@@ -95,7 +99,9 @@ def build_app(config: Config) -> Starlette:
             response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id
             return await beam_response.respond(req, [wire], frontend, response_id, [echo])
         try:
-            gen = await frontend.submit(wire, req.stop_strings, req.num_choices, req.text_options)
+            gen = await frontend.submit(
+                wire, req.stop_strings, req.num_choices, text_options_for(reasoning, req.text_options)
+            )
         except APIError as exc:  # name the field the client actually sent
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
                 exc.param = "max_completion_tokens"
@@ -136,7 +142,32 @@ def build_app(config: Config) -> Starlette:
 
     async def create_response(request: Request) -> Response:
         req, ignored = await parse(request, responses_api.ResponsesRequest)
-        return _reporting(await responses_api.serve(request, req, frontend, settings), ignored)
+        return _reporting(await responses_api.serve(request, req, frontend, settings, store, reasoning), ignored)
+
+    async def get_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        stored = await store.load(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        return JSONResponse(stored.response)
+
+    async def list_input_items(request: Request) -> Response:
+        response_id, query = request.path_params["response_id"], request.query_params
+        stored = await store.load(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        limit, order = query.get("limit", "20"), query.get("order", "desc")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        return JSONResponse(item_page(stored.input_items, query.get("after"), int(limit), order))
+
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await store.delete(response_id):
+            raise response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def embeddings(request: Request) -> Response:
         raise APIError(
@@ -192,6 +223,9 @@ def build_app(config: Config) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),

@@ -21,7 +21,13 @@ from pagedserve.services.gateway import responses
 from pagedserve.services.gateway.batch import GenerationView, parts_of
 from pagedserve.services.gateway.errors import APIError
 from pagedserve.services.gateway.frontend import ChoiceUpdate, Generation
-from pagedserve.services.gateway.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
+from pagedserve.services.gateway.reasoning import (
+    ReasoningFormat,
+    Splitter,
+    add_reasoning_tokens,
+    new_splitter,
+    split_reasoning,
+)
 from pagedserve.services.gateway.tool_calls import ChoiceToolCalls, finish_reason
 
 log = logging.getLogger(__name__)
@@ -137,7 +143,7 @@ async def chat_events(
     tools: list[ChoiceToolCalls] | None = None,
 ) -> AsyncIterator[bytes]:
     seen: set[int] = set()  # choices whose first chunk (with the role) went out
-    splitters = [ReasoningSplitter(fmt.reasoning) for _ in gen.choices] if fmt.reasoning else None
+    splitters = [new_splitter(fmt.reasoning) for _ in gen.choices] if fmt.reasoning else None
     async for update in gen.updates():
         is_first = update.index not in seen
         calls: list[Any] = []
@@ -171,10 +177,13 @@ async def chat_events(
                     chunk["prompt_token_ids"] = list(gen.accepted.prompt_token_ids)
             yield responses.sse(_with_usage(gen, chunk, fmt))
     if fmt.include_usage:
-        yield responses.sse(responses.usage_chunk(gen, "chat.completion.chunk"))
+        last = responses.usage_chunk(gen, "chat.completion.chunk")
+        if fmt.reasoning is not None:
+            add_reasoning_tokens(last["usage"], fmt.reasoning, gen.choices)
+        yield responses.sse(last)
 
 
-def _reasoning_update(splitter: ReasoningSplitter, update: ChoiceUpdate) -> tuple[ChoiceUpdate, str]:
+def _reasoning_update(splitter: Splitter, update: ChoiceUpdate) -> tuple[ChoiceUpdate, str]:
     """The update with only its answer text, and the reasoning text it carried."""
     thought, content = splitter.feed(update.text)
     if update.finish_reason is not None:
@@ -262,6 +271,7 @@ async def collect(
     builder = responses.chat_response if is_chat else responses.completion_response
     body = builder(gen, texts, logprobs)
     if reasoning is not None:
+        add_reasoning_tokens(body["usage"], reasoning, gen.choices)
         for choice, thought, text in zip(body["choices"], thoughts, texts):
             choice["message"]["reasoning_content"] = thought
             choice["message"]["content"] = text or None

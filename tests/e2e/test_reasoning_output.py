@@ -44,13 +44,22 @@ def test_reasoning_goes_to_reasoning_content(services: RunningServices, reasonin
     assert raw is not None and raw.startswith("<think>") and "</think>" in raw
     thought, answer = raw.removeprefix("<think>").split("</think>")
 
-    message = parsed.chat.completions.create(**kwargs).choices[0].message
+    completion = parsed.chat.completions.create(**kwargs)
+    message = completion.choices[0].message
     assert message.content == answer
+    # the tokens up to the one that completes </think> (each tag is 3 SmolLM2 tokens, the thought 1+): not the answer
+    details = completion.usage.completion_tokens_details if completion.usage else None
+    assert details is not None and details.reasoning_tokens is not None and completion.usage is not None
+    assert 7 <= details.reasoning_tokens < completion.usage.completion_tokens
     assert message.model_extra is not None and message.model_extra["reasoning_content"] == thought
 
-    reasoning, content = "", ""
-    for chunk in parsed.chat.completions.create(**kwargs, stream=True):
+    reasoning, content, usage = "", "", None
+    for chunk in parsed.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
         delta = chunk.choices[0].delta
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
         content += delta.content or ""
     assert (reasoning, content) == (thought, answer)  # no tag byte in either
+    assert usage is not None and usage.completion_tokens_details == details

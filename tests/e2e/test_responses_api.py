@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -68,17 +70,68 @@ def test_a_streamed_response_sends_the_typed_events(services: RunningServices) -
     assert "".join(deltas) == whole.output_text == last.response.output_text
 
 
-def test_what_is_not_served_here_is_a_clear_400(services: RunningServices) -> None:
+def test_unknown_ids_are_404s_and_other_tools_a_400(services: RunningServices) -> None:
     client = _client(services)
-    with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=services.model, input="hi", previous_response_id="resp_123")
-    assert "previous_response_id" in str(err.value)
-    with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(
-            model=services.model,
-            input="hi",
-            tools=[
-                {"type": "function", "name": "f", "strict": False, "parameters": {"type": "object", "properties": {}}}
-            ],
-        )
-    assert "tools" in str(err.value)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=services.model, input="hi", previous_response_id="resp_unknown")
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=services.model, input="hi", tools=[{"type": "web_search"}])
+    assert "tools" in str(bad.value)
+
+
+def test_a_named_tool_comes_back_as_a_function_call_item_and_its_result_continues_it(services: RunningServices) -> None:
+    client = _client(services)
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        }
+    ]
+    kwargs = dict(
+        model=services.model,
+        input="What is the weather in Paris?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=40,
+        store=False,
+    )
+    response = client.responses.create(**{**kwargs, "store": True})
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)  # the grammar made it parse
+
+    with client.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    (streamed,) = [item for item in final.output if item.type == "function_call"]
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    with pytest.raises(openai.NotFoundError):  # store=False: nothing kept
+        client.responses.retrieve(final.id)
+
+    # The tool's result continues the stored response: the call and its output reach the chat template, after
+    # the first prompt (the same tools rendered in it) and its answer.
+    answer = client.responses.create(
+        model=services.model,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        tools=tools,
+        temperature=0,
+        max_output_tokens=8,
+    )
+    assert answer.output and answer.previous_response_id == response.id
+    assert answer.usage is not None and response.usage is not None
+    assert answer.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens

@@ -119,6 +119,8 @@ VLLM_FLAGS: list[tuple[list[str], str, object]] = [
     (["--enable-auto-tool-choice"], "gateway.enable_auto_tool_choice", True),
     (["--tool-call-parser", "llama3"], "gateway.tool_call_parser", "llama3"),
     (["--reasoning-parser", "deepseek_r1"], "gateway.reasoning_parser", "deepseek_r1"),
+    (["--reasoning-parser", "gpt_oss"], "gateway.reasoning_parser", "gpt_oss"),
+    (["--responses-store-ttl-s", "60"], "gateway.responses_store_ttl_s", 60),
     (["--load-format", "dummy"], "model.load_format", "random"),
     (["--load-format", "safetensors"], "model.load_format", "auto"),
     (["--load-format", "gguf"], "model.load_format", "auto"),
@@ -232,3 +234,10 @@ def test_chat_template_replaces_the_checkpoints(smollm2_dir: Path, tmp_path: Pat
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text == "<<hi>>"
     assert load_tokenizer(smollm2_dir).chat_template != template
+
+
+def test_an_unknown_reasoning_parser_stops_start_up_listing_the_choices() -> None:
+    from pagedserve.shared.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="expected one of deepseek_r1, qwen3, mistral, granite, gpt_oss, openai"):
+        GatewayConfig(reasoning_parser="bogus")
