@@ -40,7 +40,23 @@ DTYPES = {
 LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": "random", "random": "random"}
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("fp8", "awq", "gptq")
-TOOL_CALL_PARSERS = ("hermes", "llama3")
+# vLLM's --tool-call-parser names (services/gateway/tool_parsers/ reads each; `llama3` is our older llama3_json)
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "llama3",
+    "pythonic",
+    "llama4_pythonic",
+    "mistral",
+    "qwen3_coder",
+    "deepseek_v3",
+    "deepseek_v31",
+    "granite",
+    "phi4_mini_json",
+    "glm45",
+    "kimi_k2",
+    "openai",
+)
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -285,6 +301,10 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "workers", "max_in_flight", "max_n")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:  # a flag is checked by argparse; env and files here
+            raise ValueError(
+                f"tool_call_parser: unknown {self.tool_call_parser!r} (expected one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
         if not 0 < self.sse_keepalive_s <= 15:
             raise ValueError("sse_keepalive_s must be in (0, 15]: a queued stream must never look dead to a proxy")
         if self.max_queue_wait_s <= 0:
