@@ -267,6 +267,11 @@ class GatewayConfig:
     max_prompts: int = opt(64, "prompts x n of one batched completion")
     tool_call_parser: str = opt("hermes", "the model's tool-call format", choices=TOOL_CALL_PARSERS)
     enable_auto_tool_choice: bool = opt(True, "parse tool calls when tool_choice is auto (off: such requests get 400)")
+    tool_call_grammar: bool = opt(
+        True,
+        "tool_choice auto: a call the model starts must name a tool and match its schema (an xgrammar structural "
+        "tag on the family's start marker: hermes, qwen3_coder); text stays free",
+    )
     reasoning_parser: str | None = opt(
         None,
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",

@@ -91,11 +91,15 @@ def build_app(config: Config) -> Starlette:
             traceparent=request.headers.get("traceparent"),
         )
         echo = req.echo_text
+        mode = structured.tool_choice_mode(req)
+        if settings.tool_call_grammar and not req.use_beam_search:
+            tag = structured.auto_tool_grammar(req, settings.tool_call_parser)
+            if tag is not None:
+                wire.sampling["structured_output"] = tag.to_wire()
         if req.use_beam_search:
             beam_response.check(req)
             response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id
             return await beam_response.respond(req, [wire], frontend, response_id, [echo])
-        mode = structured.tool_choice_mode(req)
         text_options = tool_text_options(mode, settings.tool_call_parser, req.text_options)
         try:
             gen = await frontend.submit(wire, req.stop_strings, req.num_choices, text_options)

@@ -323,3 +323,34 @@ def test_argument_pieces() -> None:
     body.feed('{"arguments": {"a": 1}, "name": "f"}')  # arguments before the name
     assert [(c.name, c.arguments, c.is_closed) for c in sink.calls] == [("f", '{"a": 1}', True)]
     assert isinstance(TaggedParser(FORMATS["hermes"]).sink, CallSink) and HarmonyParser().content == ""
+
+
+def test_auto_calls_are_held_to_the_tools_by_a_structural_tag() -> None:
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pagedserve.services.gateway import schemas, structured
+    from pagedserve.services.gateway.errors import APIError
+    from pagedserve.services.gateway.tool_parsers.structural import call_grammar_ebnf
+    from pagedserve.services.gateway.validation import validate
+
+    def chat(**fields: Any) -> schemas.ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **fields}
+        return validate(schemas.ChatCompletionRequest, body)
+
+    spec = structured.auto_tool_grammar(chat(), "hermes")
+    assert spec is not None and spec.kind == "grammar"
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert accepts(spec.value, "Free text, {braces} and all ✓") and accepts(spec.value, f"Sure. {call} {call}")
+    assert not accepts(spec.value, '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')  # no such tool
+    assert not accepts(spec.value, '<tool_call>\n{"name": "get_weather", "arguments": {"days": "3"}}\n</tool_call>')
+    one = structured.auto_tool_grammar(chat(parallel_tool_calls=False), "hermes")
+    assert one is not None and accepts(one.value, call) and not accepts(one.value, call + call)
+    qwen = call_grammar_ebnf("qwen3_coder", TOOLS, None)
+    assert qwen is not None and accepts(qwen, QWEN_WEATHER)
+    assert structured.auto_tool_grammar(chat(), "kimi_k2") is None  # special-token markers: parsed, not held
+    assert structured.auto_tool_grammar(chat(response_format={"type": "json_object"}), "hermes") is None
+    assert structured.auto_tool_grammar(chat(tool_choice="required"), "hermes") is None  # its own grammar
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
+    with pytest.raises(APIError) as raised:
+        structured.auto_tool_grammar(chat(tools=bad), "hermes")
+    assert raised.value.status == 400 and raised.value.param == "tools[0].function.parameters"
