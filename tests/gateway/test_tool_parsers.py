@@ -354,3 +354,35 @@ def test_auto_calls_are_held_to_the_tools_by_a_structural_tag() -> None:
     with pytest.raises(APIError) as raised:
         structured.auto_tool_grammar(chat(tools=bad), "hermes")
     assert raised.value.status == 400 and raised.value.param == "tools[0].function.parameters"
+
+
+@pytest.mark.parametrize(("parser", "grammar", "skips_special"), [("hermes", True, True), ("kimi_k2", False, False)])
+def test_the_gateway_sends_the_auto_grammar_and_keeps_marker_tokens(
+    monkeypatch: pytest.MonkeyPatch, parser: str, grammar: bool, skips_special: bool
+) -> None:
+    """What an auto request leaves the gateway with: the family's structural tag on the wire, and the text
+    options its markers need (the submit is stubbed: nothing runs)."""
+    from starlette.testclient import TestClient
+
+    from pagedserve.services.gateway.app import build_app
+    from pagedserve.services.gateway.errors import APIError
+    from pagedserve.services.gateway.frontend import Frontend
+    from pagedserve.shared.config import Config
+    from pagedserve.shared.redis_server import free_port
+
+    seen: list[tuple[Any, TextOptions]] = []
+
+    async def submit(self: Frontend, wire: Any, stop: list[str], n: int, text: TextOptions) -> Any:
+        seen.append((wire, text))
+        raise APIError(503, "stubbed")
+
+    monkeypatch.setattr(Frontend, "submit", submit)
+    config = Config.of(redis_url=f"redis://127.0.0.1:{free_port()}/0", tool_call_parser=parser)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    with TestClient(build_app(config)) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 503
+        assert client.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 503
+    (wire, text), (plain_wire, plain_text) = seen
+    assert ("structured_output" in wire.sampling) == grammar and text.skip_special_tokens == skips_special
+    assert grammar is False or wire.sampling["structured_output"]["kind"] == "grammar"
+    assert "structured_output" not in plain_wire.sampling and plain_text.skip_special_tokens  # tool_choice none
