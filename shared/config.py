@@ -40,7 +40,23 @@ DTYPES = {
 LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": "random", "random": "random"}
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("fp8", "awq", "gptq")
-TOOL_CALL_PARSERS = ("hermes", "llama3")
+# vLLM's --tool-call-parser names (services/gateway/tool_parsers/ reads each; `llama3` is our older llama3_json)
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "llama3",
+    "pythonic",
+    "llama4_pythonic",
+    "mistral",
+    "qwen3_coder",
+    "deepseek_v3",
+    "deepseek_v31",
+    "granite",
+    "phi4_mini_json",
+    "glm45",
+    "kimi_k2",
+    "openai",
+)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "gpt_oss", "openai")
 
 
@@ -252,6 +268,11 @@ class GatewayConfig:
     max_prompts: int = opt(64, "prompts x n of one batched completion")
     tool_call_parser: str = opt("hermes", "the model's tool-call format", choices=TOOL_CALL_PARSERS)
     enable_auto_tool_choice: bool = opt(True, "parse tool calls when tool_choice is auto (off: such requests get 400)")
+    tool_call_grammar: bool = opt(
+        True,
+        "tool_choice auto: a call the model starts must name a tool and match its schema (an xgrammar structural "
+        "tag on the family's start marker: hermes, qwen3_coder); text stays free",
+    )
     reasoning_parser: str | None = opt(
         None,
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",
@@ -291,9 +312,11 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "workers", "max_in_flight", "max_n")
-        if (
-            self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS
-        ):  # optional: no argparse choices
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:  # a flag is checked by argparse; env and files here
+            raise ValueError(
+                f"tool_call_parser: unknown {self.tool_call_parser!r} (expected one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser: unknown {self.reasoning_parser!r} (expected one of {', '.join(REASONING_PARSERS)})"
             )

@@ -38,6 +38,7 @@ from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
 from pagedserve.services.gateway.response_items import item_page
 from pagedserve.services.gateway.response_store import ResponseStore
 from pagedserve.services.gateway.response_store import not_found as response_not_found
+from pagedserve.services.gateway.tool_calls import text_options as tool_text_options
 from pagedserve.services.gateway.tool_calls import tool_call_states
 from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
 from pagedserve.services.gateway.wire_request import to_wire
@@ -94,13 +95,19 @@ def build_app(config: Config) -> Starlette:
             traceparent=request.headers.get("traceparent"),
         )
         echo = req.echo_text
+        mode = structured.tool_choice_mode(req)
+        if settings.tool_call_grammar and not req.use_beam_search:
+            tag = structured.auto_tool_grammar(req, settings.tool_call_parser)
+            if tag is not None:
+                wire.sampling["structured_output"] = tag.to_wire()
         if req.use_beam_search:
             beam_response.check(req)
             response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id
             return await beam_response.respond(req, [wire], frontend, response_id, [echo])
+        text_options = tool_text_options(mode, settings.tool_call_parser, req.text_options)
         try:
             gen = await frontend.submit(
-                wire, req.stop_strings, req.num_choices, text_options_for(reasoning, req.text_options)
+                wire, req.stop_strings, req.num_choices, text_options_for(reasoning, text_options)
             )
         except APIError as exc:  # name the field the client actually sent
             if exc.param == "max_tokens" and req.max_completion_tokens is not None:
@@ -109,7 +116,14 @@ def build_app(config: Config) -> Starlette:
         if req.request_id is not None:  # the id the client chose names the response; ours stays unique inside
             gen.response_id = f"chatcmpl-{req.request_id}"
         named = req.tool_choice.function.name if isinstance(req.tool_choice, schemas.NamedToolChoice) else None
-        tools = tool_call_states(structured.tool_choice_mode(req), named, settings.tool_call_parser, req.num_choices)
+        tools = tool_call_states(
+            mode,
+            named,
+            settings.tool_call_parser,
+            req.num_choices,
+            structured.template_tools(req),
+            req.parallel_tool_calls,
+        )
         if req.is_stream:
             fmt = streaming.StreamFormat(
                 req.include_usage,

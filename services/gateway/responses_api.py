@@ -50,6 +50,7 @@ from pagedserve.services.gateway.response_output import Event, OutputItems
 from pagedserve.services.gateway.response_store import ResponseStore, not_found
 from pagedserve.services.gateway.streaming import event_stream
 from pagedserve.services.gateway.tool_calls import ChoiceToolCalls, tool_call_states
+from pagedserve.services.gateway.tool_calls import text_options as tool_text_options
 from pagedserve.services.gateway.validation import validate
 from pagedserve.services.gateway.wire_request import to_wire
 from pagedserve.shared.config import GatewayConfig
@@ -128,9 +129,17 @@ async def serve(
     wire = to_wire(
         chat, frontend.new_request_id("resp"), settings.gateway_id, traceparent=request.headers.get("traceparent")
     )
-    gen = await frontend.submit(wire, chat.stop_strings, 1, text_options_for(reasoning, chat.text_options))
+    mode = structured.tool_choice_mode(chat)
+    if settings.tool_call_grammar:  # as chat: a started call is held to the tools' schemas
+        tag = structured.auto_tool_grammar(chat, settings.tool_call_parser)
+        if tag is not None:
+            wire.sampling["structured_output"] = tag.to_wire()
+    text_options = tool_text_options(mode, settings.tool_call_parser, chat.text_options)
+    gen = await frontend.submit(wire, chat.stop_strings, 1, text_options_for(reasoning, text_options))
     named = chat.tool_choice.function.name if isinstance(chat.tool_choice, schemas.NamedToolChoice) else None
-    tools = tool_call_states(structured.tool_choice_mode(chat), named, settings.tool_call_parser, 1)
+    tools = tool_call_states(
+        mode, named, settings.tool_call_parser, 1, structured.template_tools(chat), chat.parallel_tool_calls
+    )
     run = _Run(req, gen, reasoning, tools[0] if tools else None)
     saved = items if req.store and store.is_enabled else None  # the input items kept with the response
     if req.stream:  # keep-alives, and the request released however the stream ends (streaming.py)

@@ -4,6 +4,7 @@
     structured_outputs {json|regex|choice|grammar|json_object}, guided_json / guided_regex /
     guided_choice / guided_grammar                 chat and completions (vLLM's extras)
     tool_choice "required" / a named function      chat: a JSON schema built from the tools
+    tool_choice "auto" (--tool-call-grammar)         chat: free text, calls held to the tools (`auto_tool_grammar`)
 
 At most one may be set. The constraint becomes a `GrammarSpec` on the wire; here it is parsed
 into a grammar once (no tokenizer needed, cached by spec) so that a bad schema or regex is a 400
@@ -19,6 +20,7 @@ from typing import Any
 import jsonschema
 
 from pagedserve.services.gateway.errors import APIError
+from pagedserve.services.gateway.tool_parsers.structural import call_grammar_ebnf
 from pagedserve.shared.grammar_spec import GrammarSpec, check_spec
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -183,3 +185,23 @@ def template_tools(req: Any) -> list[dict[str, Any]] | None:
     if not getattr(req, "tools", None) or tool_choice_mode(req) == "none":
         return None
     return [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools]
+
+
+def auto_tool_grammar(req: Any, parser: str) -> GrammarSpec | None:
+    """tool_choice "auto": the family's structural tag over the tools, where it has one and the request sets
+    no other constraint (an invalid tool schema is then a 400 naming it, as for "required")."""
+    if tool_choice_mode(req) != "auto" or grammar_spec(req) is not None:
+        return None
+    tools = template_tools(req) or []
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        try:
+            _check_json_schema(_ANY_OBJECT if parameters is None else parameters)
+        except ValueError as exc:
+            param = f"tools[{i}].function.parameters"
+            raise APIError(400, f"Invalid {param}: {exc}", param=param, code="invalid_value") from None
+    try:
+        ebnf = call_grammar_ebnf(parser, tools, req.parallel_tool_calls)
+    except ValueError as exc:
+        raise APIError(400, f"Invalid tools: {exc}", param="tools", code="invalid_value") from None
+    return None if ebnf is None else GrammarSpec("grammar", ebnf)

@@ -25,6 +25,7 @@ class CallEvent:
     index: int
     name: str | None  # set once, when the name completes
     arguments: str  # a new fragment of the arguments ("" when none)
+    ends: bool = False  # the call's object closed here
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class ToolCallScanner:
         elif c == "}":
             self._depth = 0
             self.calls[-1].is_complete = True
+            events.append(CallEvent(len(self.calls) - 1, None, "", ends=True))
         elif self._expect_value and not c.isspace() and self._key in self.argument_keys:
             self._args_depth, self._args_started = 0, False
             self._capture(c, events)
@@ -135,8 +137,14 @@ def _merge(events: list[CallEvent]) -> list[CallEvent]:
     merged: list[CallEvent] = []
     for event in events:
         last = merged[-1] if merged else None
-        if last is not None and last.index == event.index and event.name is None and last.name is None:
+        if (
+            last is not None
+            and last.index == event.index
+            and event.name is None
+            and last.name is None
+            and not (event.ends or last.ends)
+        ):
             last.arguments += event.arguments
         else:
-            merged.append(CallEvent(event.index, event.name, event.arguments))
+            merged.append(CallEvent(event.index, event.name, event.arguments, event.ends))
     return merged

@@ -117,7 +117,7 @@ def test_streamed_tool_call_deltas(client: openai.OpenAI, services: RunningServi
         parallel_tool_calls=False,
     )
     content, calls, finish = collect_stream(stream)
-    assert content == "" and finish == "tool_calls" and calls
+    assert content == "" and finish == "tool_calls" and list(calls) == [0]  # parallel_tool_calls false: one call
     names = {"get_time"} if isinstance(tool_choice, dict) else set(PARAMS)
     for call in calls.values():
         assert call["id"].startswith("call_") and call["name"] in names
@@ -164,6 +164,17 @@ def test_auto_is_well_formed_either_way(client: openai.OpenAI, services: Running
         )
     )
     assert finish in ("stop", "length", "tool_calls") and (finish != "tool_calls" or bool(calls))
+
+
+def test_auto_with_a_broken_tool_schema_is_a_400(client: openai.OpenAI, services: RunningServices) -> None:
+    """Under "auto" the calls are held to the tools' schemas by a grammar (--tool-call-grammar), so a schema
+    that is none is refused before any byte, naming it; the server answers the next request as usual."""
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=services.model, messages=MESSAGES, tools=bad, max_tokens=4, stream=True)
+    assert err.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
+    reply = client.chat.completions.create(model=services.model, messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 def test_legacy_functions_get_a_function_call(client: openai.OpenAI, services: RunningServices) -> None:
