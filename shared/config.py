@@ -278,6 +278,12 @@ class GatewayConfig:
         "chat answers carry the model's reasoning in reasoning_content (message and stream deltas), apart from content",
         choices=REASONING_PARSERS,
     )
+    grammar_in_reasoning: bool = opt(
+        False,
+        "with a reasoning parser, a grammar (structured output, forced or held tool calls) applies from the first "
+        "token, reasoning included; off (vLLM's default, its structured_outputs enable_in_reasoning): only after "
+        "the reasoning ends",
+    )
     responses_store_ttl_s: int = opt(
         3600,
         "a /v1/responses response with store=true is kept in Redis this long, for GET, DELETE and "

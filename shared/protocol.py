@@ -50,14 +50,19 @@ class Sampling(TypedDict, total=False):
     allowed_token_ids: list[int] | None
     bad_words_token_ids: list[list[int]] | None  # set by the tokenizer from bad_words
     cache_salt: str | None
+    reasoning_start_ids: list[list[int]] | None  # set by the tokenizer from reasoning_markers
+    reasoning_end_ids: list[list[int]] | None  # the grammar applies once the output completes one of these
     # the tokenizer's own, taken off before the engine sees the request
     bad_words: list[str]
     truncate_prompt_tokens: int
     truncation_side: Literal["left", "right"]
     prompt_cache_key: str
+    reasoning_markers: dict[str, list[str]]  # {"starts", "ends"}: the reasoning parser's markers, as text
 
 
-TOKENIZER_ONLY_SAMPLING = frozenset({"bad_words", "truncate_prompt_tokens", "truncation_side", "prompt_cache_key"})
+TOKENIZER_ONLY_SAMPLING = frozenset(
+    {"bad_words", "truncate_prompt_tokens", "truncation_side", "prompt_cache_key", "reasoning_markers"}
+)
 
 
 class DecodeError(ValueError):

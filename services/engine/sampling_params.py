@@ -38,6 +38,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words_token_ids: list[list[int]] | None = None  # token sequences never completed in the output
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    reasoning_start_ids: list[list[int]] | None = None  # the reasoning block's openers (token ids)
+    reasoning_end_ids: list[list[int]] | None = None  # structured_output applies once one of these is written
 
     @property
     def is_greedy(self) -> bool:

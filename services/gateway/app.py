@@ -34,7 +34,7 @@ from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from pagedserve.services.gateway.reasoning import PARSERS, text_options_for
+from pagedserve.services.gateway.reasoning import PARSERS, gate_grammar, text_options_for
 from pagedserve.services.gateway.response_items import item_page
 from pagedserve.services.gateway.response_store import ResponseStore
 from pagedserve.services.gateway.response_store import not_found as response_not_found
@@ -100,6 +100,7 @@ def build_app(config: Config) -> Starlette:
             tag = structured.auto_tool_grammar(req, settings.tool_call_parser)
             if tag is not None:
                 wire.sampling["structured_output"] = tag.to_wire()
+        gate_grammar(wire.sampling, reasoning, settings.grammar_in_reasoning)
         if req.use_beam_search:
             beam_response.check(req)
             response_id = f"chatcmpl-{req.request_id}" if req.request_id is not None else wire.request_id

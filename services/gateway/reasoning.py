@@ -31,6 +31,12 @@ class ReasoningFormat:
     is_harmony: bool = False  # gpt-oss channels rather than start/end markers
     keeps_special_tokens: bool = False  # the markers are special tokens: detokenize without skipping them
 
+    def grammar_markers(self) -> dict[str, list[str]]:
+        """The reasoning's openers and closers as text, for the engine's grammar gate (a grammar applies after)."""
+        if self.is_harmony:  # the analysis channel is the reasoning, the final channel the answer
+            return {"starts": ["<|channel|>analysis<|message|>"], "ends": ["<|channel|>final<|message|>"]}
+        return {"starts": list(self.starts), "ends": list(self.ends)}
+
 
 PARSERS = {
     "deepseek_r1": ReasoningFormat(("<think>",), ("</think>",), starts_in_reasoning=True),
@@ -151,6 +157,13 @@ def add_reasoning_tokens(usage: dict[str, Any], fmt: ReasoningFormat, choices: l
     num_tokens = sum(count_reasoning_tokens(fmt, c.tokenizer, c.token_ids) for c in choices)
     usage["completion_tokens_details"] = {**usage.get("completion_tokens_details", {}), "reasoning_tokens": num_tokens}
     return usage
+
+
+def gate_grammar(sampling: Any, fmt: ReasoningFormat | None, in_reasoning: bool) -> None:
+    """A request with a grammar under a reasoning parser: the grammar waits for the reasoning to end (vLLM's
+    default), unless `--grammar-in-reasoning`. The tokenizer turns the markers into token ids."""
+    if fmt is not None and not in_reasoning and sampling.get("structured_output") is not None:
+        sampling["reasoning_markers"] = fmt.grammar_markers()
 
 
 def text_options_for(fmt: ReasoningFormat | None, options: TextOptions) -> TextOptions:

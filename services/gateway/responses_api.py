@@ -32,6 +32,7 @@ from pagedserve.services.gateway.messages import Strict
 from pagedserve.services.gateway.reasoning import (
     ReasoningFormat,
     count_reasoning_tokens,
+    gate_grammar,
     new_splitter,
     split_reasoning,
     text_options_for,
@@ -134,6 +135,7 @@ async def serve(
         tag = structured.auto_tool_grammar(chat, settings.tool_call_parser)
         if tag is not None:
             wire.sampling["structured_output"] = tag.to_wire()
+    gate_grammar(wire.sampling, reasoning, settings.grammar_in_reasoning)
     text_options = tool_text_options(mode, settings.tool_call_parser, chat.text_options)
     gen = await frontend.submit(wire, chat.stop_strings, 1, text_options_for(reasoning, text_options))
     named = chat.tool_choice.function.name if isinstance(chat.tool_choice, schemas.NamedToolChoice) else None

@@ -150,8 +150,12 @@ class PromptProcessor:
         engine.pop("truncate_prompt_tokens", None)
         engine.pop("truncation_side", None)
         engine.pop("prompt_cache_key", None)
+        markers = engine.pop("reasoning_markers", None)
         if bad_words:
             engine["bad_words_token_ids"] = bad_word_token_ids(self.tokenizer, bad_words)
+        if markers:
+            engine["reasoning_start_ids"] = marker_token_ids(self.tokenizer, markers.get("starts", []))
+            engine["reasoning_end_ids"] = marker_token_ids(self.tokenizer, markers.get("ends", []))
         return engine
 
     def _check_token_ids(self, req: ChatRequest | CompletionRequest) -> RequestError | None:
@@ -184,6 +188,11 @@ def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
             if ids and ids not in found:
                 found.append(ids)
     return found
+
+
+def marker_token_ids(tokenizer: Any, markers: list[str]) -> list[list[int]]:
+    """Each marker's tokens as the model writes it (a special token such as </think> is one id)."""
+    return [ids for marker in markers if (ids := list(tokenizer.encode(marker, add_special_tokens=False)))]
 
 
 def _too_long(request_id: str, num_prompt: int, limit: int, param: str) -> RequestError:

@@ -1,5 +1,6 @@
 """--reasoning-parser on a served chat: a second gateway with the parser, over the shared services. The answer
-is forced (a regex grammar) into `<think>...</think>answer`, so SmolLM2 writes a reasoning model's shape."""
+is forced (a regex grammar, applied from the first token by --grammar-in-reasoning) into
+`<think>...</think>answer`, so SmolLM2 writes a reasoning model's shape."""
 
 from __future__ import annotations
 
@@ -23,7 +24,16 @@ def reasoning_gateway(services: RunningServices) -> Iterator[str]:
     processes = {
         "qwen3-gateway": start_service(
             "qwen3-gateway",
-            ["gateway", "--host", "127.0.0.1", "--port", str(port), "--reasoning-parser", "qwen3"],
+            [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--reasoning-parser",
+                "qwen3",
+                "--grammar-in-reasoning",  # the regex forces the think block itself
+            ],
             env,
             services.log_dir,
         )

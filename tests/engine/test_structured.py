@@ -194,3 +194,29 @@ def test_bitmask_is_applied_in_the_sampler(
     assert first.token_id in allowed
     assert all(any(word.startswith(tokenizer.decode([t])) for word in ("yes", "no")) for t in allowed)
     assert all(lp > float("-inf") for _, lp in plain.logprobs[0].top_logprobs)
+
+
+def test_a_reasoning_gate_holds_the_grammar_until_the_end_marker(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
+    """vLLM's default under a reasoning parser: free text until the reasoning's end marker, the grammar after.
+    The 'end marker' here is the model's own first two greedy tokens, so the gate opens after them."""
+    engine = make_engine(smollm2_dir, smol_model)
+    free = engine.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])[0].token_ids
+    digits = GrammarSpec("regex", r"[0-9]{3}")
+    gated = SamplingParams(temperature=0.0, max_tokens=16, structured_output=digits, reasoning_end_ids=[free[:2]])
+    closed_in_prompt = SamplingParams(  # the prompt closed the block (Qwen3's enable_thinking=false): no gate
+        temperature=0.0,
+        max_tokens=16,
+        structured_output=digits,
+        reasoning_start_ids=[prompt[-3:-2]],
+        reasoning_end_ids=[prompt[-2:-1]],
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=16, structured_output=digits)
+    by_gate, by_prompt, by_grammar = engine.generate([prompt] * 3, [gated, closed_in_prompt, plain])
+    assert by_gate.token_ids[:2] == free[:2]  # the reasoning ran free: the unconstrained greedy tokens
+    assert output_text(tokenizer, by_gate.token_ids[2:]).isdigit()  # the answer under the grammar
+    assert len(output_text(tokenizer, by_gate.token_ids[2:])) == 3 and by_gate.finish_reason == "stop"
+    assert not output_text(tokenizer, free[:2]).strip().isdigit()  # (so the grammar would have changed them)
+    assert by_prompt.token_ids == by_grammar.token_ids  # a closed block in the prompt: the grammar from token 1
+    assert output_text(tokenizer, by_grammar.token_ids).isdigit()

@@ -10,6 +10,7 @@ from pagedserve.services.gateway.reasoning import (
     PARSERS,
     ReasoningSplitter,
     count_reasoning_tokens,
+    gate_grammar,
     new_splitter,
     split_reasoning,
 )
@@ -116,3 +117,23 @@ def test_harmony_answers_once_a_final_message_begins() -> None:
     assert not splitter.is_answering
     assert splitter.feed("d|><|start|>assistant<|channel|>final<|message|>Hi") == ("", "Hi")
     assert splitter.is_answering
+
+
+def test_a_grammar_waits_for_the_reasoning_unless_asked_otherwise() -> None:
+    grammar = {"kind": "regex", "value": "[0-9]+"}
+    sampling: dict[str, object] = {"structured_output": grammar}
+    gate_grammar(sampling, PARSERS["qwen3"], in_reasoning=False)
+    assert sampling["reasoning_markers"] == {"starts": ["<think>"], "ends": ["</think>"]}
+    harmony: dict[str, object] = {"structured_output": grammar}
+    gate_grammar(harmony, PARSERS["gpt_oss"], in_reasoning=False)
+    assert harmony["reasoning_markers"] == {
+        "starts": ["<|channel|>analysis<|message|>"],
+        "ends": ["<|channel|>final<|message|>"],
+    }
+    for sampling, fmt, in_reasoning in [
+        ({"structured_output": grammar}, PARSERS["qwen3"], True),  # --grammar-in-reasoning: from the first token
+        ({"structured_output": None}, PARSERS["qwen3"], False),  # no grammar: nothing to hold
+        ({"structured_output": grammar}, None, False),  # no reasoning parser
+    ]:
+        gate_grammar(sampling, fmt, in_reasoning)
+        assert "reasoning_markers" not in sampling

@@ -177,3 +177,14 @@ def test_generation_config_max_new_tokens_is_the_default_max_tokens(tokenizer: A
     room = LIMIT - len(chat_prompt_ids(tokenizer, MESSAGES))
     roomy = PromptProcessor(tokenizer, read_limits(smollm2_dir, LIMIT), default_max_tokens=10**6).process(chat())
     assert not isinstance(roomy, RequestError) and roomy[0].max_tokens == room  # never past the context
+
+
+def test_reasoning_markers_become_the_engines_token_ids(processor: PromptProcessor, tokenizer: Any) -> None:
+    markers = {"starts": ["<think>"], "ends": ["</think>", "Here is my response:"]}
+    result = processor.process(completion("Hi", max_tokens=4, reasoning_markers=markers))
+    assert not isinstance(result, RequestError)
+    sampling = result[1].sampling
+    assert "reasoning_markers" not in sampling  # the tokenizer's own field stays here
+    assert sampling["reasoning_start_ids"] == [tokenizer.encode("<think>", add_special_tokens=False)]
+    ends = [tokenizer.encode(marker, add_special_tokens=False) for marker in markers["ends"]]
+    assert sampling["reasoning_end_ids"] == ends and all(ends)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
 from pagedserve.services.engine.structured.state import GrammarState
 from pagedserve.shared.tokenizer_loader import load_tokenizer
 
@@ -35,7 +36,13 @@ class GrammarAdmission:
         """Start (or share) the compile of the request's grammar and hold the request until it is done."""
         spec = request.params.structured_output
         assert spec is not None
-        request.grammar = GrammarState(self.pool.submit(spec))
+        params = request.params
+        gate = None
+        if params.reasoning_end_ids:  # a reasoning parser's request: the grammar waits for the answer
+            gate = ReasoningGate.for_prompt(
+                params.reasoning_start_ids or [], params.reasoning_end_ids, request.prompt_token_ids
+            )
+        request.grammar = GrammarState(self.pool.submit(spec), gate)
         self.compiling.append(request)
 
     def pop_ready(self) -> list[Request]:

@@ -2,7 +2,8 @@
 
 The matcher advances only with tokens that are final (the engine does not overlap steps of grammar
 sequences), so preemption, which recomputes the KV but keeps the tokens, leaves it valid; a
-continuation's tokens are replayed into it once the grammar is ready.
+continuation's tokens are replayed into it once the grammar is ready. Behind a reasoning gate the matcher
+starts only with the token after the reasoning's end marker (reasoning_gate.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import contextlib
 from concurrent.futures import Future
 from typing import Any
 
+from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
+
 
 class GrammarState:
-    def __init__(self, compiled: Future[Any]) -> None:
+    def __init__(self, compiled: Future[Any], gate: ReasoningGate | None = None) -> None:
         self._compiled = compiled
+        self.gate = gate
         self.matcher: Any = None
         self.error: str | None = None  # the compile failed, or a token was rejected
         self.is_terminated = False
@@ -50,6 +54,9 @@ class GrammarState:
         """Advance by a sampled token; False (and `error` set) if the grammar rejects it."""
         if self.matcher is None or self.is_terminated:
             return True
+        if self.gate is not None and not self.gate.is_open:  # still reasoning: free text
+            self.gate.feed(token_id)
+            return True
         if not self.matcher.accept_token(token_id):
             self.error = f"the grammar rejected token {token_id}"
             return False
@@ -57,5 +64,8 @@ class GrammarState:
         return True
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Constrain the row (it stays all-allowed before the grammar applies)."""
+        if self.gate is not None and not self.gate.is_open:
+            return
         if self.matcher is not None and not self.is_terminated:
             self.matcher.fill_next_token_bitmask(bitmask, row)
