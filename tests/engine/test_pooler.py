@@ -1,0 +1,88 @@
+"""Pooling (services/engine/pooler.py): the pure functions against plain torch, and a pooling engine's
+embeddings against HF transformers' final hidden states, pooled the same way, chunked prefill included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.pooler import finish_vector, pool_rows
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
+
+PROMPTS = [[1, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 5], [1, 200, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+
+
+def test_pool_rows_and_finish_match_plain_torch() -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(7, 16)
+    assert torch.equal(pool_rows(rows, "LAST"), rows[6])
+    assert torch.equal(pool_rows(rows, "CLS"), rows[0])
+    assert torch.allclose(pool_rows(rows, "MEAN"), rows.sum(0) / 7)
+    vector = rows[3]
+    unit = finish_vector(vector, None, normalize=True)
+    assert torch.allclose(unit, vector / vector.norm()) and unit.norm().item() == pytest.approx(1.0)
+    assert torch.equal(finish_vector(vector, None, normalize=False), vector)
+    cut = finish_vector(vector, 5, normalize=True)  # Matryoshka: truncate, then re-normalize
+    assert cut.shape == (5,) and torch.allclose(cut, vector[:5] / vector[:5].norm())
+    assert torch.equal(finish_vector(vector, 5, normalize=False), vector[:5])
+
+
+def _hf_hidden(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()  # the decoder stack, final norm included
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).last_hidden_state[0]
+
+
+def _pooling_engine(model: CausalLM, model_dir: Path, pooling_type: str, **overrides) -> Engine:
+    config = Config.of(
+        model=str(model_dir),
+        runner="pooling",
+        pooler_config=f'{{"pooling_type": "{pooling_type}"}}',
+        num_kv_blocks=64,
+        block_size=4,
+        **overrides,
+    )
+    return Engine(config, model=model)
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_pooling_engine_matches_hf_hidden_states(tiny_model: CausalLM, tiny_model_dir: Path, pooling_type) -> None:
+    # 4 tokens a step: the long prompts are pooled over several chunks, batched with the short one
+    engine = _pooling_engine(tiny_model, tiny_model_dir, pooling_type, max_num_batched_tokens=4)
+    got = engine.embed(PROMPTS)
+    for prompt, vector in zip(PROMPTS, got):
+        expected = finish_vector(pool_rows(_hf_hidden(tiny_model_dir, prompt), pooling_type), None, True)
+        assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
+    assert engine.kv_cache.num_free_blocks == 64  # every block came back: nothing decodes after the prompt
+    assert engine.stats().num_generated_tokens == 0  # nothing was sampled
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_dimensions_truncate_then_normalize_and_prefix_cache_is_safe(tiny_model, tiny_model_dir, pooling_type) -> None:
+    engine = _pooling_engine(tiny_model, tiny_model_dir, pooling_type)
+    full = torch.tensor(engine.embed([PROMPTS[0]])[0])
+    again = engine.embed([PROMPTS[0], PROMPTS[0]], dimensions=8)  # the same prompt: its blocks are cached now
+    hidden = pool_rows(_hf_hidden(tiny_model_dir, PROMPTS[0]), pooling_type)
+    assert torch.allclose(full, hidden / hidden.norm(), atol=1e-5)
+    for vector in again:
+        assert torch.allclose(torch.tensor(vector), hidden[:8] / hidden[:8].norm(), atol=1e-5)
+
+
+def test_pooling_and_generation_engines_refuse_each_other(engine: Engine, tiny_model, tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match=r"^model:"):
+        engine.add_embedding_request("e", [1, 2, 3])
+    pooling = _pooling_engine(tiny_model, tiny_model_dir, "LAST")
+    with pytest.raises(ValueError, match=r"^model:"):
+        pooling.add_request("g", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"^dimensions:"):
+        pooling.add_embedding_request("d", [1, 2, 3], dimensions=65)  # the hidden size is 64
+    with pytest.raises(ValueError, match=r"^input:"):
+        pooling.add_embedding_request("long", [1] * 1024)  # the whole context: no longer than the limit
+    assert not pooling.has_unfinished()
