@@ -3,7 +3,8 @@
     --runner generate        text generation (chat, completions); /v1/embeddings gets 400
     --runner pooling         embeddings only: prompts run their forward pass, hidden states are pooled
     --runner auto (default)  pooling when the checkpoint is a sentence-transformers model (modules.json
-                             lists a Pooling module), else generate
+                             lists a Pooling module) or a bare decoder (`Qwen3Model`: no LM head), else
+                             generate
     --pooler-config JSON     {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}; overrides what
                              the checkpoint says (vLLM's --pooler-config / --override-pooler-config)
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from pagedserve.services.engine.models.loader import is_bare_decoder
 from pagedserve.shared.config import ModelConfig
 
 PoolingType = Literal["LAST", "MEAN", "CLS"]
@@ -52,6 +54,8 @@ class PoolingParams:
 def resolve_pooling(model: ModelConfig, model_dir: Path) -> PoolingParams | None:
     """The engine's pooling (None: it generates), from --runner, --pooler-config and the checkpoint."""
     checkpoint = _sentence_transformers_pooling(model_dir)
+    if checkpoint is None and _is_bare_decoder(model_dir):
+        checkpoint = {}
     if model.runner == "generate" or (model.runner == "auto" and checkpoint is None):
         return None
     settings: dict[str, Any] = {**(checkpoint or {}), **parse_pooler_config(model.pooler_config)}
@@ -82,6 +86,11 @@ def parse_pooler_config(text: str | None) -> dict[str, Any]:
             raise ValueError("pooler_config: normalize must be true or false")
         settings["normalize"] = raw["normalize"]
     return settings
+
+
+def _is_bare_decoder(model_dir: Path) -> bool:
+    path = model_dir / "config.json"
+    return path.is_file() and is_bare_decoder(json.loads(path.read_text()))
 
 
 def _sentence_transformers_pooling(model_dir: Path) -> dict[str, Any] | None:

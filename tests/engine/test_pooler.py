@@ -45,22 +45,28 @@ def _pooling_engine(model: CausalLM, model_dir: Path, pooling_type: str, **overr
         model=str(model_dir),
         runner="pooling",
         pooler_config=f'{{"pooling_type": "{pooling_type}"}}',
-        num_kv_blocks=64,
-        block_size=4,
-        **overrides,
+        **{"num_kv_blocks": 64, "block_size": 4, **overrides},
     )
     return Engine(config, model=model)
 
 
-@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
-def test_pooling_engine_matches_hf_hidden_states(tiny_model: CausalLM, tiny_model_dir: Path, pooling_type) -> None:
-    # 4 tokens a step: the long prompts are pooled over several chunks, batched with the short one
-    engine = _pooling_engine(tiny_model, tiny_model_dir, pooling_type, max_num_batched_tokens=4)
+@pytest.mark.parametrize(
+    ("pooling_type", "is_async"), [("LAST", False), ("MEAN", False), ("CLS", False), ("MEAN", True)]
+)
+def test_pooling_engine_matches_hf_hidden_states(
+    tiny_model: CausalLM, tiny_model_dir: Path, pooling_type, is_async: bool
+) -> None:
+    # 4 tokens a step: the long prompts are pooled over several chunks, batched with the short one; async
+    # scheduling (the CUDA default) launches a step before the previous one's results are read
+    engine = _pooling_engine(
+        tiny_model, tiny_model_dir, pooling_type, max_num_batched_tokens=4, async_scheduling=is_async
+    )
     got = engine.embed(PROMPTS)
     for prompt, vector in zip(PROMPTS, got):
         expected = finish_vector(pool_rows(_hf_hidden(tiny_model_dir, prompt), pooling_type), None, True)
         assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
     assert engine.kv_cache.num_free_blocks == 64  # every block came back: nothing decodes after the prompt
+    engine.kv_cache.check_invariants()
     assert engine.stats().num_generated_tokens == 0  # nothing was sampled
 
 
@@ -86,3 +92,29 @@ def test_pooling_and_generation_engines_refuse_each_other(engine: Engine, tiny_m
     with pytest.raises(ValueError, match=r"^input:"):
         pooling.add_embedding_request("long", [1] * 1024)  # the whole context: no longer than the limit
     assert not pooling.has_unfinished()
+
+
+def test_a_bare_qwen3_decoder_checkpoint_pools_by_itself(tmp_path: Path) -> None:
+    """`Qwen3Model` weights (no `model.` prefix, no LM head), as embedding checkpoints ship: loaded, and
+    served for pooling with no flag (--runner auto), last token, normalized, as HF computes it."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.25,
+    )
+    torch.manual_seed(0)
+    Qwen3Model(config).save_pretrained(tmp_path)
+    engine = Engine(Config.of(model=str(tmp_path), num_kv_blocks=64, block_size=4))
+    assert engine.pooling is not None and engine.pooling.pooling_type == "LAST"
+    got = engine.embed(PROMPTS)
+    for prompt, vector in zip(PROMPTS, got):
+        expected = finish_vector(pool_rows(_hf_hidden(tmp_path, prompt), "LAST"), None, True)
+        assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
