@@ -397,7 +397,7 @@ class Frontend:
                 "pagedserve.request_id": req.request_id,
                 "pagedserve.model": req.model,
                 **telemetry.genai_request_attributes(
-                    "chat" if isinstance(req, ChatRequest) else "text_completion",
+                    telemetry.genai_operation(req),
                     req.model,
                     req.sampling,
                     req.max_tokens,
