@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.services.engine.pooling_config import PoolingParams, PoolingType
+from pagedserve.services.engine.pooling_config import PoolingParams
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.scheduler import ScheduledRequest
 
@@ -29,16 +29,6 @@ from pagedserve.services.engine.scheduler import ScheduledRequest
 class PooledChunk:
     request: Request
     vector: torch.Tensor  # [dims] float32 on the device, final
-
-
-def pool_rows(rows: torch.Tensor, pooling_type: PoolingType) -> torch.Tensor:
-    """A whole prompt's rows [num_tokens, hidden] -> [hidden] float32, before truncation and normalization."""
-    rows = rows.float()
-    if pooling_type == "LAST":
-        return rows[-1]
-    if pooling_type == "CLS":
-        return rows[0]
-    return rows.mean(dim=0)
 
 
 def finish_vector(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:

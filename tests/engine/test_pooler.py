@@ -10,26 +10,51 @@ import torch
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
-from pagedserve.services.engine.pooler import finish_vector, pool_rows
+from pagedserve.services.engine.pooler import finish_vector, pool_step
+from pagedserve.services.engine.pooling_config import PoolingParams
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.scheduler import ScheduledRequest
 from pagedserve.shared.config import Config
+from tests.engine.engine_helpers import make_request
 
 PROMPTS = [[1, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 5], [1, 200, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 
 
-def test_pool_rows_and_finish_match_plain_torch() -> None:
+def _plain(rows: torch.Tensor, pooling_type: str, dimensions: int | None = None) -> torch.Tensor:
+    """The oracle: plain torch over a whole prompt's rows."""
+    vector = {"LAST": rows[-1], "MEAN": rows.sum(0) / rows.shape[0], "CLS": rows[0]}[pooling_type]
+    vector = vector[:dimensions] if dimensions else vector
+    return vector / vector.norm()
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_pool_step_over_prompt_chunks_matches_plain_torch(pooling_type) -> None:
+    # A: 10 prompt tokens in chunks of 4, 4, 2 over three steps; B: 3 tokens, whole, in the first step;
+    # C (no pooling) shares the steps. Only the step that ends a prompt gives its vector.
     torch.manual_seed(0)
-    rows = torch.randn(7, 16)
-    assert torch.equal(pool_rows(rows, "LAST"), rows[6])
-    assert torch.equal(pool_rows(rows, "CLS"), rows[0])
-    assert torch.allclose(pool_rows(rows, "MEAN"), rows.sum(0) / 7)
-    vector = rows[3]
-    unit = finish_vector(vector, None, normalize=True)
-    assert torch.allclose(unit, vector / vector.norm()) and unit.norm().item() == pytest.approx(1.0)
-    assert torch.equal(finish_vector(vector, None, normalize=False), vector)
-    cut = finish_vector(vector, 5, normalize=True)  # Matryoshka: truncate, then re-normalize
-    assert cut.shape == (5,) and torch.allclose(cut, vector[:5] / vector[:5].norm())
-    assert torch.equal(finish_vector(vector, 5, normalize=False), vector[:5])
+    rows_a, rows_b, rows_c = torch.randn(10, 8), torch.randn(3, 8), torch.randn(3, 8)
+    a = make_request(list(range(3, 13)))
+    b = make_request([5, 6, 7])
+    c = make_request([7, 8, 9])
+    a.pooling = PoolingParams(pooling_type)
+    b.pooling = PoolingParams(pooling_type, dimensions=5)
+    steps = [
+        ([ScheduledRequest(b, 0, 3, False), ScheduledRequest(a, 0, 4, False)], torch.cat([rows_b, rows_a[:4]])),
+        ([ScheduledRequest(c, 0, 3, True), ScheduledRequest(a, 4, 4, False)], torch.cat([rows_c, rows_a[4:8]])),
+        ([ScheduledRequest(a, 8, 2, False)], rows_a[8:]),
+    ]
+    finished = [pool_step(hidden, scheduled) for scheduled, hidden in steps]
+    assert [[chunk.request for chunk in step] for step in finished] == [[b], [], [a]]
+    assert torch.allclose(finished[0][0].vector, _plain(rows_b, pooling_type, 5), atol=1e-6)
+    assert torch.allclose(finished[2][0].vector, _plain(rows_a, pooling_type), atol=1e-6)
+    assert a.pooled_state is None and b.pooled_state is None  # nothing kept once pooled
+
+
+def test_finish_vector_truncates_then_normalizes() -> None:
+    vector = torch.tensor([3.0, 4.0, 12.0])
+    assert torch.allclose(finish_vector(vector, None, normalize=True), vector / 13)
+    assert torch.allclose(finish_vector(vector, 2, normalize=True), torch.tensor([0.6, 0.8]))
+    assert torch.equal(finish_vector(vector, 2, normalize=False), vector[:2])
 
 
 def _hf_hidden(model_dir: Path, prompt: list[int]) -> torch.Tensor:
@@ -63,7 +88,7 @@ def test_pooling_engine_matches_hf_hidden_states(
     )
     got = engine.embed(PROMPTS)
     for prompt, vector in zip(PROMPTS, got):
-        expected = finish_vector(pool_rows(_hf_hidden(tiny_model_dir, prompt), pooling_type), None, True)
+        expected = _plain(_hf_hidden(tiny_model_dir, prompt), pooling_type)
         assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
     assert engine.kv_cache.num_free_blocks == 64  # every block came back: nothing decodes after the prompt
     engine.kv_cache.check_invariants()
@@ -75,10 +100,11 @@ def test_dimensions_truncate_then_normalize_and_prefix_cache_is_safe(tiny_model,
     engine = _pooling_engine(tiny_model, tiny_model_dir, pooling_type)
     full = torch.tensor(engine.embed([PROMPTS[0]])[0])
     again = engine.embed([PROMPTS[0], PROMPTS[0]], dimensions=8)  # the same prompt: its blocks are cached now
-    hidden = pool_rows(_hf_hidden(tiny_model_dir, PROMPTS[0]), pooling_type)
-    assert torch.allclose(full, hidden / hidden.norm(), atol=1e-5)
+    rows = _hf_hidden(tiny_model_dir, PROMPTS[0])
+    assert torch.allclose(full, _plain(rows, pooling_type), atol=1e-5)
     for vector in again:
-        assert torch.allclose(torch.tensor(vector), hidden[:8] / hidden[:8].norm(), atol=1e-5)
+        assert torch.allclose(torch.tensor(vector), _plain(rows, pooling_type, 8), atol=1e-5)
+    assert engine.stats().num_prefix_cache_hit_tokens == (16 if pooling_type == "LAST" else 0)  # MEAN: none
 
 
 def test_pooling_and_generation_engines_refuse_each_other(engine: Engine, tiny_model, tiny_model_dir) -> None:
@@ -116,5 +142,5 @@ def test_a_bare_qwen3_decoder_checkpoint_pools_by_itself(tmp_path: Path) -> None
     assert engine.pooling is not None and engine.pooling.pooling_type == "LAST"
     got = engine.embed(PROMPTS)
     for prompt, vector in zip(PROMPTS, got):
-        expected = finish_vector(pool_rows(_hf_hidden(tmp_path, prompt), "LAST"), None, True)
+        expected = _plain(_hf_hidden(tmp_path, prompt), "LAST")
         assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
