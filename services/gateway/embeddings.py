@@ -26,7 +26,7 @@ from pagedserve.services.gateway.frontend import Frontend, Generation
 from pagedserve.services.gateway.messages import Strict
 from pagedserve.services.gateway.schemas import MAX_INT32
 from pagedserve.shared.config import GatewayConfig
-from pagedserve.shared.protocol import CompletionRequest
+from pagedserve.shared.protocol import CompletionRequest, Sampling
 
 
 class EmbeddingRequest(Strict):
@@ -35,6 +35,8 @@ class EmbeddingRequest(Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, le=MAX_INT32)
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's: keep k input tokens
+    truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
 
     @field_validator("input")
     @classmethod
@@ -94,6 +96,7 @@ async def serve(request: Request, req: EmbeddingRequest, frontend: Frontend, set
             prompt=text,
             arrival_time=time.time(),
             traceparent=traceparent,
+            sampling=_truncation(req),
             pooling={"dimensions": req.dimensions},
         )
         for i, text in enumerate(inputs)
@@ -119,6 +122,13 @@ async def serve(request: Request, req: EmbeddingRequest, frontend: Frontend, set
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
     return JSONResponse(body)
+
+
+def _truncation(req: EmbeddingRequest) -> Sampling:
+    """vLLM's truncate_prompt_tokens, applied by the tokenizer service as for completions."""
+    if req.truncate_prompt_tokens is None:
+        return Sampling()
+    return Sampling(truncate_prompt_tokens=req.truncate_prompt_tokens, truncation_side=req.truncation_side)
 
 
 def _vector(part: Generation) -> list[float]:

@@ -9,10 +9,11 @@ never above the hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pagedserve.shared.prompts import first_out_of_vocab, text_prompt_ids
-from pagedserve.shared.protocol import Accepted, CompletionRequest, GenerateRequest, RequestError
+from pagedserve.shared.protocol import Accepted, CompletionRequest, GenerateRequest, RequestError, Sampling
 
 
 class EmbeddingLimits(Protocol):
@@ -25,9 +26,14 @@ class EmbeddingLimits(Protocol):
 
 
 def process_embedding(
-    tokenizer: Any, limits: EmbeddingLimits, context_limit: int, req: CompletionRequest
+    tokenizer: Any,
+    limits: EmbeddingLimits,
+    context_limit: int,
+    req: CompletionRequest,
+    truncate: Callable[[list[int], Sampling], list[int]],
 ) -> tuple[Accepted, GenerateRequest] | RequestError:
-    """The Accepted and the engine's request, or the 400; `req.pooling` is set."""
+    """The Accepted and the engine's request, or the 400; `req.pooling` is set. `truncate`: vLLM's
+    truncate_prompt_tokens (the processor's rule), before the length check."""
     assert req.pooling is not None
     dimensions = req.pooling.get("dimensions")
     problem = dimensions_problem(limits, dimensions)
@@ -37,6 +43,7 @@ def process_embedding(
         prompt_ids = text_prompt_ids(tokenizer, req.prompt)
     except Exception as exc:  # a tokenizer error comes from user content: answer 400, keep serving
         return RequestError(req.request_id, 400, f"could not tokenize the input: {exc}", param="input")
+    prompt_ids = truncate(prompt_ids, req.sampling)
     vocab = limits.vocab_size or len(tokenizer)
     if not prompt_ids:
         return RequestError(req.request_id, 400, "the input is empty", param="input")

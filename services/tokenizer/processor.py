@@ -83,7 +83,7 @@ class PromptProcessor:
 
     def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
         if isinstance(req, CompletionRequest) and req.pooling is not None:
-            return process_embedding(self.tokenizer, self.limits, self.context_limit, req)
+            return process_embedding(self.tokenizer, self.limits, self.context_limit, req, self._truncated)
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         if isinstance(req, ChatRequest):
             try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from pagedserve.services.gateway.embeddings import EmbeddingRequest, _encoded
+from pagedserve.services.gateway.embeddings import EmbeddingRequest, _encoded, _truncation
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,10 @@ def test_bad_inputs_are_refused(bad) -> None:
 def test_other_fields() -> None:
     req = EmbeddingRequest(model="m", input="x", encoding_format="base64", dimensions=8, user="u")
     assert (req.encoding_format, req.dimensions, req.is_stream, req.token_budget) == ("base64", 8, False, None)
-    for bad in ({"encoding_format": "int8"}, {"dimensions": 0}, {"dimensions": "8"}):
+    assert _truncation(req) == {}
+    cut = EmbeddingRequest(model="m", input="x", truncate_prompt_tokens=5, truncation_side="right")
+    assert _truncation(cut) == {"truncate_prompt_tokens": 5, "truncation_side": "right"}
+    for bad in ({"encoding_format": "int8"}, {"dimensions": 0}, {"dimensions": "8"}, {"truncate_prompt_tokens": -2}):
         with pytest.raises(ValidationError):
             EmbeddingRequest(model="m", input="x", **bad)
 

@@ -22,8 +22,8 @@ def processor(smollm2_dir: Path) -> PromptProcessor:
     return PromptProcessor(AutoTokenizer.from_pretrained(str(smollm2_dir)), limits)
 
 
-def embedding(prompt: str | list[int], dimensions: int | None = None) -> CompletionRequest:
-    return CompletionRequest("e1", "gw", "m", prompt, pooling={"dimensions": dimensions})
+def embedding(prompt: str | list[int], dimensions: int | None = None, **sampling: Any) -> CompletionRequest:
+    return CompletionRequest("e1", "gw", "m", prompt, sampling=sampling, pooling={"dimensions": dimensions})
 
 
 def error_of(result: Any) -> RequestError:
@@ -46,6 +46,9 @@ def test_length_boundary_all_but_the_last_position(processor: PromptProcessor) -
     error = error_of(processor.process(embedding([7] * 16)))
     assert (error.status, error.param, error.code) == (400, "input", "context_length_exceeded")
     assert error_of(processor.process(embedding([49152]))).param == "input"  # out of the vocabulary
+    kept = processor.process(embedding(list(range(3, 23)), truncate_prompt_tokens=15))  # vLLM's: keep the last 15
+    assert not isinstance(kept, RequestError) and kept[1].prompt_token_ids == list(range(8, 23))
+    assert kept[1].sampling == {"max_tokens": 1}  # the tokenizer's own fields stop here
 
 
 def test_dimensions_rules(processor: PromptProcessor, smollm2_dir: Path, tmp_path: Path) -> None:
