@@ -80,7 +80,13 @@ def _final(request: Request, rows: torch.Tensor, params: PoolingParams) -> torch
 
 
 def to_host(chunks: Sequence[PooledChunk]) -> list[tuple[Request, list[float]]]:
+    """The step's vectors on the host, in one copy (their sizes may differ: `dimensions` is per request)."""
     if not chunks:
         return []
-    vectors = [c.vector.cpu().tolist() for c in chunks]
-    return [(c.request, v) for c, v in zip(chunks, vectors)]
+    values: list[float] = torch.cat([c.vector for c in chunks]).cpu().tolist()
+    result, start = [], 0
+    for chunk in chunks:
+        size = chunk.vector.shape[0]
+        result.append((chunk.request, values[start : start + size]))
+        start += size
+    return result

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
-from pagedserve.services.engine.pooler import finish_vector, pool_step
+from pagedserve.services.engine.pooler import finish_vector, pool_step, to_host
 from pagedserve.services.engine.pooling_config import PoolingParams
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.scheduler import ScheduledRequest
@@ -48,6 +48,9 @@ def test_pool_step_over_prompt_chunks_matches_plain_torch(pooling_type) -> None:
     assert torch.allclose(finished[0][0].vector, _plain(rows_b, pooling_type, 5), atol=1e-6)
     assert torch.allclose(finished[2][0].vector, _plain(rows_a, pooling_type), atol=1e-6)
     assert a.pooled_state is None and b.pooled_state is None  # nothing kept once pooled
+    host = to_host([finished[0][0], finished[2][0]])  # one copy for vectors of different sizes
+    assert [request for request, _ in host] == [b, a] and [len(vector) for _, vector in host] == [5, 8]
+    assert host[1][1] == pytest.approx(finished[2][0].vector.tolist())
 
 
 def test_finish_vector_truncates_then_normalizes() -> None:
