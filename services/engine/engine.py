@@ -5,8 +5,9 @@
     while engine.has_unfinished():
         for out in engine.step(): ...           # RequestOutput deltas
 
-or offline: `engine.generate(prompts, params)`. Not thread-safe: call it from one thread (the
-engine service feeds it from a queue).
+or offline: `engine.generate(prompts, params)`; an engine in pooling mode (--runner pooling, pooling_config.py)
+serves embeddings instead: `add_embedding_request` / `engine.embed(prompts)` (pooler.py). Not thread-safe:
+call it from one thread (the engine service feeds it from a queue).
 
 A sequence finishes with "stop" when it samples an EOS id of the model (unless ignore_eos) or one
 of its stop_token_ids (either only after min_tokens), with "length" at max_tokens or the context
