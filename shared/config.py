@@ -58,6 +58,7 @@ TOOL_CALL_PARSERS = (
     "openai",
 )
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "gpt_oss", "openai")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -108,6 +109,18 @@ class ModelConfig:
     tokenizer: str | None = opt(None, "a tokenizer directory or name other than the model's own")
     seed: int = opt(0, "seed of random weights and of requests without their own seed")
     chat_template: str | None = opt(None, "a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    runner: str = opt(
+        "auto",
+        "generate: text generation; pooling: embeddings only (/v1/embeddings); auto: pooling for a "
+        "sentence-transformers checkpoint (modules.json with a Pooling module), else generate",
+        choices=RUNNERS,
+    )
+    pooler_config: str | None = opt(
+        None,
+        'pooling runner: JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true} over what the '
+        "checkpoint says (default LAST, normalized)",
+        aliases=("--override-pooler-config",),
+    )
     generation_config: str = opt(
         "auto",
         "auto: the checkpoint's generation_config.json gives defaults for omitted "
@@ -122,6 +135,8 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: unsupported {self.quantization!r} (supported: {', '.join(QUANTIZATIONS)})")
         _at_least(self, 1, "max_model_len")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner: unknown {self.runner!r} (expected one of {', '.join(RUNNERS)})")
 
 
 @dataclass(slots=True)

@@ -55,7 +55,6 @@ VLLM_REFUSED: dict[str, str] = {
     "--enable-lora": "LoRA adapters are not supported yet",
     "--speculative-config": "speculative decoding is not supported yet",
     "--cpu-offload-gb": "CPU weight offload is not supported",
-    "--pooler-config": "pooling models are not supported",
 }
 
 

@@ -100,6 +100,8 @@ class CompletionRequest:
     stream: bool = False
     arrival_time: float = 0.0
     traceparent: str | None = None
+    # /v1/embeddings: the prompt is pooled, not continued: {"dimensions": int | None} (None: generate)
+    pooling: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +120,7 @@ class GenerateRequest:
     # it already streamed (choices that finished are not resumed; the replies keep these indexes).
     choice_indexes: list[int] = field(default_factory=list)
     choice_output_token_ids: list[list[int]] = field(default_factory=list)
+    pooling: dict[str, Any] | None = None  # an embedding request (CompletionRequest.pooling); only a pooling engine
 
 
 @dataclass(slots=True)
@@ -159,6 +162,8 @@ class TokenDeltas:
     # Per request: None, or (with its first token, when asked) per prompt token None (the first) or
     # [logprob, [[token_id, logprob], ...top]]. May be empty from an engine that predates it.
     prompt_logprobs: list[list[Any] | None] = field(default_factory=list)
+    # Per request: None, or a pooling request's embedding (float32 values), with its finish. May be empty.
+    embeddings: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -190,6 +195,7 @@ class EngineHeartbeat:
     num_requests_finished: int = 0  # since the engine started: shows how work spreads over replicas
     supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
     block_size: int = 0  # KV block tokens; 0: publishes no KV events (a router routes it by load only)
+    runner: str = "generate"  # "pooling": it serves embeddings only (--runner); "generate": text only
 
 
 @dataclass(slots=True)

@@ -81,10 +81,17 @@ _SAMPLING_ATTRIBUTES = {  # wire sampling key -> gen_ai.request.* attribute
 }
 
 
+def genai_operation(request: Any) -> str:
+    """A wire request's gen_ai.operation.name: "chat", "embeddings" (a pooling request) or "text_completion"."""
+    if hasattr(request, "messages"):
+        return "chat"
+    return "embeddings" if getattr(request, "pooling", None) is not None else "text_completion"
+
+
 def genai_request_attributes(
     operation: str, model: str, sampling: Mapping[str, Any], max_tokens: int | None = None
 ) -> dict[str, Any]:
-    """gen_ai.* attributes of a request: operation ("chat" | "text_completion"), model, sampling options."""
+    """gen_ai.* attributes of a request: operation (genai_operation), model, sampling options."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "pagedserve",

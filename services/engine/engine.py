@@ -5,8 +5,9 @@
     while engine.has_unfinished():
         for out in engine.step(): ...           # RequestOutput deltas
 
-or offline: `engine.generate(prompts, params)`. Not thread-safe: call it from one thread (the
-engine service feeds it from a queue).
+or offline: `engine.generate(prompts, params)`; an engine in pooling mode (--runner pooling, pooling_config.py)
+serves embeddings instead: `add_embedding_request` / `engine.embed(prompts)` (pooler.py). Not thread-safe:
+call it from one thread (the engine service feeds it from a queue).
 
 A sequence finishes with "stop" when it samples an EOS id of the model (unless ignore_eos) or one
 of its stop_token_ids (either only after min_tokens), with "length" at max_tokens or the context
@@ -40,6 +41,7 @@ from pagedserve.services.engine.model_runner import StepResult
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.offline import generate
 from pagedserve.services.engine.outputs import EngineStats, GenerationResult, RequestOutput
+from pagedserve.services.engine.pooling_config import PoolingParams, resolve_pooling
 from pagedserve.services.engine.prompt_logprobs import accumulate
 from pagedserve.services.engine.request import Request, RequestStatus
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -70,6 +72,9 @@ class Engine:
         # outside it skips the per-request stop check.
         self._stop_token_ids: set[int] = set(self.eos_token_ids)
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
+        # None: the engine generates; else it only pools prompts into embeddings (pooling_config.py)
+        self.pooling: PoolingParams | None = resolve_pooling(config.model, self.model_dir)
         self.placeholders = Placeholders()
         self.kv_cache = KnownTokensKVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self.placeholders.num_known_tokens
@@ -118,6 +123,8 @@ class Engine:
         Raises ValueError (naming the parameter) for input the engine cannot serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if self.pooling is not None:
+            raise ValueError("model: this engine serves embeddings (--runner pooling); it does not generate text")
         params.validate(self.vocab_size)
         if params.priority and not self._warned_priority and self.config.scheduler.scheduling_policy == "fcfs":
             self._warned_priority = True  # vLLM answers 400 here; we serve the request, in arrival order
@@ -177,6 +184,44 @@ class Engine:
             else:
                 self.scheduler.add(request)
         self._forget_if_done(request_id)
+
+    def add_embedding_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], dimensions: int | None = None
+    ) -> None:
+        """Queue a prompt to pool (a pooling engine only): it runs its forward pass, nothing is sampled, and its
+        one RequestOutput carries the `embedding`. Raises ValueError (naming the parameter) for bad input."""
+        if self.pooling is None:
+            raise ValueError(
+                "model: this engine generates text; embeddings need an engine started with --runner pooling"
+            )
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        pooling = replace(self.pooling, dimensions=dimensions)
+        pooling.validate(self.hidden_size)
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("input: must not be empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"input: token ids must be in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"input: {len(prompt)} tokens exceed the context of {self.max_model_len}")
+        params = SamplingParams(max_tokens=1)
+        request = Request.create(
+            request_id, 0, prompt, [], params, 1, self.eos_token_ids, next(self._arrival), self.device
+        )
+        request.pooling = pooling
+        self._requests[request_id] = [request]
+        self.scheduler.add(request)
+
+    def embed(self, prompts: Sequence[Sequence[int]], dimensions: int | None = None) -> list[list[float]]:
+        """Offline: each prompt's embedding, in order (a pooling engine only)."""
+        request_ids = [f"embed-{next(self._arrival)}" for _ in prompts]
+        for request_id, prompt in zip(request_ids, prompts):
+            self.add_embedding_request(request_id, prompt, dimensions)
+        vectors: dict[str, list[float]] = {}
+        while self.has_unfinished():
+            vectors.update((out.request_id, out.embedding) for out in self.step() if out.embedding is not None)
+        return [vectors[request_id] for request_id in request_ids]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """End requests now (idempotent; unknown ids ignored); step() reports them as "abort"."""
@@ -274,8 +319,8 @@ class Engine:
         self.profile.count_step(step.handle.kind, step.handle.num_tokens, step.handle.marks)
         for part in result.prompt_logprobs:
             accumulate(part.request.prompt_logprobs, part)
+        outputs = self._pooled_outputs(result.pooled) if result.pooled else []
         assert len(result.sampled_token_ids) == len(result.logprobs) == len(step.requests)
-        outputs = []
         resolve, block_size, maybe_stops = self.placeholders.resolve, self.config.cache.block_size, self._stop_token_ids
         for request, position, token_id, logprob, ends in zip(
             step.requests, step.positions, result.sampled_token_ids, result.logprobs, grammar_ends
@@ -312,6 +357,16 @@ class Engine:
             if is_last:
                 self._forget_if_done(request.request_id)
         self.profile.mark("output")
+        return outputs
+
+    def _pooled_outputs(self, pooled: list[tuple[Request, list[float]]]) -> list[RequestOutput]:
+        """The outputs of pooling requests whose prompt ended in a step: finished ("stop"), with their vector."""
+        outputs = []
+        for request, vector in pooled:
+            output = _output(request, [], None, 0)
+            output.embedding = vector
+            outputs.append(output)
+            self._forget_if_done(request.request_id)
         return outputs
 
     def shutdown(self) -> None:
@@ -424,18 +479,24 @@ class Engine:
         mixes = ((longest, 1), (min(8, longest), 1), (min(64, longest), 1, 1, 1, 1))
         for offset, lengths in enumerate(mixes):
             prompts = [[(17 * offset + i) % self.vocab_size for i in range(n)] for n in lengths]
-            self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            self._warm_run(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         # Every eager token bucket up to 2,048 once, so that a first prompt of any usual length finds cuBLAS's
         # algorithm choices cached (input_batch.eager_token_bucket); bigger steps come under load.
         limit = min(2048, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         sizes = sorted(b for b in {eager_token_bucket(n) for n in range(1, limit + 1)} if b <= limit)
         one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for size in sizes:  # prompts that share no block: a prefix-cache hit would shrink the step
-            self.generate([[(size + i) % self.vocab_size for i in range(size)]], one_token)
+            self._warm_run([[(size + i) % self.vocab_size for i in range(size)]], one_token)
         self.kv_cache.reset_prefix_cache()
         self.scheduler.counters = SchedulerCounters()
         self.profile.reset()
         log.info("warm-up done in %.1f s", time.perf_counter() - start)
+
+    def _warm_run(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if self.pooling is not None:  # a pooling engine runs the same prompt steps, without sampling
+            self.embed(prompts)
+        else:
+            self.generate(prompts, params)
 
     def _forget_if_done(self, request_id: str) -> None:
         choices = self._requests.get(request_id)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.services.engine import attention, prompt_logprobs
+from pagedserve.services.engine import attention, pooler, prompt_logprobs
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.config import kv_cache_torch_dtype, torch_device
 from pagedserve.services.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -48,6 +48,7 @@ class StepResult:
     sampled_token_ids: list[int]  # one per sampling sequence, in schedule order
     logprobs: list[TokenLogprob | None]  # likewise; None where not asked for
     prompt_logprobs: list[prompt_logprobs.PromptLogprobs] = field(default_factory=list)  # requests that asked
+    pooled: list[tuple[Request, list[float]]] = field(default_factory=list)  # pooling requests whose prompt ended
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class StepHandle:
     logprob_width: int  # columns of the logprob block (0 when none was asked)
     marks: GpuMarks | None = None
     prompt_chunks: list[prompt_logprobs.PromptLogprobChunk] = field(default_factory=list)  # device tensors
+    pooled_chunks: list[pooler.PooledChunk] = field(default_factory=list)  # device tensors
 
     def result(self) -> StepResult:
         """Wait for the step (the one host sync) and unpack its results."""
@@ -73,6 +75,8 @@ class StepHandle:
         )
         if self.prompt_chunks:  # only requests that asked for prompt logprobs pay this copy
             result.prompt_logprobs = prompt_logprobs.to_host(self.prompt_chunks)
+        if self.pooled_chunks:  # likewise only pooling requests
+            result.pooled = pooler.to_host(self.pooled_chunks)
         return result
 
 
@@ -190,6 +194,7 @@ class ModelRunner:
             if prompt_logprobs.wants_prompt_logprobs(scheduled)
             else []
         )
+        pooled_chunks = pooler.pool_step(hidden, scheduled) if pooler.wants_pooling(scheduled) else []
         sampling_requests = [s.request for s in scheduled if s.is_sampling]
         kind = "eager" if graph_size is None else "graph"
         if not sampling_requests:
@@ -197,7 +202,8 @@ class ModelRunner:
                 marks.forward_done.record()
                 marks.sample_done.record()
             profile.mark("forward")
-            return StepHandle(kind, num_tokens, None, None, _record_event(self.device), [], 0, marks, prompt_chunks)
+            event = _record_event(self.device)
+            return StepHandle(kind, num_tokens, None, None, event, [], 0, marks, prompt_chunks, pooled_chunks)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [num_sampling, vocab] fp32
         if marks is not None:
             marks.forward_done.record()
@@ -226,6 +232,7 @@ class ModelRunner:
             width,
             marks,
             prompt_chunks,
+            pooled_chunks,
         )
         profile.mark("sample")
         return handle

@@ -29,6 +29,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     # With the first output token of a request that asked: one entry per prompt token (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, with its (only) output
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,7 @@ Ownership, so that no two classes update the same counter:
   block_hashes, num_hashed_blocks  -> KVCacheManager
   finish_reason                    -> Scheduler (stop checks) / Engine (abort)
   placeholder_positions            -> async_steps.Placeholders (overlapped steps)
+  pooled_state                     -> pooler.pool_step (a pooling request's running sum or first row)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.pooling_config import PoolingParams
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.structured.state import GrammarState
 from pagedserve.shared.stop_rule import stop_reason
@@ -53,6 +55,8 @@ class Request:
     placeholder_positions: list[int] = field(default_factory=list)
     token_chars: Sequence[int] | None = None  # characters per token id, with min_characters (set by the engine)
     has_min_characters: bool = False  # the output's text reached min_characters (it only grows)
+    pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
+    pooled_state: torch.Tensor | None = None  # [hidden] float32 on the device, between prompt chunks
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:

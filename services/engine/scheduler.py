@@ -35,7 +35,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step: the first new token's position
     num_new_tokens: int
-    is_sampling: bool  # this step computes the last known token, so a new one is sampled
+    is_sampling: bool  # this step computes the last known token, so a new one is sampled (never when pooling)
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ class Scheduler:
             request = running[index]
             num_computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - num_computed
-            if num_new == 1 and kv_cache.fits_in_place(request, num_computed + 1):
+            if num_new == 1 and request.pooling is None and kv_cache.fits_in_place(request, num_computed + 1):
                 # The common decode row: no block to take, nothing to publish (allocate would be a no-op).
                 scheduled.append(ScheduledRequest(request, num_computed, 1, True))
                 budget -= 1
@@ -130,6 +130,10 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             num_computed += item.num_new_tokens
             if not item.is_sampling:
+                if request.pooling is not None and request.num_computed_tokens == request.num_tokens:
+                    self.counters.num_prompt_tokens += request.num_tokens
+                    self._release(request, "stop")  # pooled: its prompt was all it had to compute
+                    has_finished = True
                 continue
             token_id = next(sampled)
             tokens = request.all_token_ids
@@ -168,7 +172,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         num_computed = request.num_computed_tokens
-        return ScheduledRequest(request, num_computed, num_new, num_computed + num_new == request.num_tokens)
+        is_last = num_computed + num_new == request.num_tokens
+        return ScheduledRequest(request, num_computed, num_new, is_last and request.pooling is None)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Blocks for `num_new` more tokens of a running sequence, preempting the last running (the
@@ -187,7 +192,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            if request.params.prompt_logprobs is not None:  # cached positions would have no logits
+            if request.params.prompt_logprobs is not None or (request.pooling and request.pooling.needs_every_row):
+                # cached positions would have no logits, or no hidden states to pool
                 hit_block_ids, num_hit_tokens = [], 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate(request, num_hit_tokens + num_new, hit_block_ids) is None:

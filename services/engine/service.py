@@ -266,12 +266,19 @@ class EngineService:
                 self._send(_Ack(entry))  # finished, aborted, or a redelivered duplicate
             return
         try:
-            params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
-            resumed = _resumed_choices(req)
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
+            if req.pooling is not None:  # /v1/embeddings: a forward pass, no sampling parameters
+                params = SamplingParams(max_tokens=1)
+                resumed = None
+                dimensions = req.pooling.get("dimensions")
+                self.engine.add_embedding_request(req.request_id, req.prompt_token_ids, dimensions)
+            else:
+                params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
+                resumed = _resumed_choices(req)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
-            error = RequestError(req.request_id, 400, f"invalid sampling parameters: {exc}", param=param)
+            what = "invalid input" if req.pooling is not None else "invalid sampling parameters"
+            error = RequestError(req.request_id, 400, f"{what}: {exc}", param=param)
             self._send(_Error(req.reply_to, error, entry))
             return
         trace = RequestTrace(req, self.settings.engine_id)
@@ -308,6 +315,7 @@ class EngineService:
             d.num_output_tokens.append(out.num_output_tokens)
             d.num_cached_tokens.append(out.num_cached_tokens)
             d.prompt_logprobs.append(_wire_prompt_logprobs(out.prompt_logprobs))
+            d.embeddings.append(out.embedding)
             if out.new_token_ids and not state.trace.has_first_token:
                 self._queued.pop(out.request_id, None)
                 state.trace.first_token()
@@ -569,6 +577,7 @@ class EngineService:
                 supports_choice_continuation=True,
                 num_requests_finished=self.num_requests_finished,
                 block_size=self.engine.kv_cache.block_size if self.pool.event_log is not None else 0,
+                runner="generate" if self.engine.pooling is None else "pooling",
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)

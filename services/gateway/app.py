@@ -30,6 +30,7 @@ from pagedserve.services.gateway import (
     token_routes,
 )
 from pagedserve.services.gateway import completions as completions_route
+from pagedserve.services.gateway import embeddings as embeddings_route
 from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
@@ -185,11 +186,8 @@ def build_app(config: Config) -> Starlette:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def embeddings(request: Request) -> Response:
-        raise APIError(
-            404,
-            "This server does not serve embeddings (/v1/embeddings); it serves text generation models only",
-            code="not_found",
-        )
+        req, ignored = await parse(request, embeddings_route.EmbeddingRequest)
+        return _reporting(await embeddings_route.serve(request, req, frontend, settings), ignored)
 
     async def list_models(request: Request) -> Response:
         await frontend.registry.refresh_now()

@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pagedserve.services.gateway.detokenizer import ChoiceText, TextOptions
 from pagedserve.services.gateway.errors import APIError, model_not_found, model_unavailable
 from pagedserve.services.gateway.metrics import GatewayMetrics, observe_generation, observe_tokens, observe_ttft
-from pagedserve.services.gateway.registry import ModelRegistry
+from pagedserve.services.gateway.registry import ModelEntry, ModelRegistry
 from pagedserve.services.gateway.router import Delta, Disconnected, ResponseRouter
 from pagedserve.services.gateway.token_text import TokenTexts
 from pagedserve.services.gateway.tokenizers import TokenizerCache
@@ -109,6 +109,8 @@ class Generation:
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # per choice: the engine's count so far
     saw_outage: bool = False  # a Redis outage began while it ran
     has_gap: bool = False  # tokens were lost in that outage: it must continue elsewhere
+    pooling: dict[str, Any] | None = None  # an embedding request's options (protocol.CompletionRequest.pooling)
+    embedding: list[float] | None = None  # ... and its vector, once the engine sent it
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
@@ -236,6 +238,8 @@ class Generation:
             self.last_token_at = now
         if reply.prompt_logprobs is not None:
             self.prompt_logprobs = reply.prompt_logprobs
+        if reply.embedding is not None:
+            self.embedding = reply.embedding
         if not self.has_first_token and reply.token_ids:
             self.has_first_token = True
             if self.span is not None:
@@ -393,7 +397,7 @@ class Frontend:
                 "pagedserve.request_id": req.request_id,
                 "pagedserve.model": req.model,
                 **telemetry.genai_request_attributes(
-                    "chat" if isinstance(req, ChatRequest) else "text_completion",
+                    telemetry.genai_operation(req),
                     req.model,
                     req.sampling,
                     req.max_tokens,
@@ -418,6 +422,7 @@ class Frontend:
         entry = await self.registry.get_fresh(req.model)  # listed by another worker a moment ago: served here
         if entry is None:
             raise model_not_found(req.model)
+        check_runner(entry, req)
         # Just after a Redis outage the services' records come back within a heartbeat: a model served
         # before it is taken (its request waits in the stream), not refused for that second.
         if not entry.is_live and self.registry.is_settled():
@@ -465,7 +470,9 @@ class Frontend:
             )
             for _ in range(n)
         ]
-        return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
+        gen = Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
+        gen.pooling = req.pooling if isinstance(req, CompletionRequest) else None
+        return gen
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
         while True:
@@ -528,6 +535,7 @@ class Frontend:
             prompt_token_ids=gen.accepted.prompt_token_ids,
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens},
             arrival_time=time.time(),
+            pooling=gen.pooling,
         )
         if len(gen.choices) == 1:
             request.output_token_ids = list(gen.choices[0].token_ids)
@@ -566,3 +574,19 @@ class Frontend:
             self.outage.recovered()
         except _REDIS_ERRORS as exc:
             self.outage.failed(f"sending an abort for {request_id}", exc)
+
+
+def check_runner(entry: ModelEntry, req: ChatRequest | CompletionRequest) -> None:
+    """400 (param "model") for an embedding request to a generating model, or generation on an embedding
+    model, as vLLM answers: a model serves one kind of request (its engines' --runner)."""
+    wants_pooling = isinstance(req, CompletionRequest) and req.pooling is not None
+    if not entry.engines or entry.is_pooling == wants_pooling:
+        return
+    if wants_pooling:
+        message = (
+            f"The model '{req.model}' is not an embedding model; /v1/embeddings needs an engine run with "
+            "--runner pooling"
+        )
+    else:
+        message = f"The model '{req.model}' is an embedding model: it serves /v1/embeddings only, not generation"
+    raise APIError(400, message, param="model", code="model_not_supported")

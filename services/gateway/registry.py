@@ -33,6 +33,11 @@ class ModelEntry:
         return self.is_live and bool(self.tokenizers)
 
     @property
+    def is_pooling(self) -> bool:
+        """Its engines serve embeddings (--runner pooling), not text generation."""
+        return any(e.runner == "pooling" for e in self.engines)
+
+    @property
     def model_source(self) -> str | None:
         return self.engines[0].model_source if self.engines else None
 

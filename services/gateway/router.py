@@ -34,6 +34,7 @@ class Delta:
     num_cached_tokens: int
     engine_id: str
     prompt_logprobs: list[Any] | None = None  # with a request's first token, when it asked
+    embedding: list[float] | None = None  # a pooling request's vector, with its finish
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class ResponseRouter:
                             msg.num_cached_tokens[i],
                             msg.engine_id,
                             msg.prompt_logprobs[i] if i < len(msg.prompt_logprobs) else None,
+                            msg.embeddings[i] if i < len(msg.embeddings) else None,
                         )
                     )
         elif isinstance(msg, Accepted | RequestError):

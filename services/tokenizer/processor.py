@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.services.tokenizer.embeddings import process_embedding
 from pagedserve.shared.prompts import chat_prompt_ids, check_template_kwargs, first_out_of_vocab, text_prompt_ids
 from pagedserve.shared.protocol import Accepted, ChatRequest, CompletionRequest, GenerateRequest, RequestError, Sampling
 
@@ -16,6 +17,9 @@ class ModelLimits:
     max_model_len: int
     eos_token_ids: list[int]
     vocab_size: int | None = None  # the model's (embedding rows), for stop_token_ids / logit_bias
+    hidden_size: int | None = None  # an embedding's size (embeddings.py checks `dimensions` against it)
+    is_matryoshka: bool = False  # config.json allows truncated embeddings (`dimensions`)
+    matryoshka_dimensions: list[int] | None = None  # ... of these sizes only, when it lists them
 
 
 def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
@@ -38,8 +42,15 @@ def read_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
         eos = text_config.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     vocab = text_config.get("vocab_size")
+    hidden = text_config.get("hidden_size")
+    matryoshka = text_config.get("matryoshka_dimensions")
     return ModelLimits(
-        max_model_len=max_model_len or native, eos_token_ids=eos_ids, vocab_size=int(vocab) if vocab else None
+        max_model_len=max_model_len or native,
+        eos_token_ids=eos_ids,
+        vocab_size=int(vocab) if vocab else None,
+        hidden_size=int(hidden) if hidden else None,
+        is_matryoshka=bool(text_config.get("is_matryoshka") or matryoshka),
+        matryoshka_dimensions=[int(d) for d in matryoshka] if matryoshka else None,
     )
 
 
@@ -71,6 +82,8 @@ class PromptProcessor:
         return text_prompt_ids(self.tokenizer, req.prompt)
 
     def process(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
+        if isinstance(req, CompletionRequest) and req.pooling is not None:
+            return process_embedding(self.tokenizer, self.limits, self.context_limit, req, self._truncated)
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         if isinstance(req, ChatRequest):
             try:

@@ -188,7 +188,7 @@ class TokenizerService:
             await self.reader.ack(entry.entry_id)
             return
         lag = telemetry.record_stream_wait(self.reader.stream, entry.entry_id, req.traceparent)
-        operation = "chat" if isinstance(req, ChatRequest) else "text_completion"
+        operation = telemetry.genai_operation(req)
         attributes = telemetry.genai_request_attributes(operation, req.model, req.sampling, req.max_tokens)
         with telemetry.tracer(__name__).start_as_current_span(
             "tokenizer.process",

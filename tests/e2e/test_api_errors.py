@@ -82,7 +82,7 @@ def bad_bodies(model: str) -> list[tuple[str, Any, int, str, str | None]]:
         ),
         (c, chat(model, stream_options={"include_usage": True}), 400, bad, "stream_options"),
         (p, completion(model, suffix="x"), 400, bad, "suffix"),
-        ("/v1/embeddings", {"model": model, "input": "hi"}, 404, bad, None),
+        ("/v1/embeddings", {"model": model, "input": "hi"}, 400, bad, "model"),  # a chat model: no embeddings
         (p, completion(model, prompt=["a", [1]]), 400, bad, "prompt"),
         (c, chat(model, prompt_logprobs=1, stream=True), 400, bad, "prompt_logprobs"),
         (p, completion(model, best_of=3), 400, bad, "best_of"),

@@ -8,6 +8,7 @@ import pytest
 
 from pagedserve.services.gateway.reasoning import (
     PARSERS,
+    ReasoningFormat,
     ReasoningSplitter,
     count_reasoning_tokens,
     gate_grammar,
@@ -130,10 +131,11 @@ def test_a_grammar_waits_for_the_reasoning_unless_asked_otherwise() -> None:
         "starts": ["<|channel|>analysis<|message|>"],
         "ends": ["<|channel|>final<|message|>"],
     }
-    for sampling, fmt, in_reasoning in [
+    cases: list[tuple[dict[str, object], ReasoningFormat | None, bool]] = [
         ({"structured_output": grammar}, PARSERS["qwen3"], True),  # --grammar-in-reasoning: from the first token
         ({"structured_output": None}, PARSERS["qwen3"], False),  # no grammar: nothing to hold
         ({"structured_output": grammar}, None, False),  # no reasoning parser
-    ]:
-        gate_grammar(sampling, fmt, in_reasoning)
-        assert "reasoning_markers" not in sampling
+    ]
+    for unchanged, fmt, in_reasoning in cases:
+        gate_grammar(unchanged, fmt, in_reasoning)
+        assert "reasoning_markers" not in unchanged

@@ -8,6 +8,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
 from pagedserve.shared import telemetry
 from pagedserve.shared.ids import new_id
+from pagedserve.shared.protocol import ChatRequest, CompletionRequest
 
 
 def test_new_ids_are_prefixed_and_distinct() -> None:
@@ -34,6 +35,17 @@ def test_genai_attributes_follow_the_semantic_conventions() -> None:
     assert attrs["gen_ai.request.temperature"] == 0.5 and attrs["gen_ai.request.top_p"] == 0.9
     assert attrs["gen_ai.request.max_tokens"] == 7
     assert telemetry.genai_usage_attributes(3, 4) == {"gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 4}
+
+
+def test_genai_operation_names_each_kind_of_request() -> None:
+    chat = ChatRequest("r", "gw", "m", [{"role": "user", "content": "hi"}])
+    completion = CompletionRequest("r", "gw", "m", "hi")
+    embedding = CompletionRequest("r", "gw", "m", "hi", pooling={"dimensions": None})
+    assert [telemetry.genai_operation(r) for r in (chat, completion, embedding)] == [
+        "chat",
+        "text_completion",
+        "embeddings",
+    ]
 
 
 def test_a_stream_entry_id_gives_its_time() -> None:

@@ -116,6 +116,8 @@ class LlamaForCausalLM(DecoderLM):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         if "rotary_emb.inv_freq" in name or (self.is_tied and name.startswith("lm_head.")):
             return
+        if not name.startswith(("model.", "lm_head.")):  # a bare decoder (`Qwen3Model`: embedding checkpoints)
+            name = f"model.{name}"
         for hf_name, (ours, shard_id) in PACKED_PROJECTIONS.items():
             if f".{hf_name}." in name:
                 yield name.replace(f".{hf_name}.", f".{ours}."), tensor, shard_id

@@ -60,6 +60,11 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon checkpoints from before its transformers port
+    # Bare decoders, as embedding models ship (weights without `model.`, no LM head): served for pooling
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
 }
 
 
@@ -108,6 +113,12 @@ def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
     )
 
 
+def is_bare_decoder(cfg: dict[str, Any]) -> bool:
+    """A checkpoint of the decoder alone (`Qwen3Model`, as embedding models ship): it can only pool."""
+    archs = cfg.get("architectures") or []
+    return bool(archs) and all(str(a).endswith("Model") for a in archs)
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = "auto",
@@ -132,6 +143,8 @@ def load_model(
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
     cfg = cls.normalize_config(cfg)
+    if is_bare_decoder(cfg):  # no LM head to load: logits (never asked of a pooling engine) would read the embeddings
+        cfg = {**cfg, "tie_word_embeddings": True}
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour
