@@ -6,6 +6,7 @@ Ownership, so that no two classes update the same counter:
   block_hashes, num_hashed_blocks  -> KVCacheManager
   finish_reason                    -> Scheduler (stop checks) / Engine (abort)
   placeholder_positions            -> async_steps.Placeholders (overlapped steps)
+  spec_token_ids                   -> the engine's proposer (speculative decoding), before each schedule
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Request:
     placeholder_positions: list[int] = field(default_factory=list)
     token_chars: Sequence[int] | None = None  # characters per token id, with min_characters (set by the engine)
     has_min_characters: bool = False  # the output's text reached min_characters (it only grows)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens to verify after the last one
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:
