@@ -45,7 +45,7 @@ from pagedserve.services.engine.prompt_logprobs import accumulate
 from pagedserve.services.engine.request import Request, RequestStatus
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
-from pagedserve.services.engine.spec_decode import make_speculative_decoding
+from pagedserve.services.engine.spec_decode.proposers import make_speculative_decoding
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.services.engine.structured.admission import GrammarAdmission
 from pagedserve.services.engine.token_chars import TokenChars

@@ -16,6 +16,7 @@ from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.spec_decode.draft_model import DraftModelProposer
 from pagedserve.services.engine.spec_decode.ngram import NgramProposer
+from pagedserve.services.engine.spec_decode.proposers import make_speculative_decoding
 from pagedserve.shared.config import Config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -52,7 +53,7 @@ def _engine(model_dir: Path, model: CausalLM, spec: dict | None = None, **settin
     settings = {"num_kv_blocks": 128, "block_size": 4, **settings}
     if spec is not None:
         settings["speculative_config"] = json.dumps(spec)
-    return Engine(Config.of(model=str(model_dir), **settings), model=model)  # type: ignore[arg-type]
+    return Engine(Config.of(model=str(model_dir), **settings), model=model)
 
 
 def _outputs(engine: Engine, params: SamplingParams | Sequence[SamplingParams], prompts=PROMPTS) -> list:
@@ -68,7 +69,7 @@ def plain(tiny_model: CausalLM, tiny_model_dir: Path) -> list:
 def test_ngram_greedy_equals_plain_decoding(tiny_model: CausalLM, tiny_model_dir: Path, plain: list) -> None:
     engine = _engine(tiny_model_dir, tiny_model, NGRAM)
     assert isinstance(engine.speculative and engine.speculative.proposer, NgramProposer)
-    assert not engine.is_async
+    assert not engine.is_async and make_speculative_decoding(Config.of(), engine.runner) is None
     assert _outputs(engine, GREEDY) == plain
     stats = engine.stats()
     assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens > 0  # both paths ran: accept and reject

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.spec_decode.verify import VerifiedTokens
-from pagedserve.shared.config import Config, SpeculativeConfig
-
-if TYPE_CHECKING:  # model_runner imports verify.py, a module of this package
-    from pagedserve.services.engine.model_runner import ModelRunner
 
 
 class Proposer(Protocol):
@@ -81,34 +77,3 @@ class SpeculativeDecoding:
             counters.num_accepted_tokens += num_accepted
             for pos in range(num_accepted):
                 per_pos[pos] += 1
-
-
-def make_speculative_decoding(config: Config, target: ModelRunner) -> SpeculativeDecoding | None:
-    """The configured proposer, or None without `--speculative-config`; ValueError naming the field."""
-    spec = config.runner.speculative
-    if spec is None:
-        return None
-    return SpeculativeDecoding(make_proposer(spec, config, target), spec.num_speculative_tokens, target.max_model_len)
-
-
-def make_proposer(spec: SpeculativeConfig, config: Config, target: ModelRunner) -> Proposer:
-    from pagedserve.services.engine.spec_decode.ngram import NgramProposer
-
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    from pagedserve.services.engine.models import load_model
-    from pagedserve.services.engine.spec_decode.draft_model import DraftModelProposer
-    from pagedserve.shared.model_source import resolve_model_dir
-
-    assert spec.model is not None  # parse_speculative_config checked it
-    try:
-        path = resolve_model_dir(spec.model)
-        model = load_model(path, target.spec.dtype, target.device, show_progress=False)
-    except Exception as exc:  # a missing directory, a family we cannot load: either way start-up stops here
-        raise ValueError(f"speculative_config.model: cannot load {spec.model!r} ({exc})") from None
-    if model.spec.vocab_size != target.spec.vocab_size:
-        raise ValueError(
-            f"speculative_config.model: the draft's vocabulary ({model.spec.vocab_size}) differs from the "
-            f"target's ({target.spec.vocab_size}); a draft model must share the tokenizer"
-        )
-    return DraftModelProposer.build(model, target, config.scheduler.max_num_batched_tokens)
