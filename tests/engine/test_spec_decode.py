@@ -22,7 +22,7 @@ from pagedserve.shared.config import Config
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # [9] * 12 makes the tiny model repeat a token at first: the n-gram drafts of that stretch are accepted.
 PROMPTS = [[9] * 12, [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [100, 3, 4, 100, 3, 4, 100, 3], [17, 33, 250, 4]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_draft_model_of_the_same_weights_is_always_accepted(
     assert _outputs(engine, GREEDY) == plain
     stats = engine.stats()
     assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
-    assert stats.num_steps < 20  # 20 tokens in well under one step each
+    assert stats.num_steps < 16  # 16 tokens in well under one step each
 
 
 def test_a_poor_draft_model_changes_nothing_but_speed(
@@ -93,7 +93,7 @@ def test_a_poor_draft_model_changes_nothing_but_speed(
 ) -> None:
     spec = {"method": "draft_model", "model": str(other_tiny_model_dir), "num_speculative_tokens": 3}
     engine = _engine(tiny_model_dir, tiny_model, spec)
-    n2 = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2)
+    n2 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
     assert _outputs(engine, n2, PROMPTS[:2]) == [choices * 2 for choices in plain[:2]]
     stats = engine.stats()
     assert stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens / 4
