@@ -170,3 +170,28 @@ def test_a_draft_model_that_cannot_load_stops_start_up(tiny_model: CausalLM, tin
     spec = {"method": "draft_model", "model": str(tiny_model_dir / "missing"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         _engine(tiny_model_dir, tiny_model, spec)
+
+
+def test_structured_output_decodes_beside_drafted_sequences(smollm2_dir: Path, smol_model: CausalLM) -> None:
+    """A grammar sequence gets no drafts but shares verify steps with one that does: both as plain decoding."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.shared.grammar_spec import GrammarSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    passage = "the quick brown fox jumps over the lazy dog near the river bank"
+    texts = [f"Repeat this passage exactly:\n\n{passage}", "Give a JSON object with a name."]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in texts
+    ]
+    prompts = [list(tokenizer(str(c), add_special_tokens=False)["input_ids"]) for c in chats]
+    name = GrammarSpec("regex", r'\{"name": "[a-z]{1,8}"\}')
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16),
+        SamplingParams(temperature=0.0, max_tokens=16, structured_output=name),
+    ]
+    settings = {"num_kv_blocks": 64, "block_size": 16}
+    spec = _engine(smollm2_dir, smol_model, NGRAM, **settings)
+    assert _outputs(spec, params, prompts) == _outputs(_engine(smollm2_dir, smol_model, **settings), params, prompts)
+    assert spec.stats().num_spec_accepted_tokens > 0
