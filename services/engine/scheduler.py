@@ -106,6 +106,9 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(num_new, budget)
+            if request.spec_token_ids and kv_cache.allocate(request, num_computed + num_new) is None:
+                request.spec_token_ids = []  # drafts never take a block from another sequence: verify none
+                num_new = min(len(request.all_token_ids) - num_computed, budget)
             if not self._allocate_or_preempt(request, num_new, output.preempted):
                 break  # `request` itself was the newest and got preempted: nobody is left after it
             scheduled.append(self._scheduled(request, num_new))

@@ -166,6 +166,19 @@ def test_schedule_verify_and_roll_back() -> None:
     kv_cache.check_invariants()
 
 
+def test_drafts_that_need_a_block_nobody_has_are_dropped_not_preempting() -> None:
+    kv_cache = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv_cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    first, second = make_request([1, 3, 4, 5, 6, 7, 8]), make_request([9, 10, 11, 12, 13, 14, 15])
+    for request in (first, second):
+        scheduler.add(request)
+    scheduler.update(scheduler.schedule(), [20, 21])  # 8 tokens each: all 4 blocks taken
+    second.spec_token_ids = [22, 23]  # would need a fifth block
+    output = scheduler.schedule()
+    assert not output.preempted and [s.num_new_tokens for s in output.scheduled] == [1, 1]
+    assert second.spec_token_ids == [] and kv_cache.num_free_blocks == 0
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [

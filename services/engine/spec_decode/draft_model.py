@@ -98,10 +98,11 @@ class DraftModelProposer:
         chunks); those that reach their last token sample a draft. Shadows with no KV room draft no more."""
         scheduled, rows, no_room, budget = [], [], set(), self.max_num_batched_tokens
         for i in active:
+            if budget <= 0:
+                break  # the rest go on in the next draft step
             shadow = shadows[i]
             num_new = min(shadow.num_tokens - shadow.num_computed_tokens, budget)
-            if num_new <= 0:
-                break
+            assert num_new > 0, "a shadow drafts from a token it has not computed"
             num_total = shadow.num_computed_tokens + num_new
             if self.kv_cache.allocate(shadow, num_total) is None:
                 no_room.add(i)
