@@ -195,3 +195,34 @@ def test_structured_output_decodes_beside_drafted_sequences(smollm2_dir: Path, s
     spec = _engine(smollm2_dir, smol_model, NGRAM, **settings)
     assert _outputs(spec, params, prompts) == _outputs(_engine(smollm2_dir, smol_model, **settings), params, prompts)
     assert spec.stats().num_spec_accepted_tokens > 0
+
+
+class FixedProposer:
+    """Drafts the same tokens after any context (likely ones: often accepted, often not)."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, requests: Sequence[Request], max_num_tokens: Sequence[int]) -> list[list[int]]:
+        return [self.drafts[:k] for k in max_num_tokens]
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
+    """The first three sampled tokens (top_k 2, so 8 outcomes) of 800 choices, with and without drafts:
+    one distribution (chi-square test of homogeneity)."""
+    from scipy.stats import chi2_contingency
+
+    prompt, num_samples = [17, 33, 250, 4], 800
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, n=num_samples)
+    settings = {"num_kv_blocks": 4 * num_samples, "max_num_seqs": num_samples}
+    greedy = _engine(tiny_model_dir, tiny_model, **settings).generate([prompt], GREEDY)[0].token_ids
+    plain = _engine(tiny_model_dir, tiny_model, **settings).generate([prompt], params)[0]
+    engine = _engine(tiny_model_dir, tiny_model, NGRAM, **settings)
+    assert engine.speculative is not None
+    engine.speculative.proposer = FixedProposer(greedy[1:3])
+    spec = engine.generate([prompt], params)[0]
+    stats = engine.stats()
+    assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens > 0.2
+    outcomes = sorted({tuple(c.token_ids) for c in plain.choices + spec.choices})
+    table = [[sum(tuple(c.token_ids) == o for c in r.choices) for o in outcomes] for r in (plain, spec)]
+    assert chi2_contingency(table).pvalue > 1e-4
