@@ -167,6 +167,7 @@ class Scheduler:
             raise ValueError("token_ids do not match the sampling sequences")
         rows = iter(token_ids)
         updated = []
+        has_finished = False
         for item in output.scheduled:
             request = item.request
             self.counters.num_computed_tokens += item.num_new_tokens
@@ -186,9 +187,11 @@ class Scheduler:
                 reason = request.stop_reason_after(token_id, self.max_model_len)
                 if reason is not None:
                     self._release(request, reason)
+                    has_finished = True
                     break
             updated.append(request)
-        self.running = [r for r in self.running if not r.is_finished]
+        if has_finished:
+            self.running = [r for r in self.running if not r.is_finished]
         return updated
 
     def finish(self, requests: Sequence[Request], reason: str) -> None:
