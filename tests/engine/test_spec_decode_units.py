@@ -3,6 +3,7 @@ n-gram lookup, the verify step's rows and batch layout, the scheduler's roll-bac
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -23,7 +24,7 @@ from pagedserve.services.engine.spec_decode.rejection_sampler import accept_draf
 from pagedserve.services.engine.spec_decode.verify import row_requests, verify
 from pagedserve.services.engine.vllm_metrics import VllmEngineMetrics
 from pagedserve.shared.config import Config, parse_speculative_config
-from pagedserve.shared.config_cli import build_config, strip_vllm_only_flags
+from pagedserve.shared.config_cli import add_config_flags, build_config, strip_vllm_only_flags
 from tests.engine.engine_helpers import make_request
 
 NUM_SAMPLES = 40_000
@@ -202,15 +203,15 @@ def test_a_bad_speculative_config_names_its_field(spec: object, field: str) -> N
 def test_the_vllm_flag_is_accepted_and_parsed() -> None:
     flag = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     assert strip_vllm_only_flags(["--speculative-config", flag]) == ["--speculative-config", flag]
-    config = build_config(_args(speculative_config=flag), environ={})
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    config = build_config(parser.parse_args(["--speculative-config", flag]), environ={})
     assert config.runner.speculative == parse_speculative_config(flag)
     assert config.runner.speculative.prompt_lookup_min == 2
     assert Config.of().runner.speculative is None
 
 
-def _args(**flags: object):
-    import argparse
-
+def _args(**flags: object) -> argparse.Namespace:
     return argparse.Namespace(**flags)
 
 
