@@ -23,6 +23,7 @@ name in upper case (PAGEDSERVE_MAX_MODEL_LEN).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,14 +194,75 @@ class RunnerConfig:
     )
     warm_up: bool = opt(True, "CUDA: compile kernels and capture graphs at start-up")
     profile_steps: bool = opt(False, "time each step's phases (Engine.profile)")
+    speculative_config: str | None = opt(
+        None,
+        'speculative decoding, as JSON (vLLM\'s form): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 4}; steps then run without overlap (no async scheduling)',
+    )
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "cuda_graph_max_batch")
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)  # a bad config stops start-up, naming the field
 
     @property
     def num_graph_batch(self) -> int:
         """The largest batch that replays a graph; 0 = eager always."""
         return 0 if self.enforce_eager else self.cuda_graph_max_batch
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else parse_speculative_config(self.speculative_config)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """The parsed `--speculative-config` (vLLM's keys; those we have no use for are refused, not ignored)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the context
+    prompt_lookup_min: int = 1  # ngram: the shortest (vLLM's default when only max is given)
+    model: str | None = None  # draft_model: its checkpoint (it must share the target's tokenizer)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """Parse and check the JSON; ValueError naming `speculative_config.<key>` on anything wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError("speculative_config: expected a JSON object")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"speculative_config.{key}: unknown key (known: {', '.join(sorted(known))})")
+    method = data.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method: {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        value = data.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config.{key}: must be an integer >= 1 (got {value!r})")
+    if "num_speculative_tokens" not in data:
+        raise ValueError("speculative_config.num_speculative_tokens: required")
+    if method == "ngram":
+        lookup_max = data.get("prompt_lookup_max", 4)
+        lookup_min = data.get("prompt_lookup_min", min(lookup_max, 1))
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {lookup_min} exceeds prompt_lookup_max")
+        if "model" in data:
+            raise ValueError("speculative_config.model: the ngram method takes no model")
+        return SpeculativeConfig("ngram", data["num_speculative_tokens"], lookup_max, lookup_min)
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config.model: draft_model needs the draft checkpoint's path")
+    return SpeculativeConfig("draft_model", data["num_speculative_tokens"], model=model)
 
 
 @dataclass(slots=True)

@@ -53,7 +53,6 @@ VLLM_REFUSED: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
     "--enable-lora": "LoRA adapters are not supported yet",
-    "--speculative-config": "speculative decoding is not supported yet",
     "--cpu-offload-gb": "CPU weight offload is not supported",
 }
 

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from pagedserve.services.engine.async_steps import (
     PLACEHOLDER_TOKEN_ID,
@@ -46,6 +47,7 @@ from pagedserve.services.engine.prompt_logprobs import accumulate
 from pagedserve.services.engine.request import Request, RequestStatus
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
+from pagedserve.services.engine.spec_decode.proposers import make_speculative_decoding
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.services.engine.structured.admission import GrammarAdmission
 from pagedserve.services.engine.token_chars import TokenChars
@@ -86,7 +88,8 @@ class Engine:
             self.max_model_len,
             config.scheduler.scheduling_policy,
         )
-        self.is_async = is_async_scheduling(config)
+        self.speculative = make_speculative_decoding(config, self.runner)  # None without --speculative-config
+        self.is_async = is_async_scheduling(config) and self.speculative is None  # a verify step cannot overlap
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()
         self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
@@ -255,6 +258,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; return the new tokens of the step before it (async
         scheduling) or of this one, and outputs of aborts made since the last call."""
+        if self.speculative is not None:
+            return self._step_speculative()
         profile = self.profile
         profile.start()
         outputs, self._pending = self._pending, []
@@ -369,6 +374,59 @@ class Engine:
             self._forget_if_done(request.request_id)
         return outputs
 
+    def _step_speculative(self) -> list[RequestOutput]:
+        """Draft, schedule, verify the drafts in one forward, apply (spec_decode/__init__.py); never overlapped."""
+        speculative, profile = self.speculative, self.profile
+        assert speculative is not None
+        profile.start()
+        outputs, self._pending = self._pending, []
+        if self.grammars.compiling:
+            outputs += self._admit_compiled()
+        speculative.draft(self.scheduler.running)
+        scheduled = self.scheduler.schedule()
+        profile.mark("schedule")
+        if scheduled.is_empty:
+            if self.grammars.compiling:
+                self.grammars.wait(0.005)
+            profile.end_call("eager")
+            return outputs
+        try:
+            handle = self.runner.launch(
+                scheduled.scheduled, self.kv_cache.block_tables(s.request for s in scheduled.scheduled)
+            )
+            result = handle.result()
+        except BaseException:
+            self.kv_cache.reset_prefix_cache()  # blocks published for this step were never filled
+            raise
+        profile.mark("wait")
+        profile.count_step(handle.kind, handle.num_tokens, handle.marks)
+        for part in result.prompt_logprobs:
+            accumulate(part.request.prompt_logprobs, part)
+        if result.pooled:  # a pooling request beside the drafted ones
+            outputs += self._pooled_outputs(result.pooled)
+        if handle.verified is None:  # nobody had drafts: one token each
+            token_ids = [[t] for t in result.sampled_token_ids]
+            logprobs = [None if lp is None else [lp] for lp in result.logprobs]
+        else:
+            speculative.record(handle.verified)
+            token_ids, logprobs = handle.verified.token_ids, handle.verified.logprobs
+        sampling = [s.request for s in scheduled.scheduled if s.is_sampling]
+        num_before = [r.num_tokens for r in sampling]
+        self.scheduler.update_verified(scheduled, token_ids)
+        for request, start, row_logprobs in zip(sampling, num_before, logprobs, strict=True):
+            new_ids = request.all_token_ids[start:]  # cut at a stop token or a length limit
+            if new_ids and _grammar_ends(request, new_ids[-1]) and not request.is_finished:
+                self.scheduler.finish([request], "stop")
+            output = _output(request, new_ids, None if row_logprobs is None else row_logprobs[: len(new_ids)])
+            if start == request.num_prompt_tokens and request.params.prompt_logprobs is not None:
+                output.prompt_logprobs = list(request.prompt_logprobs)  # with the first output token
+            outputs.append(output)
+            if request.is_finished:
+                self._forget_if_done(request.request_id)
+        profile.mark("output")
+        profile.end_call(handle.kind)
+        return outputs
+
     def shutdown(self) -> None:
         """Stop the executor's worker ranks (no-op on one process); the engine is unusable after."""
         self.executor.shutdown()
@@ -456,7 +514,19 @@ class Engine:
             num_steps=counters.num_steps,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_finished_by_reason=dict(counters.num_finished_by_reason),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculative is None:
+            return {}
+        spec = self.speculative.counters
+        return {
+            "num_spec_drafts": spec.num_drafts,
+            "num_spec_draft_tokens": spec.num_draft_tokens,
+            "num_spec_accepted_tokens": spec.num_accepted_tokens,
+            "num_spec_accepted_tokens_per_pos": tuple(spec.num_accepted_tokens_per_pos),
+        }
 
     def generate(
         self,

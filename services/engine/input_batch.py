@@ -40,7 +40,7 @@ class HostBatch:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     seq_lens: np.ndarray  # [num_seqs] int32
     block_tables: np.ndarray  # [num_seqs, num_table_blocks] int32 (padding reads block 0, masked out)
-    logits_rows: np.ndarray  # [num_sampling] int64: hidden rows whose logits are computed
+    logits_rows: np.ndarray  # [num_sampling (+ drafts)] int64: hidden rows whose logits are computed
     patch_rows: np.ndarray  # [num_patched] int64: rows whose token the previous step sampled
     patch_src: np.ndarray  # [num_patched] int64: that token's row in the previous step's samples
     max_query_len: int
@@ -88,6 +88,7 @@ def build_host_batch(
         token_ids: list[int] = []
         for s in scheduled:
             token_ids.extend(s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+            token_ids.extend(s.spec_token_ids)  # drafts to verify come after the last known token
         input_ids = np.array(token_ids, dtype=np.int64)
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
     # A placeholder is always a sequence's last token, so its row is that sequence's last row.
@@ -102,6 +103,11 @@ def build_host_batch(
     slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     sampling = np.fromiter((s.is_sampling for s in scheduled), dtype=bool, count=num_seqs)
+    logits_rows = query_start_loc[1:][sampling] - 1
+    if any(s.spec_token_ids for s in scheduled):  # a verify step: logits at each draft and after the last one
+        num_rows = np.array([len(s.spec_token_ids) + 1 for s in scheduled if s.is_sampling], dtype=np.int64)
+        first = np.repeat(logits_rows - num_rows + 1, num_rows)
+        logits_rows = first + np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
     return HostBatch(
         input_ids=input_ids,
         positions=positions,
@@ -109,7 +115,7 @@ def build_host_batch(
         query_start_loc=query_start_loc.astype(np.int32),
         seq_lens=seq_lens.astype(np.int32),
         block_tables=tables,
-        logits_rows=query_start_loc[1:][sampling] - 1,
+        logits_rows=logits_rows,
         patch_rows=patch_rows.astype(np.int64, copy=False),
         patch_src=patch_src,
         max_query_len=max_query_len,
@@ -225,7 +231,7 @@ class InputBuffers:
             "slot_mapping": max_num_tokens,
             "query_start_loc": max_num_seqs + 1,
             "seq_lens": max_num_seqs,
-            "logits_rows": max_num_seqs,
+            "logits_rows": max_num_tokens,  # a verify step has a row per draft too
             "patch_rows": max_num_seqs,
             "patch_src": max_num_seqs,
         }

@@ -131,7 +131,8 @@ class KVCacheManager:
             hashes.append(kv_blocks.hash_block(parent, tokens[block_index * size : (block_index + 1) * size]))
 
     def _publish_full_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
+        # Slots past the known tokens hold drafts (speculative decoding): not published until they are tokens.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_published.get(request.seq_id, 0)
         if num_full <= start:
             return

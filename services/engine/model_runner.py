@@ -37,6 +37,7 @@ from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.sampler import Sampler, SamplerOutput
 from pagedserve.services.engine.sampling_metadata import SamplingMetadataCache
 from pagedserve.services.engine.scheduler import ScheduledRequest
+from pagedserve.services.engine.spec_decode.verify import VerifiedTokens, verify
 from pagedserve.services.engine.step_profile import GpuMarks, StepProfile
 from pagedserve.shared.config import Config
 
@@ -65,6 +66,7 @@ class StepHandle:
     marks: GpuMarks | None = None
     prompt_chunks: list[prompt_logprobs.PromptLogprobChunk] = field(default_factory=list)  # device tensors
     pooled_chunks: list[pooler.PooledChunk] = field(default_factory=list)  # device tensors
+    verified: VerifiedTokens | None = None  # a verify step's tokens (speculative decoding; on the host already)
 
     def result(self) -> StepResult:
         """Wait for the step (the one host sync) and unpack its results."""
@@ -211,6 +213,11 @@ class ModelRunner:
 
         if before_sampling is not None:  # e.g. grammars take the previous step's tokens while this forward runs
             before_sampling()
+        drafts = [s.spec_token_ids for s in scheduled if s.is_sampling]
+        if any(drafts):  # speculative decoding: logits at every draft position (spec_decode/verify.py)
+            verified = verify(self.sampler, logits, sampling_requests, drafts, self.spec.vocab_size)
+            profile.mark("sample")
+            return StepHandle(kind, num_tokens, None, None, None, [], 0, marks, prompt_chunks, pooled_chunks, verified)
         meta = self.sampling_metadata.get(sampling_requests, self.spec.vocab_size, self.device)
         output = self.sampler(logits, meta)
         num_logprobs = [r.params.logprobs for r in sampling_requests]

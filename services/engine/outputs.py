@@ -50,6 +50,11 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int = 0  # prompt tokens prefilled (once per sequence, at its first token), since start
     num_finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished sequences, since start
+    # Speculative decoding, since start: verify rows with drafts, drafts, accepted drafts (all and per position).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:

@@ -7,6 +7,7 @@ Ownership, so that no two classes update the same counter:
   finish_reason                    -> Scheduler (stop checks) / Engine (abort)
   placeholder_positions            -> async_steps.Placeholders (overlapped steps)
   pooled_state                     -> pooler.pool_step (a pooling request's running sum or first row)
+  spec_token_ids                   -> the engine's proposer (speculative decoding), before each schedule
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Request:
     has_min_characters: bool = False  # the output's text reached min_characters (it only grows)
     pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
     pooled_state: torch.Tensor | None = None  # [hidden] float32 on the device, between prompt chunks
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens to verify after the last one
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step: the first new token's position
     num_new_tokens: int
     is_sampling: bool  # this step computes the last known token, so a new one is sampled (never when pooling)
+    spec_token_ids: Sequence[int] = ()  # drafts run after the last known token, to be verified
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - num_computed
             if num_new == 1 and request.pooling is None and kv_cache.fits_in_place(request, num_computed + 1):
                 # The common decode row: no block to take, nothing to publish (allocate would be a no-op).
                 scheduled.append(ScheduledRequest(request, num_computed, 1, True))
@@ -105,6 +106,9 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(num_new, budget)
+            if request.spec_token_ids and kv_cache.allocate(request, num_computed + num_new) is None:
+                request.spec_token_ids = []  # drafts never take a block from another sequence: verify none
+                num_new = min(len(request.all_token_ids) - num_computed, budget)
             if not self._allocate_or_preempt(request, num_new, output.preempted):
                 break  # `request` itself was the newest and got preempted: nobody is left after it
             scheduled.append(self._scheduled(request, num_new))
@@ -159,6 +163,41 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
 
+    def update_verified(self, output: SchedulerOutput, token_ids: Sequence[Sequence[int]]) -> list[Request]:
+        """Apply a speculative step: each sampling sequence gets its accepted drafts and the target's own token
+        (in `output.scheduled` order), cut at the first that ends it. A sequence's computed tokens step back over
+        its rejected drafts: their K/V slots are simply written again later. Returns the sequences that got any."""
+        if len(token_ids) != sum(1 for s in output.scheduled if s.is_sampling):
+            raise ValueError("token_ids do not match the sampling sequences")
+        rows = iter(token_ids)
+        updated = []
+        has_finished = False
+        for item in output.scheduled:
+            request = item.request
+            self.counters.num_computed_tokens += item.num_new_tokens
+            if not item.is_sampling:
+                request.num_computed_tokens += item.num_new_tokens
+                continue
+            new_ids = next(rows)
+            num_rejected = len(item.spec_token_ids) - (len(new_ids) - 1)
+            assert 0 <= num_rejected <= len(item.spec_token_ids), "more tokens than drafts + 1"
+            request.num_computed_tokens += item.num_new_tokens - num_rejected
+            tokens = request.all_token_ids
+            if len(tokens) == len(request.prompt_token_ids):  # prefill done: counted once, as vLLM does
+                self.counters.num_prompt_tokens += len(request.prompt_token_ids)
+            for token_id in new_ids:
+                tokens.append(token_id)
+                self.counters.num_generated_tokens += 1
+                reason = request.stop_reason_after(token_id, self.max_model_len)
+                if reason is not None:
+                    self._release(request, reason)
+                    has_finished = True
+                    break
+            updated.append(request)
+        if has_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
     def finish(self, requests: Sequence[Request], reason: str) -> None:
         """End sequences from outside the step (abort); idempotent."""
         requests = [r for r in requests if not r.is_finished]
@@ -172,6 +211,9 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         num_computed = request.num_computed_tokens
+        num_spec = num_computed + num_new - request.num_tokens  # drafts that fit the budget (speculative decoding)
+        if num_spec > 0:
+            return ScheduledRequest(request, num_computed, num_new, True, request.spec_token_ids[:num_spec])
         is_last = num_computed + num_new == request.num_tokens
         return ScheduledRequest(request, num_computed, num_new, is_last and request.pooling is None)
 
@@ -216,6 +258,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.add_preempted(request)

@@ -44,6 +44,22 @@ class VllmEngineMetrics:
             [*labels, "finished_reason"],
             registry=r,
         )
+        # Speculative decoding (zero without --speculative-config), as vLLM's SpecDecodingProm names them.
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, registry=r
+        ).labels(*values)
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=r
+        ).labels(*values)
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=r
+        ).labels(*values)
+        self._spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+            registry=r,
+        )
         self._values = values
         for reason in FINISHED_REASONS:
             self._success.labels(*values, reason)
@@ -61,6 +77,13 @@ class VllmEngineMetrics:
         _add(self.generation_tokens, stats.num_generated_tokens - last.num_generated_tokens)
         for reason, count in stats.num_finished_by_reason.items():
             _add(self._success.labels(*self._values, reason), count - last.num_finished_by_reason.get(reason, 0))
+        _add(self.spec_drafts, stats.num_spec_drafts - last.num_spec_drafts)
+        _add(self.spec_draft_tokens, stats.num_spec_draft_tokens - last.num_spec_draft_tokens)
+        _add(self.spec_accepted_tokens, stats.num_spec_accepted_tokens - last.num_spec_accepted_tokens)
+        last_per_pos = last.num_spec_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.num_spec_accepted_tokens_per_pos):
+            before = last_per_pos[pos] if pos < len(last_per_pos) else 0
+            _add(self._spec_accepted_per_pos.labels(*self._values, str(pos)), count - before)
 
 
 def _add(counter: Counter, amount: int) -> None:
