@@ -53,6 +53,8 @@ class Request:
     placeholder_positions: list[int] = field(default_factory=list)
     token_chars: Sequence[int] | None = None  # characters per token id, with min_characters (set by the engine)
     has_min_characters: bool = False  # the output's text reached min_characters (it only grows)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model); roots its block hashes
+    lora_slot: int = -1  # the device slot holding that adapter, pinned while the request lives (engine)
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:
