@@ -109,10 +109,16 @@ class Generation:
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # per choice: the engine's count so far
     saw_outage: bool = False  # a Redis outage began while it ran
     has_gap: bool = False  # tokens were lost in that outage: it must continue elsewhere
+    lora_name: str | None = None  # the LoRA adapter the request named (its `model`; `model` is the base)
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
         self.ids = self.ids or [self.current_id]
+
+    @property
+    def served_model(self) -> str:
+        """The `model` of the responses: what the request named (an adapter, or the model)."""
+        return self.lora_name or self.model
 
     @property
     def is_finished(self) -> bool:
@@ -415,9 +421,11 @@ class Frontend:
     ) -> Generation:
         if self.is_draining:
             raise APIError(503, "the server is shutting down", retry_after=1)
-        entry = await self.registry.get_fresh(req.model)  # listed by another worker a moment ago: served here
+        entry, lora_name = await self.registry.resolve(req.model)  # fresh: listed by another worker a moment ago
         if entry is None:
             raise model_not_found(req.model)
+        if lora_name is not None:  # from here on the request is its base model's, run with the adapter
+            req.model, req.lora_name = entry.name, lora_name
         # Just after a Redis outage the services' records come back within a heartbeat: a model served
         # before it is taken (its request waits in the stream), not refused for that second.
         if not entry.is_live and self.registry.is_settled():
@@ -465,7 +473,9 @@ class Frontend:
             )
             for _ in range(n)
         ]
-        return Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
+        gen = Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
+        gen.lora_name = req.lora_name
+        return gen
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
         while True:
@@ -528,6 +538,7 @@ class Frontend:
             prompt_token_ids=gen.accepted.prompt_token_ids,
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens},
             arrival_time=time.time(),
+            lora_name=gen.lora_name,
         )
         if len(gen.choices) == 1:
             request.output_token_ids = list(gen.choices[0].token_ids)

@@ -185,7 +185,7 @@ class _Shape:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "model": self.gen.model,
+            "model": self.gen.served_model,
             "output": [] if text is None else [self.message(text, done)],
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if done and truncated else None,

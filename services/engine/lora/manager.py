@@ -56,6 +56,10 @@ class LoRAManager:
         """The adapter in each slot (None: free)."""
         return list(self._slot_names)
 
+    def paths(self) -> dict[str, str]:
+        """Every registered adapter: name -> its folder."""
+        return {name: weights.info.path for name, weights in self._adapters.items()}
+
     def has(self, name: str) -> bool:
         return name in self._adapters
 
