@@ -15,9 +15,11 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.lora.layers import LoRABatch
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora.weights import read_adapter
+from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from pagedserve.shared.lora_adapters import LoRAAdapterError, inspect_adapter
+from pagedserve.shared.protocol import LoRAUpdate
 from tests.engine.engine_helpers import run, tokens_of
 from tests.lora_helpers import build_adapter, merged_model
 
@@ -158,3 +160,22 @@ def test_peft_tensors_map_onto_fused_projections(adapters: dict[str, Path]) -> N
     only_qv = read_adapter(inspect_adapter(adapters["r16-attn"], max_rank=16))
     assert sorted({index for _, index in only_qv.slices}) == [0, 2]
     assert only_qv.info.target_modules == ("q_proj", "v_proj")
+
+
+def test_runtime_updates_reach_the_engine_and_failures_are_reported(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """What an engine replica does with a LoRAUpdate from its control stream, and what its heartbeat then says."""
+    control = LoRAControl(_engine(tiny_model_dir, {}, max_loras=1, max_lora_rank=8))
+    assert (control.max_lora_rank, control.adapters, control.resident) == (8, {}, [])
+    control.apply(LoRAUpdate("u1", "load", "r4", str(adapters["r4"])))
+    control.apply(LoRAUpdate("u2", "load", "r4", str(adapters["r4"])))  # a replay: already done, no error
+    control.apply(LoRAUpdate("u3", "load", "big", str(adapters["r16-attn"])))
+    control.apply(LoRAUpdate("u4", "load", "none", str(tmp_path)))
+    assert control.adapters == {"r4": str(adapters["r4"])}
+    assert set(control.errors) == {"u3", "u4"} and "exceeds --max-lora-rank 8" in control.errors["u3"]
+    control.engine.add_request("x", PROMPT, SamplingParams(max_tokens=1), lora_name="r4")
+    assert control.resident == ["r4"]  # in its slot while the request lives
+    run(control.engine)
+    control.apply(LoRAUpdate("u5", "unload", "r4"))
+    assert control.adapters == {} and control.resident == []
