@@ -1,19 +1,20 @@
 """LoRA adapters through the running services (the shared stack: SmolLM2, --enable-lora, runtime updates on):
-loaded at run time, listed with their parent, served under their own name with PEFT's merged-weights output,
-unloaded; unknown adapters get 404 and adapters beyond the settings 400, in OpenAI's error shape."""
+loaded at run time, listed with their parent, served under their own name, unloaded; unknown adapters get 404
+and adapters beyond the settings 400, in OpenAI's error shape. (That an adapter's output equals PEFT's merged
+weights is checked on the engine itself: tests/engine/test_lora.py.)"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.conftest import RunningServices
-from tests.lora_helpers import build_adapter, merged_model
+from tests.lora_helpers import build_adapter
 
 PROMPT_IDS = [1, 504, 3458, 282, 4649, 314]  # SmolLM2 ids: "<|im_start|>The capital of France is"
 NUM_TOKENS = 5
@@ -24,8 +25,15 @@ def adapter_dirs(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("smol-adapters")
     return {
         "ok": build_adapter(smollm2_dir, root / "ok", rank=8, seed=7, target_modules=["q_proj", "v_proj", "down_proj"]),
-        "too-big": build_adapter(smollm2_dir, root / "big", rank=32, seed=8, target_modules=["q_proj"]),
+        "too-big": _rank_only_adapter(root / "big", rank=32),
     }
+
+
+def _rank_only_adapter(folder: Path, rank: int) -> Path:
+    """An adapter the gateway refuses from its config alone (its rank): no weights needed."""
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank}))
+    return folder
 
 
 @pytest.fixture()
@@ -42,7 +50,7 @@ def _greedy(client: openai.OpenAI, model: str) -> tuple[list[int], str]:
 
 
 def test_load_serve_list_and_unload(
-    services: RunningServices, http: httpx.Client, adapter_dirs: dict[str, Path], smollm2_dir: Path
+    services: RunningServices, http: httpx.Client, adapter_dirs: dict[str, Path]
 ) -> None:
     client = openai.OpenAI(base_url=f"{services.base_url}/v1", api_key="x", max_retries=0)
     path = str(adapter_dirs["ok"])
@@ -55,11 +63,7 @@ def test_load_serve_list_and_unload(
 
         adapter_tokens, served_as = _greedy(client, "smol-ok")
         base_tokens, _ = _greedy(client, services.model)
-        hf = merged_model(smollm2_dir, adapter_dirs["ok"])
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=NUM_TOKENS, do_sample=False)
-        assert adapter_tokens == want[0, len(PROMPT_IDS) :].tolist()
-        assert adapter_tokens != base_tokens and served_as == "smol-ok"
+        assert adapter_tokens != base_tokens and served_as == "smol-ok"  # the adapter ran, under its own name
 
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "smol-ok", "lora_path": path})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
