@@ -117,19 +117,24 @@ def run_batch(engine: Engine, prompts: list[list[int]], names: list[str | None],
     }
 
 
-def measure(config: Config, prompts: list[list[int]], names: list[str | None], args: argparse.Namespace) -> dict:
+def measure(
+    config: Config, prompts: list[list[int]], scenarios: dict[str, list[str | None]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Each scenario (its adapter per request) on one engine: the whole batch, then its first request alone."""
     engine = Engine(config)
-    run_batch(engine, prompts[: args.warmup], names[: args.warmup], 4)  # compiles the LoRA kernels' shapes
-    result = {
-        "batch": run_batch(engine, prompts, names, args.output_len),
-        "single": run_batch(engine, prompts[:1], names[:1], args.output_len),
-    }
+    results = {}
+    for scenario, names in scenarios.items():
+        run_batch(engine, prompts[: args.warmup], names[: args.warmup], 4)  # compiles the LoRA kernels' shapes
+        results[scenario] = {
+            "batch": run_batch(engine, prompts, names, args.output_len),
+            "single": run_batch(engine, prompts[:1], names[:1], args.output_len),
+        }
     engine.shutdown()
     del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
+    return results
 
 
 def main() -> None:
@@ -178,10 +183,8 @@ def main() -> None:
         max_loras=args.num_adapters,
         max_lora_rank=max(args.rank, 16),
     )
-    rows = {"base": measure(Config.of(**common), prompts, base_names, args)}
-    with_lora = Config.of(**common, **lora)
-    rows["lora-idle"] = measure(with_lora, prompts, base_names, args)
-    rows["lora-mixed"] = measure(with_lora, prompts, mixed, args)
+    rows = measure(Config.of(**common), prompts, {"base": base_names}, args)
+    rows |= measure(Config.of(**common, **lora), prompts, {"lora-idle": base_names, "lora-mixed": mixed}, args)
     base, mixed_row = rows["base"], rows["lora-mixed"]
     summary = {
         "mixed_throughput_vs_base": round(mixed_row["batch"]["tokens_per_s"] / base["batch"]["tokens_per_s"], 4),
