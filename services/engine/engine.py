@@ -436,7 +436,7 @@ class Engine:
         watermark = int(self.kv_cache.num_blocks * self.config.scheduler.watermark_fraction)
         if self.kv_cache.num_free_blocks <= watermark:
             return 0
-        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        waiting, running = len(self.scheduler.waiting) + len(self._lora_waiting), len(self.scheduler.running)
         queue_room = self.config.scheduler.num_max_waiting - waiting
         slot_room = self.config.scheduler.max_num_seqs + _WAITING_WHEN_FULL - running - waiting
         return max(0, min(queue_room, slot_room))

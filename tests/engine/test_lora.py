@@ -132,6 +132,7 @@ def test_requests_wait_for_a_slot_and_match_peft(tiny_model_dir: Path, adapters:
     engine = _engine(tiny_model_dir, adapters, max_loras=1)
     for name in adapters:
         _submit(engine, name, name)
+    assert engine.num_wanted() == engine.config.scheduler.num_max_waiting - 3  # those waiting for a slot count
     outputs = run(engine)
     for name in adapters:
         assert tokens_of(outputs[(name, 0)]) == expected[name][0], name
