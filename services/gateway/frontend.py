@@ -377,8 +377,11 @@ class Frontend:
         return (await self.tokenizers.get(model, source))[0]
 
     async def tokenizer_of(self, model: str) -> tuple[Any, int]:
-        """A served model's tokenizer and context length, for /tokenize and /detokenize."""
+        """A served model's tokenizer and context length, for /tokenize and /detokenize (a LoRA adapter's: its
+        base model's)."""
         entry = self.registry.get(model)
+        if entry is None and (base := self.registry.base_of(model)) is not None:
+            entry, model = base, base.name
         if entry is None:
             raise model_not_found(model)
         if not self.tokenizers.has(model) and not entry.is_live:  # its source is known from live engines

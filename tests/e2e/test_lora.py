@@ -64,6 +64,8 @@ def test_load_serve_list_and_unload(
         adapter_tokens, served_as = _greedy(client, "smol-ok")
         base_tokens, _ = _greedy(client, services.model)
         assert adapter_tokens != base_tokens and served_as == "smol-ok"  # the adapter ran, under its own name
+        tokenized = http.post("/tokenize", json={"model": "smol-ok", "prompt": "Paris"})
+        assert tokenized.status_code == 200 and tokenized.json()["tokens"]  # the base model's tokenizer
 
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "smol-ok", "lora_path": path})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
