@@ -176,7 +176,7 @@ class ModelRunner:
         if self.step_sender is not None:
             self.step_sender.send(batch, graph_size)
         if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
-            self.lora.prepare(scheduled, batch.num_tokens)
+            self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_size is not None)
         inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:

@@ -159,7 +159,9 @@ def test_batch_groups_tokens_by_slot() -> None:
     assert batch.sorted_token_ids[:6].tolist() == [2, 6, 0, 3, 7, 4]
     assert batch.applies
     batch.prepare(np.array([-1, -1]))
-    assert batch.slot_starts.tolist() == [0, 0, 0, 0] and not batch.applies  # CPU: a base-only step skips
+    assert batch.slot_starts.tolist() == [0, 0, 0, 0] and not batch.applies  # a base-only step skips the kernels...
+    batch.prepare(np.array([-1, -1]), is_graph=True)
+    assert batch.applies  # ...unless a captured graph (which holds them) replays it
 
 
 def test_peft_tensors_map_onto_fused_projections(adapters: dict[str, Path]) -> None:

@@ -8,8 +8,8 @@
 
 Slice i's A rows are i*max_rank .. i*max_rank + r (an adapter of rank r < max_rank leaves zeros), its B
 rows are the slice's output columns; B holds the adapter's scaling already. On CUDA the Triton kernels
-(kernels/lora.py) run every step, so captured graphs hold them; elsewhere the torch reference runs, and
-only in steps where some token uses an adapter.
+(kernels/lora.py) run, elsewhere the torch reference; a step that no token uses an adapter in skips them,
+except a graph replay (captured graphs hold the kernels, which then return at once).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class LoRABatch:
         self.slot_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)  # [max_loras + 1]
         self.is_cuda = device.type == "cuda"
         self.has_lora_tokens = False
+        self.is_graph = self.is_cuda  # until the first step: what the start-up forwards and graph captures see
         self.ops: ModuleType = lora_reference
         if self.is_cuda:
             from pagedserve.kernels import lora  # triton: CUDA machines only
@@ -41,16 +42,17 @@ class LoRABatch:
 
     @property
     def applies(self) -> bool:
-        """Whether the layers add deltas this step: always on CUDA (graphs), else only when some token asks."""
-        return self.is_cuda or self.has_lora_tokens
+        """Whether the layers run the LoRA kernels this step: some token uses an adapter, or a graph replays."""
+        return self.is_graph or self.has_lora_tokens
 
-    def prepare(self, token_slots: np.ndarray) -> None:  # [num_tokens] int64, -1 = base
+    def prepare(self, token_slots: np.ndarray, is_graph: bool = False) -> None:  # [num_tokens] int64, -1 = base
         lora_rows = np.flatnonzero(token_slots >= 0)
         slots = token_slots[lora_rows]
         order = lora_rows[np.argsort(slots, kind="stable")].astype(np.int32)
         starts = np.zeros(self.max_loras + 1, dtype=np.int32)
         np.cumsum(np.bincount(slots, minlength=self.max_loras), out=starts[1:])
         self.has_lora_tokens = bool(order.size)
+        self.is_graph = is_graph
         self.slot_starts.copy_(torch.from_numpy(starts), non_blocking=True)
         if order.size:
             self.sorted_token_ids[: order.size].copy_(torch.from_numpy(order), non_blocking=True)

@@ -108,14 +108,15 @@ class LoRAManager:
         assert self._pins[slot] > 0, slot
         self._pins[slot] -= 1
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest], num_tokens: int) -> None:
-        """The step's slot per token (padding rows: none), grouped for the kernels."""
+    def prepare(self, scheduled: Sequence[ScheduledRequest], num_tokens: int, is_graph: bool = False) -> None:
+        """The step's slot per token (padding rows: none), grouped for the kernels; `is_graph`: a captured graph
+        replays the step (it runs the kernels whatever the adapters)."""
         slots = np.fromiter((s.request.lora_slot for s in scheduled), dtype=np.int64, count=len(scheduled))
         counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         token_slots = np.full(num_tokens, -1, dtype=np.int64)
         per_token = np.repeat(slots, counts)
         token_slots[: per_token.shape[0]] = per_token
-        self.batch.prepare(token_slots)
+        self.batch.prepare(token_slots, is_graph)
 
     def _load(self, slot: int, name: str, weights: AdapterWeights) -> None:
         for layer in self.layers.values():
