@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,9 +18,10 @@ from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora.weights import read_adapter
 from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.service import EngineService
 from pagedserve.shared.config import Config
 from pagedserve.shared.lora_adapters import LoRAAdapterError, inspect_adapter
-from pagedserve.shared.protocol import LoRAUpdate
+from pagedserve.shared.protocol import GenerateRequest, LoRAUpdate
 from tests.engine.engine_helpers import run, tokens_of
 from tests.lora_helpers import build_adapter, merged_model
 
@@ -192,3 +194,16 @@ def test_runtime_updates_reach_the_engine_and_failures_are_reported(
     run(control.engine)
     control.apply(LoRAUpdate("u5", "unload", "r4"))
     assert control.adapters == {} and control.resident == []
+
+
+def test_the_service_answers_an_unknown_adapter_with_404(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    """An adapter unloaded after the gateway looked (or never loaded on this replica): 404 model_not_found."""
+    engine = _engine(tiny_model_dir, {"r4": adapters["r4"]}, max_loras=1)
+    service = EngineService(Config.of(engine_id="eng-test"), "m", engine, model_source=None)
+    sent: list[Any] = []
+    service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
+    for request_id, name in (("known", "r4"), ("unknown", "gone")):
+        service._add(b"1-0", GenerateRequest(request_id, "gw", "m", PROMPT, {"max_tokens": 2}, lora_name=name))
+    assert list(service.active) == ["known"]
+    [error] = [item.error for item in sent]
+    assert (error.request_id, error.status, error.code, error.param) == ("unknown", 404, "model_not_found", "model")
