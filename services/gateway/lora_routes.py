@@ -14,12 +14,14 @@ not load it (400, and the others drop it again).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -34,6 +36,7 @@ from pagedserve.shared.config import LoRAConfig
 from pagedserve.shared.lora_adapters import LoRAAdapterError, inspect_adapter
 from pagedserve.shared.protocol import LoRAUpdate
 
+log = logging.getLogger(__name__)
 _CONFIRM_TIMEOUT_S = 30.0  # engines apply an update between steps and show it in their next heartbeat
 _POLL_S = 0.1
 
@@ -87,13 +90,10 @@ def routes(settings: LoRAConfig) -> list[Route]:
             except LoRAAdapterError as exc:
                 raise APIError(400, f"Invalid LoRA adapter: {exc}", param="lora_path") from None
         update = LoRAUpdate(uuid.uuid4().hex, "load", name, req.lora_path)
-        await frontend.redis.hset(streams.lora_key(base.name), name, req.lora_path)
-        await frontend.publisher.publish(streams.control_stream(base.name), update, 10_000)
+        await _broadcast(frontend, base.name, update)
         error = await _confirm(registry, base.name, lambda e: name in e.lora_adapters, update.update_id)
         if error is not None:  # undo it everywhere: the replicas that did load it drop it
-            await frontend.redis.hdel(streams.lora_key(base.name), name)
-            unload = LoRAUpdate(uuid.uuid4().hex, "unload", name)
-            await frontend.publisher.publish(streams.control_stream(base.name), unload, 10_000)
+            await _broadcast(frontend, base.name, LoRAUpdate(uuid.uuid4().hex, "unload", name))
             raise APIError(400, f"Invalid LoRA adapter: {error}", param="lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -108,8 +108,7 @@ def routes(settings: LoRAConfig) -> list[Route]:
             message = f"The lora adapter '{name}' cannot be found."
             raise APIError(404, message, param="lora_name", code="model_not_found")
         update = LoRAUpdate(uuid.uuid4().hex, "unload", name)
-        await frontend.redis.hdel(streams.lora_key(base.name), name)
-        await frontend.publisher.publish(streams.control_stream(base.name), update, 10_000)
+        await _broadcast(frontend, base.name, update)
         await _confirm(registry, base.name, lambda e: name not in e.lora_adapters, update.update_id)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -117,6 +116,19 @@ def routes(settings: LoRAConfig) -> list[Route]:
         Route("/v1/load_lora_adapter", load, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
     ]
+
+
+async def _broadcast(frontend: Frontend, model: str, update: LoRAUpdate) -> None:
+    """Record the update for replicas that start later, and send it to every engine of the model now."""
+    try:
+        if update.action == "load":
+            await frontend.redis.hset(streams.lora_key(model), update.lora_name, update.lora_path)
+        else:
+            await frontend.redis.hdel(streams.lora_key(model), update.lora_name)
+        await frontend.publisher.publish(streams.control_stream(model), update, 10_000)
+    except (RedisError, OSError) as exc:
+        log.warning("LoRA update of %s not sent: %s", model, exc)  # the detail goes to the log, not the client
+        raise APIError(503, "the control stream (Redis) is unavailable; retry shortly", retry_after=2) from None
 
 
 def _frontend(request: Request, settings: LoRAConfig) -> Frontend:
