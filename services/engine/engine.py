@@ -208,12 +208,25 @@ class Engine:
                 self.lora.release(request.lora_slot)
                 request.lora_slot = -1
 
-    def _admit_lora_waiting(self) -> None:
-        """Queue the requests whose adapter now has a slot, in arrival order (the first that waits stops it)."""
-        waiting = [r for r in self._lora_waiting if not r.is_finished]  # aborted while waiting
+    def _admit_lora_waiting(self) -> list[RequestOutput]:
+        """Queue the requests whose adapter now has a slot, in arrival order (the first that waits stops it);
+        end those whose adapter was unloaded while they waited."""
+        assert self.lora is not None
+        outputs, waiting = [], []
+        for request in self._lora_waiting:
+            if request.is_finished:  # aborted while waiting
+                continue
+            if request.lora_name is not None and not self.lora.has(request.lora_name):
+                log.warning("request %s: its LoRA adapter %r was unloaded", request.request_id, request.lora_name)
+                self.scheduler.finish([request], "abort")
+                outputs.append(_output(request, [], None))
+                self._forget_if_done(request.request_id)
+                continue
+            waiting.append(request)
         while waiting and self._pin_adapter(waiting[0]):
             self._queue(waiting.pop(0))
         self._lora_waiting = waiting
+        return outputs
 
     def add_lora(self, name: str, path: str) -> None:
         """Serve one more adapter (LoRAAdapterError, a ValueError, names why not)."""
@@ -268,7 +281,7 @@ class Engine:
         if self.grammars.compiling:
             outputs += self._admit_compiled()
         if self._lora_waiting:
-            self._admit_lora_waiting()
+            outputs += self._admit_lora_waiting()
         previous, self._inflight = self._inflight, None
         if previous is not None and previous.needs_tokens:
             outputs += self._finish(previous)

@@ -140,6 +140,18 @@ def test_requests_wait_for_a_slot_and_match_peft(tiny_model_dir: Path, adapters:
         assert tokens_of(outputs[(name, 0)]) == expected[name][0], name
 
 
+def test_a_request_whose_adapter_is_unloaded_while_it_waits_ends(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    engine = _engine(tiny_model_dir, adapters, max_loras=1)
+    _submit(engine, "first", "r4")
+    _submit(engine, "waits", "r8-rslora")  # the one slot is pinned by "first"
+    assert engine.remove_lora("r8-rslora")
+    outputs = run(engine)
+    assert [o.finish_reason for o in outputs[("waits", 0)]] == ["abort"]
+    assert len(tokens_of(outputs[("first", 0)])) == NUM_NEW
+
+
 def test_bad_adapters_and_names(tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     engine = _engine(tiny_model_dir, {}, max_loras=1)
     with pytest.raises(UnknownAdapterError, match="'nope' does not exist"):
