@@ -22,6 +22,7 @@ import datetime
 import gc
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -183,8 +184,12 @@ def main() -> None:
         max_loras=args.num_adapters,
         max_lora_rank=max(args.rank, 16),
     )
-    rows = measure(Config.of(**common), prompts, {"base": base_names}, args)
-    rows |= measure(Config.of(**common, **lora), prompts, {"lora-idle": base_names, "lora-mixed": mixed}, args)
+    try:
+        rows = measure(Config.of(**common), prompts, {"base": base_names}, args)
+        rows |= measure(Config.of(**common, **lora), prompts, {"lora-idle": base_names, "lora-mixed": mixed}, args)
+    finally:  # the 8B shape's adapters take ~80 MB each
+        shutil.rmtree(adapter_root, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
     base, mixed_row = rows["base"], rows["lora-mixed"]
     summary = {
         "mixed_throughput_vs_base": round(mixed_row["batch"]["tokens_per_s"] / base["batch"]["tokens_per_s"], 4),
