@@ -6,14 +6,18 @@ weights is checked on the engine itself: tests/engine/test_lora.py.)"""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import RunningServices
+from pagedserve.shared import streams
+from pagedserve.shared.protocol import EngineHeartbeat, decode_as
+from tests.conftest import E2E_MAX_MODEL_LEN, RunningServices, start_service, stop_all
 from tests.lora_helpers import build_adapter
 
 PROMPT_IDS = [1, 504, 3458, 282, 4649, 314]  # SmolLM2 ids: "<|im_start|>The capital of France is"
@@ -93,3 +97,52 @@ def test_adapters_beyond_the_settings_get_400(
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "x"}).status_code == 400  # no lora_path
     models = http.get("/v1/models").json()["data"]
     assert {m["id"] for m in models}.isdisjoint({"big", "nowhere"})
+
+
+def _adapters_by_engine(redis_url: str, model: str) -> dict[str, dict[str, str]]:
+    """Each live engine of `model`: the adapters its heartbeat says it serves."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=streams.engine_key(streams.glob_escape(model), "*")))
+        beats = [decode_as(raw, EngineHeartbeat) for raw in client.mget(keys) if raw] if keys else []
+    finally:
+        client.close()
+    return {beat.engine_id: beat.lora_adapters for beat in beats if not beat.is_draining}
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_later_replica_loads_runtime_adapters_and_unloads_reach_every_replica(
+    services: RunningServices, http: httpx.Client, adapter_dirs: dict[str, Path]
+) -> None:
+    path = str(adapter_dirs["ok"])
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "smol-late", "lora_path": path}).status_code == 200
+    env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
+    engine_args = ["--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", "--enable-lora", "--max-loras", "2"]
+    second = start_service(
+        "lora-engine-2",
+        ["engine", *engine_args, "--max-model-len", str(E2E_MAX_MODEL_LEN), "--engine-id", "lora-engine-2"],
+        env,
+        services.log_dir,
+    )
+    try:
+        # it started after the load: it finds the adapter in Redis and loads it too
+        _wait_for(
+            lambda: _adapters_by_engine(services.redis_url, services.model).get("lora-engine-2") == {"smol-late": path},
+            120,
+            "the second replica never served the adapter loaded before it started",
+        )
+        unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "smol-late"})
+        assert unloaded.status_code == 200, unloaded.text
+        served = _adapters_by_engine(services.redis_url, services.model)
+        assert len(served) == 2 and all(adapters == {} for adapters in served.values())  # both dropped it
+    finally:
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "smol-late"})  # 404 once done: harmless
+        stop_all({"lora-engine-2": second})
