@@ -6,6 +6,7 @@
     ├── scheduler      batch limits: sequences, tokens per step, waiting queue
     ├── runner         how steps run: CUDA graphs, warm-up, async scheduling
     ├── parallel       devices: device, tensor parallelism, GPUs for `serve`, CPU threads
+    ├── lora           LoRA adapters: which to serve, slots, rank limit, runtime loading
     ├── engine         the engine service: id, heartbeats, drain, claims, metrics port
     ├── tokenizer      the tokenizer service: id, claims, metrics port
     ├── gateway        HTTP/gRPC front door: address, keys, limits, parsers, workers
@@ -60,6 +61,7 @@ TOOL_CALL_PARSERS = (
 )
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "gpt_oss", "openai")
 RUNNERS = ("auto", "generate", "pooling")
+MAX_LORA_RANK = 64  # the kernels' largest rank tile
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -287,6 +289,37 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    enable_lora: bool = opt(False, "serve LoRA adapters: a request's `model` names one (as vLLM)")
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={"help": "adapters served from the start: name=path (PEFT folders), several allowed", "nargs": "+"},
+    )
+    max_loras: int = opt(1, "adapters held on the device at once (slots; the least recently used unpinned one goes)")
+    max_lora_rank: int = opt(16, "the largest adapter rank served (up to 64)")
+    allow_runtime_lora_updating: bool = opt(
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "max_loras", "max_lora_rank")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank: at most {MAX_LORA_RANK}")
+        self.adapters()  # a malformed name=path fails now
+
+    def adapters(self) -> dict[str, str]:
+        """--lora-modules as name -> path."""
+        named: dict[str, str] = {}
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+            named[name.strip()] = path.strip()
+        return named
+
+
+@dataclass(slots=True)
 class EngineServiceConfig:
     engine_id: str = opt("", "this replica's id (default: a new random one)")
     heartbeat_interval_s: float = opt(1.0, "how often an engine refreshes its registry record")
@@ -466,6 +499,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     engine: EngineServiceConfig = field(default_factory=EngineServiceConfig)
     tokenizer: TokenizerServiceConfig = field(default_factory=TokenizerServiceConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)

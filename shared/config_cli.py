@@ -52,7 +52,6 @@ VLLM_IGNORED: dict[str, tuple[int, str]] = {
 VLLM_REFUSED: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size or replicas",
-    "--enable-lora": "LoRA adapters are not supported yet",
     "--cpu-offload-gb": "CPU weight offload is not supported",
 }
 
@@ -137,6 +136,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         common: dict[str, Any] = {"dest": flat, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
             group.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
+        elif "nargs" in meta:  # vLLM's `--lora-modules a=p b=q`: several values after one flag, or repeated
+            group.add_argument(*names, action="extend", nargs=meta["nargs"], **common)
         elif kind is list or meta.get("repeatable"):
             group.add_argument(*names, action="append", **common)
         else:

@@ -86,6 +86,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
     documents: list[dict[str, Any]] | None = None  # for the chat template (HF's `documents=`)
+    lora_name: str | None = None  # the LoRA adapter the request's `model` named (`model` is then its base)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,7 @@ class CompletionRequest:
     traceparent: str | None = None
     # /v1/embeddings: the prompt is pooled, not continued: {"dimensions": int | None} (None: generate)
     pooling: dict[str, Any] | None = None
+    lora_name: str | None = None  # as ChatRequest's
 
 
 @dataclass(slots=True)
@@ -121,6 +123,7 @@ class GenerateRequest:
     choice_indexes: list[int] = field(default_factory=list)
     choice_output_token_ids: list[list[int]] = field(default_factory=list)
     pooling: dict[str, Any] | None = None  # an embedding request (CompletionRequest.pooling); only a pooling engine
+    lora_name: str | None = None  # run with this LoRA adapter (None: the base model)
 
 
 @dataclass(slots=True)
@@ -177,6 +180,17 @@ class Abort:
 
 
 @dataclass(slots=True)
+class LoRAUpdate:
+    """Load or unload a LoRA adapter at run time, broadcast to every engine of the model on its control stream."""
+
+    TAG: ClassVar[str] = "lora_update"
+    update_id: str
+    action: Literal["load", "unload"]
+    lora_name: str
+    lora_path: str = ""
+
+
+@dataclass(slots=True)
 class EngineHeartbeat:
     """The registry record an engine refreshes (a key with a TTL, not a stream entry)."""
 
@@ -196,6 +210,10 @@ class EngineHeartbeat:
     supports_choice_continuation: bool = False  # honours GenerateRequest.choice_indexes (n > 1 failover)
     block_size: int = 0  # KV block tokens; 0: publishes no KV events (a router routes it by load only)
     runner: str = "generate"  # "pooling": it serves embeddings only (--runner); "generate": text only
+    max_lora_rank: int = 0  # 0: serves no LoRA adapters (--enable-lora off)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # adapters it serves: name -> path
+    lora_resident: list[str] = field(default_factory=list)  # those in its device slots now (the router prefers)
+    lora_errors: dict[str, str] = field(default_factory=dict)  # LoRAUpdate id -> why that load failed (recent)
 
 
 @dataclass(slots=True)
@@ -235,6 +253,7 @@ Message = (
     | RequestError
     | TokenDeltas
     | Abort
+    | LoRAUpdate
     | EngineHeartbeat
     | TokenizerHeartbeat
     | KVEvents
@@ -249,6 +268,7 @@ _TYPES: dict[str, type[Any]] = {
         RequestError,
         TokenDeltas,
         Abort,
+        LoRAUpdate,
         EngineHeartbeat,
         TokenizerHeartbeat,
         KVEvents,

@@ -70,6 +70,11 @@ def engine_group(model: str) -> str:
     return f"engines:{model}"
 
 
+def lora_key(model: str) -> str:
+    """A hash of the adapters loaded at run time (name -> path): a replica started later loads them too."""
+    return f"ps:{{{model}}}:loras"
+
+
 def engine_key(model: str, engine_id: str) -> str:
     return f"ps:{{{model}}}:engine:{engine_id}"
 

@@ -136,7 +136,8 @@ def services(
     otlp_receiver: OTLPReceiver,
 ) -> Iterator[RunningServices]:
     """Tokenizer, engine and gateway for the default model, as separate processes on a private Redis,
-    exporting spans to the in-test OTLP receiver and metrics on ports of their own."""
+    exporting spans to the in-test OTLP receiver and metrics on ports of their own. LoRA is on, with no
+    adapter until a test loads one at run time (tests/e2e/test_lora.py); base requests skip it on a CPU."""
     from pagedserve.shared.redis_server import free_port
 
     log_dir = tmp_path_factory.mktemp("service-logs")
@@ -150,7 +151,11 @@ def services(
         "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(metrics_ports["tokenizer"]),
         "PAGEDSERVE_ENGINE_METRICS_PORT": str(metrics_ports["engine"]),
     }
-    with running_stack(env, log_dir) as (base_url, processes):
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
+    with running_stack(env, log_dir, engine_args=lora, gateway_args=["--allow-runtime-lora-updating"]) as (
+        base_url,
+        processes,
+    ):
         yield RunningServices(
             base_url, redis_server.url, DEFAULT_MODEL, processes, log_dir, metrics_ports, otlp_receiver
         )

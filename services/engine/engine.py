@@ -38,6 +38,7 @@ from pagedserve.services.engine.async_steps import (
 from pagedserve.services.engine.config import is_async_scheduling, model_dir, torch_device
 from pagedserve.services.engine.executor import make_executor
 from pagedserve.services.engine.input_batch import eager_token_bucket
+from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.model_runner import StepResult
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.offline import generate
@@ -95,6 +96,8 @@ class Engine:
         self._inflight: InflightStep | None = None  # launched, its tokens not applied yet
         self._arrival = itertools.count()
         self._warned_priority = False
+        self.lora = self.runner.lora  # None without --enable-lora
+        self._lora_waiting: list[Request] = []  # their adapter waits for a slot (every slot pinned by others)
         self.grammars = GrammarAdmission(
             config.model.tokenizer or self.model_dir, self.vocab_size, sorted(self.eos_token_ids)
         )
@@ -118,17 +121,21 @@ class Engine:
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
         choice_output_token_ids: Mapping[int, Sequence[int]] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request (n choices). `output_token_ids` continue a request another replica began:
         they count towards max_tokens, min_tokens and penalties and are never emitted again.
         `choice_output_token_ids` continue some choices of an n > 1 request the same way (original
         choice index -> its tokens so far): only those choices run, under their original indexes.
+        `lora_name` runs it with that LoRA adapter (UnknownAdapterError when not served).
         Raises ValueError (naming the parameter) for input the engine cannot serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if self.pooling is not None:
             raise ValueError("model: this engine serves embeddings (--runner pooling); it does not generate text")
         params.validate(self.vocab_size)
+        if lora_name is not None and (self.lora is None or not self.lora.has(lora_name)):
+            raise UnknownAdapterError(f"model: the LoRA adapter {lora_name!r} does not exist")
         if params.priority and not self._warned_priority and self.config.scheduler.scheduling_policy == "fcfs":
             self._warned_priority = True  # vLLM answers 400 here; we serve the request, in arrival order
             log.warning(
@@ -179,13 +186,14 @@ class Engine:
                 request.token_chars = lengths
         self._requests[request_id] = choices
         for request in choices:
+            request.lora_name = lora_name
             if request.num_output_tokens >= max_tokens:  # a continuation that was already complete
                 self.scheduler.finish([request], "length")
                 self._pending.append(_output(request, [], None))
-            elif params.structured_output is not None:
-                self.grammars.attach(request)  # the scheduler gets it once its grammar compiled
+            elif lora_name is not None and (self._lora_waiting or not self._pin_adapter(request)):
+                self._lora_waiting.append(request)  # in arrival order, behind those already waiting
             else:
-                self.scheduler.add(request)
+                self._queue(request)
         self._forget_if_done(request_id)
 
     def add_embedding_request(
@@ -226,6 +234,62 @@ class Engine:
             vectors.update((out.request_id, out.embedding) for out in self.step() if out.embedding is not None)
         return [vectors[request_id] for request_id in request_ids]
 
+    def _queue(self, request: Request) -> None:
+        if request.params.structured_output is not None:
+            self.grammars.attach(request)  # the scheduler gets it once its grammar compiled
+        else:
+            self.scheduler.add(request)
+
+    def _pin_adapter(self, request: Request) -> bool:
+        """Put the request's adapter in a slot it pins until it ends; False while no slot can be had."""
+        assert self.lora is not None and request.lora_name is not None
+        slot = self.lora.acquire(request.lora_name)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _unpin_adapters(self, choices: Iterable[Request]) -> None:
+        for request in choices:
+            if request.lora_slot >= 0:
+                assert self.lora is not None
+                self.lora.release(request.lora_slot)
+                request.lora_slot = -1
+
+    def _admit_lora_waiting(self) -> list[RequestOutput]:
+        """Queue the requests whose adapter now has a slot, in arrival order (the first that waits stops it);
+        end those whose adapter was unloaded while they waited."""
+        assert self.lora is not None
+        outputs, waiting = [], []
+        for request in self._lora_waiting:
+            if request.is_finished:  # aborted while waiting
+                continue
+            if request.lora_name is not None and not self.lora.has(request.lora_name):
+                log.warning("request %s: its LoRA adapter %r was unloaded", request.request_id, request.lora_name)
+                self.scheduler.finish([request], "abort")
+                outputs.append(_output(request, [], None))
+                self._forget_if_done(request.request_id)
+                continue
+            waiting.append(request)
+        while waiting and self._pin_adapter(waiting[0]):
+            self._queue(waiting.pop(0))
+        self._lora_waiting = waiting
+        return outputs
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve one more adapter (LoRAAdapterError, a ValueError, names why not)."""
+        if self.lora is None:
+            raise ValueError("lora_name: LoRA adapters are not enabled (--enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter (requests running with it finish); False if it was not served."""
+        return self.lora is not None and self.lora.remove(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else self.lora.names
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """End requests now (idempotent; unknown ids ignored); step() reports them as "abort"."""
         for request_id in request_ids:
@@ -233,6 +297,7 @@ class Engine:
             if choices is None:
                 continue
             self._abort_choices(choices)
+            self._unpin_adapters(choices)
 
     def abort_choices(self, request_id: str, indexes: Iterable[int]) -> None:
         """End some choices of an n > 1 request (a stop string hit one); idempotent, like abort()."""
@@ -265,6 +330,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.grammars.compiling:
             outputs += self._admit_compiled()
+        if self._lora_waiting:
+            outputs += self._admit_lora_waiting()
         previous, self._inflight = self._inflight, None
         if previous is not None and previous.needs_tokens:
             outputs += self._finish(previous)
@@ -382,6 +449,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.grammars.compiling:
             outputs += self._admit_compiled()
+        if self._lora_waiting:
+            outputs += self._admit_lora_waiting()
         speculative.draft(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         profile.mark("schedule")
@@ -467,6 +536,7 @@ class Engine:
             or bool(self._pending)
             or self._inflight is not None
             or bool(self.grammars.compiling)
+            or bool(self._lora_waiting)
         )
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -494,7 +564,7 @@ class Engine:
         watermark = int(self.kv_cache.num_blocks * self.config.scheduler.watermark_fraction)
         if self.kv_cache.num_free_blocks <= watermark:
             return 0
-        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        waiting, running = len(self.scheduler.waiting) + len(self._lora_waiting), len(self.scheduler.running)
         queue_room = self.config.scheduler.num_max_waiting - waiting
         slot_room = self.config.scheduler.max_num_seqs + _WAITING_WHEN_FULL - running - waiting
         return max(0, min(queue_room, slot_room))
@@ -572,6 +642,7 @@ class Engine:
         choices = self._requests.get(request_id)
         if choices is not None and all(r.status is RequestStatus.FINISHED for r in choices):
             del self._requests[request_id]
+            self._unpin_adapters(choices)
 
 
 def _grammar_ends(request: Request, token_id: int) -> bool:

@@ -20,7 +20,7 @@ from pagedserve.shared import kv_blocks
 
 def root_hash(request: Request) -> bytes:
     """The parent of a request's first block: a `cache_salt` gives its tenant a chain of its own."""
-    return kv_blocks.root_hash(request.params.cache_salt)
+    return kv_blocks.root_hash(request.params.cache_salt, request.lora_name)
 
 
 class KVCacheManager:

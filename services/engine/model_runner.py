@@ -30,6 +30,7 @@ from pagedserve.services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
+from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.outputs import TokenLogprob
 from pagedserve.services.engine.parallel.step_broadcast import StepSender
@@ -93,6 +94,7 @@ class ModelRunner:
         *,
         profile: StepProfile | None = None,
         step_sender: StepSender | None = None,
+        lora: LoRAManager | None = None,
     ) -> ModelRunner:
         """The runner an engine (or a tensor-parallel rank) builds: one construction path for both."""
         return cls(
@@ -108,6 +110,7 @@ class ModelRunner:
             profile=profile,
             kv_cache_dtype=kv_cache_torch_dtype(config),
             step_sender=step_sender,
+            lora=lora,
         )
 
     def __init__(
@@ -125,6 +128,7 @@ class ModelRunner:
         profile: StepProfile | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
+        lora: LoRAManager | None = None,  # adapters wrapped around the model's projections (--enable-lora)
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -137,6 +141,7 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataCache()
         self.profile = profile or StepProfile()
         self.step_sender = step_sender
+        self.lora = lora
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
@@ -176,6 +181,8 @@ class ModelRunner:
             batch = pad_eager_batch(batch, min(eager_token_bucket(num_tokens), self.buffers.max_num_tokens))
         if self.step_sender is not None:
             self.step_sender.send(batch, graph_size)
+        if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
+            self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_size is not None)
         inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:

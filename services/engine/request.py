@@ -59,6 +59,8 @@ class Request:
     pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
     pooled_state: torch.Tensor | None = None  # [hidden] float32 on the device, between prompt chunks
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens to verify after the last one
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model); roots its block hashes
+    lora_slot: int = -1  # the device slot holding that adapter, pinned while the request lives (engine)
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@
     ─────────────────────                        ──────────────────────────────────────
     XREADGROUP ps:{model}:gen                ┐
              + ps:{model}:gen:{engine id} ───┴─(while room)──►  inbox ──► engine.add_request / abort
-    XREAD ps:{model}:ctl (broadcast aborts) ──►  inbox          │
+    XREAD ps:{model}:ctl (aborts, LoRA) ─────►  inbox          │
     heartbeat key + claim refresh                               ▼ engine.step()
     XADD ps:{gw}:resp + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
     XADD ps:{model}:kv       ◄──────────────── outbox ◄── the prefix blocks cached and evicted (KV events)
@@ -40,6 +40,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.services.engine.block_pool import KVEventLog
 from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.lora.manager import UnknownAdapterError
+from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.metrics import EngineMetrics
 from pagedserve.services.engine.request_trace import RequestTrace
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -54,6 +56,7 @@ from pagedserve.shared.protocol import (
     EngineHeartbeat,
     GenerateRequest,
     KVEvents,
+    LoRAUpdate,
     RequestError,
     TokenDeltas,
     decode,
@@ -90,7 +93,7 @@ class _Wake:
     """Nothing to do but look at the stop flag."""
 
 
-_Inbound = _Generate | Abort | _Lost | _Wake
+_Inbound = _Generate | Abort | LoRAUpdate | _Lost | _Wake
 
 
 # ...and what the compute loop hands the I/O thread (the outbox), in order.
@@ -184,6 +187,7 @@ class EngineService:
         self._snapshot_due = 0.0  # monotonic time of the next full KV snapshot (0: at once)
         self._last_load: tuple[int, int, int] | None = None  # (running, waiting, used blocks) last published
         self._last_kv_event = 0.0  # monotonic time of the last KV event
+        self.lora = LoRAControl(engine)
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -243,6 +247,8 @@ class EngineService:
                     self._add(entry, request)
                 case Abort(request_ids=request_ids, choice_indexes=choice_indexes):
                     self._abort(request_ids, choice_indexes)
+                case LoRAUpdate():
+                    self.lora.apply(item)
                 case _Lost(requests):
                     self._fail_lost(requests)
             try:
@@ -274,7 +280,14 @@ class EngineService:
             else:
                 params = sampling_params_from_wire(fill_sampling(req.sampling, self.generation_defaults))
                 resumed = _resumed_choices(req)
-                self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed)
+                self.engine.add_request(
+                    req.request_id, req.prompt_token_ids, params, req.output_token_ids, resumed, lora_name=req.lora_name
+                )
+        except UnknownAdapterError:  # unloaded after the gateway looked, or never loaded here
+            message = f"The model '{req.lora_name}' does not exist"
+            error = RequestError(req.request_id, 404, message, param="model", code="model_not_found")
+            self._send(_Error(req.reply_to, error, entry))
+            return
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             what = "invalid input" if req.pooling is not None else "invalid sampling parameters"
@@ -425,6 +438,8 @@ class EngineService:
             dead_grace_ms=int(2_000 * self.settings.heartbeat_interval_s),
         )
         self._io_ready.set()
+        if self.lora.max_lora_rank:
+            await self._replay_runtime_loras(redis)
         tasks = [
             asyncio.create_task(self._read_requests(reader)),
             asyncio.create_task(self._read_aborts(redis)),
@@ -553,8 +568,19 @@ class EngineService:
                     except DecodeError as exc:
                         log.error("skipping undecodable control entry %s: %s", entry_id, exc)
                         continue
-                    if isinstance(msg, Abort):
+                    if isinstance(msg, Abort | LoRAUpdate):
                         self.inbox.put(msg)
+
+    async def _replay_runtime_loras(self, redis: Any) -> None:
+        """Load the adapters loaded at run time before this replica started (best effort: Redis may be down)."""
+        try:
+            loaded = await redis.hgetall(streams.lora_key(self.model))
+        except RedisError as exc:
+            log.warning("could not read the runtime LoRA adapters: %s", exc)
+            return
+        for name, path in sorted(loaded.items()):
+            as_text = [v.decode() if isinstance(v, bytes) else str(v) for v in (name, path)]
+            self.inbox.put(LoRAUpdate("replay", "load", *as_text))
 
     async def _heartbeat(self, redis: Any, reader: streams.GroupReader) -> None:
         key = streams.engine_key(self.model, self.settings.engine_id)
@@ -578,6 +604,10 @@ class EngineService:
                 num_requests_finished=self.num_requests_finished,
                 block_size=self.engine.kv_cache.block_size if self.pool.event_log is not None else 0,
                 runner="generate" if self.engine.pooling is None else "pooling",
+                max_lora_rank=self.lora.max_lora_rank,
+                lora_adapters=self.lora.adapters,
+                lora_resident=self.lora.resident,
+                lora_errors=self.lora.errors,
             )
             try:
                 await redis.set(key, encode(beat), px=ttl_ms)

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from pagedserve.services.gateway import (
     beam_response,
     ignored_fields,
+    lora_routes,
     responses,
     responses_api,
     schemas,
@@ -34,6 +35,7 @@ from pagedserve.services.gateway import embeddings as embeddings_route
 from pagedserve.services.gateway.auth import ApiKeyMiddleware, is_authorized
 from pagedserve.services.gateway.errors import APIError, model_not_found
 from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.lora_routes import adapter_card, adapter_cards
 from pagedserve.services.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from pagedserve.services.gateway.reasoning import PARSERS, gate_grammar, text_options_for
 from pagedserve.services.gateway.response_items import item_page
@@ -193,12 +195,16 @@ def build_app(config: Config) -> Starlette:
         await frontend.registry.refresh_now()
         # A listed model is one a request would be served for now: what clients wait on after a start
         data = [_model_card(m.name, m.first_seen, m.max_model_len) for m in frontend.registry.servable_models()]
+        data += adapter_cards(frontend.registry)  # LoRA adapters, each with its `parent`
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
-        entry = await frontend.registry.get_fresh(request.path_params["model"])
+        name = request.path_params["model"]
+        entry, lora_name = await frontend.registry.resolve(name)
         if entry is None or not entry.is_servable:
-            raise model_not_found(request.path_params["model"])
+            raise model_not_found(name)
+        if lora_name is not None:
+            return JSONResponse(adapter_card(lora_name, entry.adapters[lora_name], entry))
         return JSONResponse(_model_card(entry.name, entry.first_seen, entry.max_model_len))
 
     async def health(request: Request) -> Response:
@@ -242,6 +248,7 @@ def build_app(config: Config) -> Starlette:
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        *lora_routes.routes(config.lora),
         Route("/tokenize", token_routes.tokenize, methods=["POST"]),
         Route("/detokenize", token_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

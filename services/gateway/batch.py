@@ -30,6 +30,8 @@ class GenerationView(Protocol):
     @property
     def model(self) -> str: ...
     @property
+    def served_model(self) -> str: ...
+    @property
     def created(self) -> int: ...
     @property
     def response_id(self) -> str: ...
@@ -58,6 +60,10 @@ class BatchGeneration:
     @property
     def model(self) -> str:
         return self.parts[0].model
+
+    @property
+    def served_model(self) -> str:
+        return self.parts[0].served_model
 
     @property
     def token_texts(self) -> TokenTexts:

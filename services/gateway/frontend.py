@@ -111,10 +111,16 @@ class Generation:
     has_gap: bool = False  # tokens were lost in that outage: it must continue elsewhere
     pooling: dict[str, Any] | None = None  # an embedding request's options (protocol.CompletionRequest.pooling)
     embedding: list[float] | None = None  # ... and its vector, once the engine sent it
+    lora_name: str | None = None  # the LoRA adapter the request named (its `model`; `model` is the base)
 
     def __post_init__(self) -> None:
         self.current_id = self.current_id or self.request_id
         self.ids = self.ids or [self.current_id]
+
+    @property
+    def served_model(self) -> str:
+        """The `model` of the responses: what the request named (an adapter, or the model)."""
+        return self.lora_name or self.model
 
     @property
     def is_finished(self) -> bool:
@@ -375,8 +381,11 @@ class Frontend:
         return (await self.tokenizers.get(model, source))[0]
 
     async def tokenizer_of(self, model: str) -> tuple[Any, int]:
-        """A served model's tokenizer and context length, for /tokenize and /detokenize."""
+        """A served model's tokenizer and context length, for /tokenize and /detokenize (a LoRA adapter's: its
+        base model's)."""
         entry = self.registry.get(model)
+        if entry is None and (base := self.registry.base_of(model)) is not None:
+            entry, model = base, base.name
         if entry is None:
             raise model_not_found(model)
         if not self.tokenizers.has(model) and not entry.is_live:  # its source is known from live engines
@@ -419,10 +428,12 @@ class Frontend:
     ) -> Generation:
         if self.is_draining:
             raise APIError(503, "the server is shutting down", retry_after=1)
-        entry = await self.registry.get_fresh(req.model)  # listed by another worker a moment ago: served here
+        entry, lora_name = await self.registry.resolve(req.model)  # fresh: listed by another worker a moment ago
         if entry is None:
             raise model_not_found(req.model)
         check_runner(entry, req)
+        if lora_name is not None:  # from here on the request is its base model's, run with the adapter
+            req.model, req.lora_name = entry.name, lora_name
         # Just after a Redis outage the services' records come back within a heartbeat: a model served
         # before it is taken (its request waits in the stream), not refused for that second.
         if not entry.is_live and self.registry.is_settled():
@@ -472,6 +483,7 @@ class Frontend:
         ]
         gen = Generation(self, req.request_id, req.model, reply, queue, choices, token_texts, req.sampling)
         gen.pooling = req.pooling if isinstance(req, CompletionRequest) else None
+        gen.lora_name = req.lora_name
         return gen
 
     async def _first_reply(self, queue: asyncio.Queue[Any]) -> Accepted | RequestError:
@@ -536,6 +548,7 @@ class Frontend:
             sampling={**gen.sampling, "max_tokens": gen.accepted.max_tokens},
             arrival_time=time.time(),
             pooling=gen.pooling,
+            lora_name=gen.lora_name,
         )
         if len(gen.choices) == 1:
             request.output_token_ids = list(gen.choices[0].token_ids)

@@ -42,6 +42,20 @@ class ModelEntry:
         return self.engines[0].model_source if self.engines else None
 
     @property
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapters its live engines serve: name -> path."""
+        served: dict[str, str] = {}
+        for engine in self.engines:
+            if not engine.is_draining:
+                served.update(engine.lora_adapters)
+        return served
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank every live engine takes (0: some serve no adapters)."""
+        return min((e.max_lora_rank for e in self.engines if not e.is_draining), default=0)
+
+    @property
     def max_model_len(self) -> int:
         """The context every live engine serves (the smallest limit): what a request is checked against."""
         return min((e.max_model_len for e in self.engines if not e.is_draining), default=0)
@@ -92,6 +106,19 @@ class ModelRegistry:
         except Exception as exc:
             log.warning("registry refresh failed: %s", exc)
             self.is_redis_up = False
+
+    def base_of(self, adapter: str) -> ModelEntry | None:
+        """The model whose engines serve the LoRA adapter `adapter` (None: no model does)."""
+        return next((m for m in self.models.values() if m.is_live and adapter in m.adapters), None)
+
+    async def resolve(self, name: str) -> tuple[ModelEntry | None, str | None]:
+        """A request's `model`: (the model, None), or (its base model, the adapter) when it names a LoRA adapter
+        (as vLLM: an adapter is a model of its own to clients)."""
+        entry = await self.get_fresh(name)
+        if entry is not None and entry.engines:
+            return entry, None
+        base = self.base_of(name)
+        return (base, name) if base is not None else (entry, None)
 
     async def get_fresh(self, name: str) -> ModelEntry | None:
         """`get`, re-reading the heartbeats first when the cached view does not serve the model."""

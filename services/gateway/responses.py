@@ -67,7 +67,7 @@ def envelope(gen: GenerationView, obj: str, choices: list[dict[str, Any]]) -> di
         "id": gen.response_id or gen.request_id,
         "object": obj,
         "created": gen.created,
-        "model": gen.model,
+        "model": gen.served_model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
     }

@@ -231,7 +231,7 @@ class _Run:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "model": self.gen.model,
+            "model": self.gen.served_model,
             "output": list(self.output.items) if done else [],
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if done and self.is_truncated else None,

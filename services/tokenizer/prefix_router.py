@@ -17,6 +17,9 @@ come after every step that changes it; heartbeats every second) plus the request
   pulls it: pull-based balancing stays for new work;
 - so does one whose best replica has max_queued requests waiting (no room), or carries more than
   max_imbalance requests above the least loaded replica: a hot prefix then spreads to a second one;
+- a request for a LoRA adapter is weighed only among the replicas holding that adapter in a device slot
+  (heartbeat `lora_resident`) when some but not all do: another replica would first have to load it,
+  maybe evicting one its running requests use; with no prefix hit it goes to the least loaded holder;
 - OpenAI's `prompt_cache_key` is a hint for prompts with no such prefix yet (a conversation's first turns,
   or a burst before the replicas' KV events arrive): a key's requests go where its last one went (the
   least loaded replica the first time), under the same room and balance rules.
@@ -88,7 +91,7 @@ class PrefixIndex:
 @dataclass(slots=True)
 class RouteDecision:
     engine_id: str | None  # None: the shared stream
-    reason: str  # prefix | cache_key | no_overlap | overflow | single_engine | load
+    reason: str  # prefix | cache_key | adapter | no_overlap | overflow | single_engine | load
     overlap_blocks: int = 0
     prompt_blocks: int = 0
 
@@ -117,13 +120,20 @@ class PrefixRouter:
         cache_salt: str | None,
         engines: Sequence[EngineHeartbeat],
         cache_key: str | None = None,
+        lora_name: str | None = None,
     ) -> RouteDecision:
         live = [e for e in engines if not e.is_draining and e.block_size > 0]
         if len(live) < 2:  # one replica pulls everything anyway
             return RouteDecision(None, "single_engine")
+        holders = [e for e in live if lora_name in e.lora_resident] if lora_name else []
+        is_adapter_routed = bool(holders) and len(holders) < len(live)
+        if is_adapter_routed:
+            live = holders
         hashes: dict[int, list[int]] = {}  # per block size (replicas normally share one)
         for size in {e.block_size for e in live}:
-            hashes[size] = [kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(token_ids, size, cache_salt)]
+            hashes[size] = [
+                kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(token_ids, size, cache_salt, lora_name)
+            ]
         hits = {e.engine_id: self.index.overlap(e.engine_id, hashes[e.block_size]) for e in live}
         loads = {e.engine_id: self._queued(e) for e in live}
         # the longest prefix; among equals, the least loaded
@@ -132,12 +142,13 @@ class PrefixRouter:
         reason = "prefix"
         is_share = hit >= self.min_hit_ratio * num_blocks and hit * best.block_size >= self.min_hit_tokens
         if hit == 0 or (hit < self.min_hit_blocks and not is_share):
-            if cache_key is None:
+            if cache_key is None and not is_adapter_routed:
                 return RouteDecision(None, "no_overlap", hit, num_blocks)
             by_id = {e.engine_id: e for e in live}
-            keyed = by_id.get(self._keyed.get(cache_key, ""))
+            keyed = by_id.get(self._keyed.get(cache_key, "")) if cache_key is not None else None
             best = keyed or min(live, key=lambda e: loads[e.engine_id])
-            hit, num_blocks, reason = hits[best.engine_id], len(hashes[best.block_size]), "cache_key"
+            reason = "cache_key" if cache_key is not None else "adapter"
+            hit, num_blocks = hits[best.engine_id], len(hashes[best.block_size])
         if self.load_of(best).num_waiting >= self.max_queued:  # it has no room now
             return RouteDecision(None, "overflow", hit, num_blocks)
         if loads[best.engine_id] - min(loads.values()) > self.max_imbalance:

@@ -141,6 +141,7 @@ class PromptProcessor:
             sampling=sampling,
             arrival_time=req.arrival_time,
             traceparent=req.traceparent,
+            lora_name=req.lora_name,
         )
         return accepted, generate
 

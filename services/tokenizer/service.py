@@ -155,7 +155,7 @@ class TokenizerService:
         if not self.is_prefix_routing:
             return streams.generate_stream(self.model)
         salt = generate.sampling.get("cache_salt") if isinstance(generate.sampling, dict) else None
-        decision = self.router.route(generate.prompt_token_ids, salt, self.engines, cache_key)
+        decision = self.router.route(generate.prompt_token_ids, salt, self.engines, cache_key, generate.lora_name)
         span = trace.get_current_span()
         span.set_attribute("pagedserve.route.engine", decision.engine_id or "shared")
         span.set_attribute("pagedserve.route.reason", decision.reason)

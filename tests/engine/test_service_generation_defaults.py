@@ -16,7 +16,7 @@ from pagedserve.shared.protocol import GenerateRequest, Sampling
 def added_params(engine: Engine, setting: str, sampling: Sampling) -> SamplingParams:
     service = EngineService(Config.of(engine_id="eng-test", generation_config=setting), "m", engine, None)
     seen: list[SamplingParams] = []
-    engine.add_request = lambda rid, prompt, params, *rest: seen.append(params)  # type: ignore[method-assign]
+    engine.add_request = lambda rid, prompt, params, *rest, **named: seen.append(params)  # type: ignore[method-assign]
     service._add(b"1-0", GenerateRequest("r", "gw", "m", [5, 6, 7], {"max_tokens": 4, **sampling}))
     assert len(seen) == 1, service.active
     return seen[0]

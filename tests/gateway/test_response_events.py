@@ -41,7 +41,7 @@ class _Choice:
 class _Generation:
     """What the Responses API reads of a Generation, with the text coming in the given pieces."""
 
-    request_id, model, choices = "resp-abc", "m", [_Choice()]
+    request_id, model, served_model, choices = "resp-abc", "m", "m", [_Choice()]
 
     def __init__(self, pieces: list[str]) -> None:
         self.pieces, self.finish_reasons = pieces, dict[int, str]()

@@ -241,3 +241,24 @@ def test_an_unknown_reasoning_parser_stops_start_up_listing_the_choices() -> Non
 
     with pytest.raises(ValueError, match="expected one of deepseek_r1, qwen3, mistral, granite, gpt_oss, openai"):
         GatewayConfig(reasoning_parser="bogus")
+
+
+def test_lora_flags_as_vllm_writes_them() -> None:
+    config = _config(
+        ["serve", "--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "4"],
+        {"PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING": "true"},
+    )
+    lora = config.lora
+    assert lora.enable_lora and lora.allow_runtime_lora_updating and (lora.max_loras, lora.max_lora_rank) == (4, 16)
+    assert lora.adapters() == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert _config(["engine", "--lora-modules", "a=/x", "--lora-modules", "b=/y"]).lora.adapters() == {
+        "a": "/x",
+        "b": "/y",
+    }
+    for argv, reason in (
+        (["engine", "--lora-modules", "just-a-path"], "expected name=path"),
+        (["engine", "--max-lora-rank", "128"], "at most 64"),
+        (["engine", "--max-loras", "0"], "max_loras"),
+    ):
+        with pytest.raises(SystemExit, match=reason):
+            _config(argv)

@@ -15,6 +15,7 @@ from pagedserve.shared.protocol import (
     EngineHeartbeat,
     GenerateRequest,
     KVEvents,
+    LoRAUpdate,
     Message,
     RequestError,
     TokenDeltas,
@@ -56,7 +57,10 @@ SAMPLES = [
         [0, 4],
     ),
     Abort(["a", "b"], reason="client disconnected"),
-    EngineHeartbeat("e1", "m", 2048, num_running=3, model_source="/models/x"),
+    LoRAUpdate("u1", "load", "sql", "/adapters/sql"),
+    EngineHeartbeat(
+        "e1", "m", 2048, num_running=3, model_source="/models/x", lora_adapters={"sql": "/a/sql"}, lora_resident=["sql"]
+    ),
     TokenizerHeartbeat("tok-1", "m", 1700000000.5),
     KVEvents("e1", 16, [2**64 - 1, 7], [3], snapshot=False),
 ]

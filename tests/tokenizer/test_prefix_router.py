@@ -163,3 +163,25 @@ def test_a_short_shared_prefix_is_no_reason_to_route() -> None:
     long = list(range(300, 332))  # 8 blocks, 4 of them cached
     router.index.apply(holding("b", long[:16]))
     assert router.route(long, None, [beat("a"), beat("b")]).reason == "prefix"
+
+
+def test_an_adapter_request_goes_to_a_replica_holding_the_adapter() -> None:
+    router = PrefixRouter(min_hit_tokens=0)
+    holder = beat("e2")
+    holder.lora_resident = ["sql"]
+    engines = [beat("e1"), holder]
+    router.index.apply(holding("e1", PROMPT))  # e1 holds the prompt's prefix, but of the base model
+    decision = router.route(PROMPT, None, engines, lora_name="sql")
+    assert (decision.engine_id, decision.reason, decision.overlap_blocks) == ("e2", "adapter", 0)
+    assert router.route(PROMPT, None, engines).engine_id == "e1"  # the base model's request: the prefix
+    # the adapter's own blocks are named apart from the base model's, as the engine caches them
+    request = make_request(PROMPT)
+    request.lora_name = "sql"
+    cache = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    cache.pool.event_log = KVEventLog()
+    assert cache.allocate(request, len(PROMPT)) is not None
+    stored = [kv_blocks.wire_id(h) for h in cache.pool.drain_events()[0]]
+    assert stored == [kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(PROMPT, BLOCK, None, "sql")]
+    assert set(stored).isdisjoint(holding("e1", PROMPT).stored)
+    router.index.apply(KVEvents("e2", BLOCK, stored))
+    assert router.route(PROMPT, None, engines, lora_name="sql").reason == "prefix"

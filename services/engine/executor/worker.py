@@ -23,6 +23,7 @@ import torch
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.config import model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
+from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
@@ -48,6 +49,13 @@ class Worker:
         self.model = model if model is not None else load_rank_model(config, ctx)
         select_attention_backend(self.device)
         refuse_unsupported_attention(self.model)
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:  # before the KV cache is sized: the slots take device memory too
+            if ctx is not None:
+                raise ValueError("enable_lora: LoRA adapters with tensor parallelism are not supported yet")
+            scheduler = config.scheduler
+            num_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+            self.lora = LoRAManager(self.model, config.lora, num_tokens, self.device)
 
     def build_runner(self, profile: StepProfile | None = None, step_sender: StepSender | None = None) -> ModelRunner:
         """Size the KV cache (the smallest of all ranks), fit the context limit to it, build the runner."""
@@ -56,7 +64,13 @@ class Worker:
             num_blocks = self.ctx.agree_min(num_blocks)
         max_model_len = fit_max_model_len(self.config, self.model.spec.max_model_len, num_blocks)
         return ModelRunner.from_config(
-            self.model, self.config, num_blocks, max_model_len, profile=profile, step_sender=step_sender
+            self.model,
+            self.config,
+            num_blocks,
+            max_model_len,
+            profile=profile,
+            step_sender=step_sender,
+            lora=self.lora,
         )
 
 

@@ -1,0 +1,174 @@
+"""LoRA shrink and expand (SGMV style): one launch each covers every adapter slot of a mixed batch.
+
+Tokens arrive grouped by slot (see kernels/lora_reference.py for the layout and the math):
+
+    grid = (max_loras, cdiv(num_tokens, BLOCK_M), cdiv(N, BLOCK_N))
+    program (s, m, n): rows sorted_token_ids[slot_starts[s] + m*BLOCK_M ...] (fewer at a slot's end),
+                       returns at once when slot s has no m-th tile of tokens
+
+The grid depends only on the step's (padded) token count and the slot count, and the grouping is read
+from device tensors, so a captured CUDA graph replays any mix of adapters; no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N = 64
+_BLOCK_K = 64
+
+
+def _block_m(num_tokens: int) -> int:
+    return 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+
+
+@triton.jit
+def _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, tile_m, BLOCK_M: tl.constexpr):
+    """This tile's token rows (int64) and which of them are real, or an empty mask past the slot's end."""
+    start = tl.load(slot_starts_ptr + slot)
+    end = tl.load(slot_starts_ptr + slot + 1)
+    offs = start + tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    is_row = offs < end
+    rows = tl.load(sorted_ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
+    return rows, is_row, start + tile_m * BLOCK_M < end
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [num_tokens, K]
+    a_ptr,  # [max_loras, N, K]
+    out_ptr,  # [num_tokens, N] fp32
+    sorted_ids_ptr,  # [>= num_lora_tokens] int32
+    slot_starts_ptr,  # [max_loras + 1] int32
+    stride_x_t,
+    stride_a_l,
+    stride_a_n,
+    stride_out_t,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    rows, is_row, has_rows = _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, tl.program_id(1), BLOCK_M)
+    if not has_rows:
+        return
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + slot.to(tl.int64) * stride_a_l
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x_t + ks[None, :], mask=is_row[:, None] & (ks[None, :] < K), other=0.0
+        )  # [BLOCK_M, BLOCK_K]
+        a_mask = (offs_n[None, :] < N) & (ks[:, None] < K)  # A^T tile: [BLOCK_K, BLOCK_N]
+        a = tl.load(a_base + offs_n[None, :] * stride_a_n + ks[:, None], mask=a_mask, other=0.0)
+        acc += tl.dot(x, a)
+    out = out_ptr + rows[:, None] * stride_out_t + offs_n[None, :]
+    tl.store(out, acc, mask=is_row[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _expand_kernel(
+    shrunk_ptr,  # [num_tokens, RANK] fp32 (a view: one slice's rank block)
+    b_ptr,  # [max_loras, N, RANK]
+    y_ptr,  # [num_tokens, N] (a view: one slice's columns), added to
+    sorted_ids_ptr,
+    slot_starts_ptr,
+    stride_s_t,
+    stride_b_l,
+    stride_b_n,
+    stride_y_t,
+    N: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    rows, is_row, has_rows = _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, tl.program_id(1), BLOCK_M)
+    if not has_rows:
+        return
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_b_l + offs_n[None, :] * stride_b_n + offs_r[:, None],
+        mask=(offs_n[None, :] < N) & (offs_r[:, None] < RANK),
+        other=0.0,
+    )  # [BLOCK_R, BLOCK_N]: B^T
+    s_mask = is_row[:, None] & (offs_r[None, :] < RANK)
+    s = tl.load(shrunk_ptr + rows[:, None] * stride_s_t + offs_r[None, :], mask=s_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+    delta = tl.dot(s.to(b.dtype), b)  # fp32 accumulate; the rank block rounded to the weights' dtype
+    y = y_ptr + rows[:, None] * stride_y_t + offs_n[None, :]
+    mask = is_row[:, None] & (offs_n[None, :] < N)
+    tl.store(y, (tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    lora_a: torch.Tensor,  # [max_loras, num_slices * max_rank, in_features]
+    shrunk: torch.Tensor,  # [num_tokens, num_slices * max_rank] fp32
+    sorted_token_ids: torch.Tensor,  # [>= num_lora_tokens] int32
+    slot_starts: torch.Tensor,  # [max_loras + 1] int32
+) -> None:
+    num_tokens, k = x.shape
+    max_loras, n, _ = lora_a.shape
+    assert x.stride(1) == 1 and lora_a.stride(2) == 1 and shrunk.stride(1) == 1 and shrunk.dtype == torch.float32
+    if num_tokens == 0:
+        return
+    block_m = _block_m(num_tokens)
+    grid = (max_loras, triton.cdiv(num_tokens, block_m), triton.cdiv(n, _BLOCK_N))
+    _shrink_kernel[grid](
+        x,
+        lora_a,
+        shrunk,
+        sorted_token_ids,
+        slot_starts,
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        shrunk.stride(0),
+        N=n,
+        K=k,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K,
+        num_warps=4,
+    )
+
+
+def lora_expand(
+    shrunk: torch.Tensor,  # [num_tokens, max_rank] fp32 (may be a column view)
+    lora_b: torch.Tensor,  # [max_loras, out_features, max_rank] (may be a row view)
+    y: torch.Tensor,  # [num_tokens, out_features] (may be a column view), added to
+    sorted_token_ids: torch.Tensor,
+    slot_starts: torch.Tensor,
+) -> None:
+    num_tokens, rank = shrunk.shape
+    max_loras, n, _ = lora_b.shape
+    assert shrunk.stride(1) == 1 and lora_b.stride(2) == 1 and y.stride(1) == 1 and y.shape == (num_tokens, n)
+    if num_tokens == 0:
+        return
+    block_m = _block_m(num_tokens)
+    grid = (max_loras, triton.cdiv(num_tokens, block_m), triton.cdiv(n, _BLOCK_N))
+    _expand_kernel[grid](
+        shrunk,
+        lora_b,
+        y,
+        sorted_token_ids,
+        slot_starts,
+        shrunk.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        y.stride(0),
+        N=n,
+        RANK=rank,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        num_warps=4,
+    )

@@ -1,0 +1,77 @@
+"""The Triton LoRA shrink/expand kernels against the torch reference (under TRITON_INTERPRET=1 on CPU).
+
+A mixed batch: tokens of three slots and of the base model interleaved, ranks below the padded maximum,
+slices of unequal widths (q/k/v-like), a slot with no tokens; base rows must stay untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import lora_reference
+
+pytest.importorskip("triton")
+from pagedserve.kernels import lora
+
+
+def _grouping(token_slots: list[int], max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = torch.tensor(token_slots)
+    order = [t for s in range(max_loras) for t in range(len(token_slots)) if token_slots[t] == s]
+    counts = torch.bincount(slots[slots >= 0], minlength=max_loras)
+    starts = torch.zeros(max_loras + 1, dtype=torch.int32)
+    starts[1:] = counts.cumsum(0)
+    sorted_ids = torch.zeros(len(token_slots), dtype=torch.int32)
+    sorted_ids[: len(order)] = torch.tensor(order, dtype=torch.int32)
+    return sorted_ids, starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    max_loras, max_rank, hidden = 4, 16, 48
+    slices = [40, 24, 24]  # fused q | k | v widths
+    token_slots = [1, -1, 0, 1, 2, 2, -1, 0, 1, 2, 2, 0, -1, 1, 2, 0, 0, 1, 2]  # slot 3 idle
+    num_tokens = len(token_slots)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    lora_a = torch.randn(max_loras, len(slices) * max_rank, hidden, generator=gen).to(dtype)
+    lora_a[:, max_rank - 4 : max_rank] = 0  # q of rank 12 padded to 16 (zero rows), as the slots hold it
+    lora_b = torch.randn(max_loras, sum(slices), max_rank, generator=gen).to(dtype) * 0.1
+    y0 = torch.randn(num_tokens, sum(slices), generator=gen).to(dtype)
+    sorted_ids, starts = _grouping(token_slots, max_loras)
+
+    def run(impl, x, lora_a, lora_b, y):
+        shrunk = torch.zeros(num_tokens, len(slices) * max_rank, dtype=torch.float32, device=x.device)
+        impl.lora_shrink(x, lora_a, shrunk, sorted_ids.to(x.device), starts.to(x.device))
+        offset = 0
+        for i, width in enumerate(slices):
+            impl.lora_expand(
+                shrunk[:, i * max_rank : (i + 1) * max_rank],
+                lora_b[:, offset : offset + width],
+                y[:, offset : offset + width],
+                sorted_ids.to(x.device),
+                starts.to(x.device),
+            )
+            offset += width
+        return shrunk, y
+
+    ref_shrunk, ref_y = run(lora_reference, x, lora_a, lora_b, y0.clone())
+    got_shrunk, got_y = run(lora, x.to(device), lora_a.to(device), lora_b.to(device), y0.clone().to(device))
+    is_lora = torch.tensor(token_slots) >= 0
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_shrunk.cpu()[is_lora], ref_shrunk[is_lora], atol=tol, rtol=tol)
+    torch.testing.assert_close(got_y.cpu(), ref_y, atol=tol, rtol=tol)
+    assert torch.equal(got_y.cpu()[~is_lora], y0[~is_lora])  # base rows untouched
+    assert not torch.allclose(ref_y[is_lora], y0[is_lora])  # the delta is not zero
+
+
+def test_a_batch_without_adapter_tokens_changes_nothing(device: torch.device) -> None:
+    """What a captured graph replays for a base-only step: every program returns at once."""
+    x = torch.randn(5, 32, device=device)
+    y = torch.randn(5, 32, device=device)
+    shrunk = torch.full((5, 16), 7.0, device=device)
+    sorted_ids = torch.zeros(5, dtype=torch.int32, device=device)
+    starts = torch.zeros(3, dtype=torch.int32, device=device)
+    lora.lora_shrink(x, torch.randn(2, 16, 32, device=device), shrunk, sorted_ids, starts)
+    before = y.clone()
+    lora.lora_expand(shrunk, torch.randn(2, 32, 16, device=device), y, sorted_ids, starts)
+    assert torch.equal(y, before) and bool((shrunk == 7.0).all())
