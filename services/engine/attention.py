@@ -149,9 +149,13 @@ def paged_attention(
     _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
     if window is None and softcap is None and sinks is None:
         return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
-    if _attend is not _torch_attend:
-        raise NotImplementedError(
-            f"sliding-window attention / logit soft-capping / attention sinks need the torch attention "
-            f"backend; the {_backend_name!r} backend does not have them yet (use --device cpu / the torch backend)"
-        )
-    return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
+    if _attend is _torch_attend:
+        return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
+    if _backend_name == "triton" and softcap is None:  # the paged kernel has windows and sinks
+        from pagedserve.kernels import triton_backend
+
+        return triton_backend.attend(query, kv_cache, meta, scale, k_scale, v_scale, window=window, sinks=sinks)
+    raise NotImplementedError(
+        f"the {_backend_name!r} attention backend lacks {'logit soft-capping' if softcap else 'windows / sinks'}; "
+        "use --device cpu / the torch backend"
+    )

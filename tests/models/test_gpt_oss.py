@@ -1,6 +1,6 @@
 """gpt-oss beyond the family comparison (tests/models/test_families.py): sinks in the torch attention path
 vs a direct softmax, YaRN vs HF's own, the clamped experts vs a per-token loop, the engine with prefix
-caching and prompt logprobs vs HF on prompts longer than the window, and the Triton backend refused."""
+caching and prompt logprobs vs HF on prompts longer than the window, and the Triton paged kernel vs HF."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pagedserve.services.engine.models.moe import experts_reference
 from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_params_from_config
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,10 +166,25 @@ def torch_backend_after() -> Iterator[None]:
     attention.use_backend("torch")
 
 
-def test_a_backend_without_sinks_is_refused_at_start(tiny, torch_backend_after: None) -> None:
-    _, _, ours = tiny
+def test_triton_backend_matches_hf(tiny, torch_backend_after: None) -> None:
+    """The Triton paged kernel's windows and sinks (interpreted on CPU): a prompt 3x the window, a chunk
+    after cached tokens beside another prompt, then decodes."""
+    pytest.importorskip("triton")
+    _, hf, ours = tiny
     assert ours.spec.layer_windows == (8, None, 8)
-    refuse_unsupported_attention(ours)  # torch: fine
-    attention.use_backend("reference")  # stands in for Triton: no sinks, no windows
-    with pytest.raises(ValueError, match=r"GptOssForCausalLM needs learned attention sinks.*use --device cpu"):
-        refuse_unsupported_attention(ours)
+    attention.use_backend("triton")
+    refuse_unsupported_attention(ours)  # accepted: the paged kernel has what gpt-oss needs
+    gen = torch.Generator().manual_seed(9)
+    long, short = (
+        torch.randint(3, 256, (26,), generator=gen).tolist(),
+        torch.randint(3, 256, (5,), generator=gen).tolist(),
+    )
+    driver = PagedDriver(ours, seed=4)
+    first = driver.step({0: long[:10]})
+    rest = driver.step({0: long[10:], 1: short})
+    decode = driver.step({0: [7], 1: [9]})
+    with torch.inference_mode():
+        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
+        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
+    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)

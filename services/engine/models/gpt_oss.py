@@ -12,8 +12,8 @@ Checkpoints keep the experts as HF's 3-D tensors, transposed and with gate/up in
     experts.down_proj     [num_experts, intermediate, hidden]
 
 `checkpoint_to_params` turns them into `moe.Experts`' layout ([E, 2I, hidden] rows [ gate | up ],
-[E, hidden, I]), so the grouped/dense expert paths of moe.py run them. Sinks and windows need the
-torch attention backend (the Triton backend is refused at start).
+[E, hidden, I]), so the grouped/dense expert paths of moe.py run them. Sinks and windows run in the
+torch attention path and in the Triton paged kernel.
 """
 
 from __future__ import annotations
@@ -140,7 +140,6 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(DecoderLM):
-    needs_torch_attention = "learned attention sinks and sliding-window attention"
     supports_tensor_parallel = False  # mixture-of-experts and its own attention class: not sharded yet
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
