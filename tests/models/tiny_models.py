@@ -52,7 +52,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         ),
         None,
     ),
-    "mistral-gqa-window": ("mistral", dict(num_key_value_heads=2, intermediate_size=128, sliding_window=64), None),
+    "mistral-gqa-window": ("mistral", dict(num_key_value_heads=2, intermediate_size=128, sliding_window=8), None),
     "qwen2-qkv-bias-tied": (
         "qwen2",
         dict(num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),

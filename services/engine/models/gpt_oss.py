@@ -144,8 +144,9 @@ class GptOssForCausalLM(DecoderLM):
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim, _DEFAULT_ROPE_THETA), spec.max_model_len)
-        windows = spec.layer_windows or (None,) * spec.num_layers
-        layers: list[nn.Module] = [GptOssDecoderLayer(cfg, spec, rotary, window) for window in windows]
+        layers: list[nn.Module] = [
+            GptOssDecoderLayer(cfg, spec, rotary, spec.window_of(i)) for i in range(spec.num_layers)
+        ]
         norm = GptOssRMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-5)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
 
