@@ -4,6 +4,7 @@ caching and prompt logprobs vs HF on prompts longer than the window, and the Tri
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,6 +159,15 @@ def test_engine_prefix_cache_and_prompt_logprobs_match_hf(tiny) -> None:
     got = torch.tensor([entry.logprob for entry in scored.prompt_logprobs[1:]])
     of_prompt = expected[torch.arange(len(second) - 1), torch.tensor(second[1:])]
     torch.testing.assert_close(got, of_prompt, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_checkpoints_are_refused_with_a_clear_error(tiny, tmp_path: Path) -> None:
+    model_dir, _, _ = tiny
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM: 'mxfp4' checkpoints are not supported yet"):
+        load_model(tmp_path, "float32", "cpu", show_progress=False)
 
 
 @pytest.fixture

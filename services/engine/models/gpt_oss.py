@@ -152,6 +152,12 @@ class GptOssForCausalLM(DecoderLM):
 
     @staticmethod
     def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if method is not None:  # openai/gpt-oss-* ship MXFP4 experts (`*_blocks`/`*_scales` tensors)
+            raise ValueError(
+                f"GptOssForCausalLM: {method!r} checkpoints are not supported yet; serve a bf16 checkpoint "
+                "(e.g. one dequantized with transformers' Mxfp4Config(dequantize=True) and saved)"
+            )
         window = cfg.get("sliding_window")
         windows = [int(window) if t == SLIDING and window else None for t in layer_types(cfg)]
         return {**cfg, "layer_windows": windows}
