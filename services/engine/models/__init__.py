@@ -21,6 +21,8 @@ Families (one shared `DecoderLM` stack, layers from `layers.py`, rotary from `ro
     gpt_neox.py  GPTNeoXForCausalLM: LayerNorm, parallel or sequential residual, partial rotary
     falcon.py    FalconForCausalLM / RWForCausalLM: multi-query, new decoder architecture (grouped kv,
                  one or two norms), per-head qkv; rotary only (ALiBi Falcon is refused)
+    gpt_oss.py   GptOssForCausalLM: attention sinks, alternating sliding-window/global layers, YaRN,
+                 biased router (softmax over the top-k logits), clamped SwiGLU experts with biases
 Anything else raises UnsupportedArchitectureError naming these. Loading (`loader.py`, `weights.py`):
 config.json, single or sharded safetensors (index file) streamed tensor by tensor into parameters
 of a module built on the meta device, a tqdm bar, dtype "auto" = fp32 on CPU, the config's dtype
