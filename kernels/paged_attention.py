@@ -13,6 +13,11 @@ covers 1/NUM_SEGMENTS of the sequence's tiles and writes an unnormalised partial
 `split_kv_reduce` combines; segment sizes come from each sequence's own length, inside the kernel.
 
 Softmax runs in base 2 (`qk_scale` = scale * log2(e)); all cache offsets are 64-bit.
+
+Sliding window (HAS_WINDOW, Mistral / Gemma / gpt-oss local layers): a row sees keys (q_pos - window,
+q_pos]; tiles before the first row's window are never loaded, tiles the window cuts take the mask.
+Sinks (HAS_SINKS, gpt-oss): a learned logit per head joins the softmax denominator; it seeds segment
+0's running max/sum as if it were a key with a zero value.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def _update(
     l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM_PADDED]
     q_pos,  # [BLOCK_M] absolute position of each row's query token
+    k_floor,  # [BLOCK_M] keys at positions <= k_floor are out of the row's window (-1: none)
     k,  # [TILE_N, HEAD_DIM_PADDED]
     v,  # [TILE_N, HEAD_DIM_PADDED], or None with LATE_V
     value_cache_ptr,  # LATE_V: V is loaded here, after the scores
@@ -138,7 +144,9 @@ def _update(
         prod = q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :]
         s = tl.sum(prod, 2) * qk_scale
     if IS_MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
+        visible = (
+            (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > k_floor[:, None]) & (offs_n < kv_end)[None, :]
+        )
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of this tile yet (segments, short rows): keep exp2 away from -inf - -inf.
@@ -182,6 +190,7 @@ def _attend_tile(
     l_i,
     q,
     q_pos,
+    k_floor,
     key_cache_ptr,
     value_cache_ptr,
     block_ids,
@@ -242,6 +251,7 @@ def _attend_tile(
         l_i,
         q,
         q_pos,
+        k_floor,
         k,
         v,
         value_cache_ptr,
@@ -275,8 +285,10 @@ def _attend_program(
     value_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     qk_scale,
     v_scale,
+    window,
     seq,
     q_block,
     q_start,
@@ -308,6 +320,8 @@ def _attend_program(
     BT_EVICT: tl.constexpr,
     LATE_V: tl.constexpr,
     USE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One (query block, KV head, segment) work item whose query block holds at least one token."""
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -335,12 +349,19 @@ def _attend_program(
     kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
     kv_full_end = ctx_len + q_block * BLOCK_Q + 1
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    if HAS_WINDOW:
+        # A row sees keys (q_pos - window, q_pos]: tiles wholly before the first row's window are skipped.
+        k_floor = q_pos - window
+        tile_first = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0) // TILE_N
+    else:
+        k_floor = q_pos * 0 - 1
+        tile_first = 0
     if NUM_SEGMENTS > 1:
-        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * tiles_per_segment
+        tiles_per_segment = tl.cdiv(num_tiles - tile_first, NUM_SEGMENTS)
+        tile_lo = tile_first + segment * tiles_per_segment
         tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = tile_first
         tile_hi = num_tiles
     tile_mid = tl.maximum(tl.minimum(kv_full_end // TILE_N, tile_hi), tile_lo)
 
@@ -349,6 +370,46 @@ def _attend_program(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    if HAS_SINKS:
+        # The head's sink logit starts segment 0's softmax as a key whose value is zero: it adds
+        # exp(sink) to the denominator once (the split-KV reduction then weighs it like any key).
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_i = tl.where(segment == 0, sink, m_i)
+        l_i = tl.where(segment == 0, 1.0, l_i)
+    if HAS_WINDOW:
+        # Tiles the window cuts for some row come first and pay for the mask; from the first tile every
+        # row's window holds whole (start >= kv_end - window) on, the loops below run as without one.
+        tile_cut_end = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+        tile_cut_end = tl.minimum(tl.maximum(tile_cut_end, tile_lo), tile_mid)
+        for t in range(tile_lo, tile_cut_end):
+            block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                k_floor,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_ids,
+                t * TILE_N,
+                kv_end,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                qk_scale,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                DOT_PRECISION,
+                True,
+                LATE_V,
+                USE_DOT,
+                KV_EVICT,
+            )
+        tile_lo = tile_cut_end
     if PREFETCH == 0:
         for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
             block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, False, BT_EVICT)
@@ -358,6 +419,7 @@ def _attend_program(
                 l_i,
                 q,
                 q_pos,
+                k_floor,
                 key_cache_ptr,
                 value_cache_ptr,
                 block_ids,
@@ -390,6 +452,7 @@ def _attend_program(
                 l_i,
                 q,
                 q_pos,
+                k_floor,
                 key_cache_ptr,
                 value_cache_ptr,
                 block_ids,
@@ -489,6 +552,7 @@ def _attend_program(
                 l_i,
                 q,
                 q_pos,
+                k_floor,
                 k,
                 v,
                 value_cache_ptr,
@@ -517,6 +581,7 @@ def _attend_program(
             l_i,
             q,
             q_pos,
+            k_floor,
             key_cache_ptr,
             value_cache_ptr,
             block_ids,
@@ -561,8 +626,10 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] learned sink logits (HAS_SINKS)
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,  # an fp8 cache stores V / v_scale (1.0 otherwise)
+    window,  # sliding window (HAS_WINDOW): a query sees keys less than `window` positions back
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -591,6 +658,8 @@ def _paged_attention_kernel(
     LATE_V: tl.constexpr,
     USE_DOT: tl.constexpr,
     PERSISTENT_PROGRAMS: tl.constexpr,  # > 0 (decode-only): a grid of this many programs looping over work
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     if PERSISTENT_PROGRAMS > 0:
         # Work item = (seq, kv head, segment), seq fastest: the order a plain grid would run them in.
@@ -613,8 +682,10 @@ def _paged_attention_kernel(
                     value_cache_ptr,
                     block_tables_ptr,
                     seq_lens_ptr,
+                    sinks_ptr,
                     qk_scale,
                     v_scale,
+                    window,
                     seq,
                     0,
                     q_start,
@@ -646,6 +717,8 @@ def _paged_attention_kernel(
                     BT_EVICT,
                     LATE_V,
                     USE_DOT,
+                    HAS_WINDOW,
+                    HAS_SINKS,
                 )
     else:
         q_block_id = tl.program_id(0)
@@ -674,8 +747,10 @@ def _paged_attention_kernel(
             value_cache_ptr,
             block_tables_ptr,
             seq_lens_ptr,
+            sinks_ptr,
             qk_scale,
             v_scale,
+            window,
             seq,
             q_block,
             q_start,
@@ -707,6 +782,8 @@ def _paged_attention_kernel(
             BT_EVICT,
             LATE_V,
             USE_DOT,
+            HAS_WINDOW,
+            HAS_SINKS,
         )
 
 
@@ -721,6 +798,8 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: float = 1.0,  # an fp8 cache holds K / k_scale and V / v_scale
     v_scale: float = 1.0,
+    window: int | None = None,  # sliding window: a query sees keys less than `window` positions back
+    sinks: torch.Tensor | None = None,  # [num_heads] learned logit per head in each softmax denominator
 ) -> torch.Tensor:
     """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
     num_tokens, num_heads, head_dim = query.shape
@@ -733,6 +812,7 @@ def paged_attention(
     # The no-dot path (CUDA-core FMAs for a few rows) is checked on decode batches only; on a mixed batch it
     # missed the reference on an H100.
     assert config.use_dot or config.is_decode_only, "use_dot=False is for decode-only batches"
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     if out is None:
         out = torch.empty_like(query)
     head_dim_padded = next_power_of_2(head_dim)
@@ -762,8 +842,10 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        query if sinks is None else sinks,  # any pointer when unused
         scale * LOG2_E * k_scale,
         v_scale,
+        window or 0,
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -792,6 +874,8 @@ def paged_attention(
         LATE_V=config.late_v,
         USE_DOT=config.use_dot,
         PERSISTENT_PROGRAMS=config.persistent_programs,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

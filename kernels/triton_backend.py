@@ -4,7 +4,7 @@ Only this module and the kernel modules import triton, so CPU machines without i
 Config choice is cached per batch shape and uses host integers only (no GPU sync): see
 `pagedserve.kernels.launch_config` for what a CUDA graph needs to keep fixed. Prefill-heavy steps whose new K/V
 the caller hands over (the fused rotary path) go to the prefill kernel; everything else, decode
-graphs included, to the paged kernel.
+graphs included, to the paged kernel -- which alone has sliding windows and attention sinks.
 """
 
 from __future__ import annotations
@@ -53,11 +53,15 @@ def attend(
     v_scale: float = 1.0,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's keys, already in
     value: torch.Tensor | None = None,  # the cache too; lets a prefill read them without the block table
+    window: int | None = None,  # this layer's sliding window (paged kernel only)
+    sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (paged kernel only)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     if (
-        key is not None
+        window is None
+        and sinks is None
+        and key is not None
         and value is not None
         and _is_token_rows(key, num_tokens)
         and _is_token_rows(value, num_tokens)
@@ -95,4 +99,6 @@ def attend(
         config,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
+        sinks=sinks,
     )

@@ -36,6 +36,7 @@ def _torch_attend(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU path: batched SDPA over padded sequences, in chunks that bound the padding's memory."""
     num_seqs = meta.seq_lens.shape[0]
@@ -54,6 +55,7 @@ def _torch_attend(
             v_scale,
             window,
             softcap,
+            sinks,
         )
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
@@ -75,6 +77,7 @@ def _torch_attend(
             v_scale,
             window,
             softcap,
+            sinks,
         )
     return out
 
@@ -140,14 +143,19 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,  # this layer's sliding window (Gemma's local layers); None: whole context
     softcap: float | None = None,  # attention-logit soft-capping (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (gpt-oss): extra softmax mass, no value
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Store this step's K/V in the paged cache, then attend over each sequence's context (or window)."""
     _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    if window is None and softcap is None:
+    if window is None and softcap is None and sinks is None:
         return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
-    if _attend is not _torch_attend:
-        raise NotImplementedError(
-            f"sliding-window attention / logit soft-capping need the torch attention backend; the "
-            f"{_backend_name!r} backend does not have them yet (use --device cpu / the torch backend)"
-        )
-    return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap)
+    if _attend is _torch_attend:
+        return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
+    if _backend_name == "triton" and softcap is None:  # the paged kernel has windows and sinks
+        from pagedserve.kernels import triton_backend
+
+        return triton_backend.attend(query, kv_cache, meta, scale, k_scale, v_scale, window=window, sinks=sinks)
+    raise NotImplementedError(
+        f"the {_backend_name!r} attention backend lacks {'logit soft-capping' if softcap else 'windows / sinks'}; "
+        "use --device cpu / the torch backend"
+    )

@@ -27,6 +27,7 @@ def paged_attention_padded(
     v_scale: float = 1.0,
     window: int | None = None,  # sliding window: a query sees keys less than `window` positions back
     softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [num_heads]: a learned logit per head that joins each row's softmax
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -67,13 +68,19 @@ def paged_attention_padded(
     group = num_heads // num_kv_heads
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale
         )  # [num_seqs, num_heads, max_query_len, head_dim]
-    else:  # SDPA has no soft-capping: the same math spelled out
+    else:  # SDPA has neither soft-capping nor sinks: the same math spelled out
         logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        logits = torch.tanh(logits / softcap) * softcap
-        weights = logits.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
+        if sinks is None:
+            weights = logits.softmax(-1)
+        else:  # the sink is one more logit in the denominator with no value: softmax over [logits | sink], drop it
+            sink_col = sinks.float()[None, :, None, None].expand(num_seqs, num_heads, max_query_len, 1)
+            weights = torch.cat([logits, sink_col], dim=-1).softmax(-1)[..., :-1]
         out = torch.matmul(weights, v.float())
     return out.transpose(1, 2)[token_seq, token_row].to(query.dtype)

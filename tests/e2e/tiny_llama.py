@@ -24,6 +24,11 @@ def build_tiny_llama(out: Path, smollm2_dir: Path) -> Path:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return copy_tokenizer(smollm2_dir, out)
+
+
+def copy_tokenizer(smollm2_dir: Path, out: Path) -> Path:
+    """SmolLM2's tokenizer and chat template beside a random model of its vocabulary (49152 ids)."""
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, out / name)

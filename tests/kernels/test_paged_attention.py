@@ -183,3 +183,76 @@ def test_output_is_independent_of_the_tiling(device: torch.device) -> None:
     first = _run(batch, _default(batch))
     other = _run(batch, _default(batch).with_(block_m=64, tile_n=32, num_segments=2))
     torch.testing.assert_close(first, other, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("window", "has_sinks", "config_change"),
+    [
+        (7, False, {}),  # windows cut into tiles and cache blocks; whole tiles before them are skipped
+        (None, True, {}),
+        (20, True, {"num_segments": 4, "tile_n": 16}),  # split-KV: the sink joins segment 0 only
+        (5, True, {"num_segments": 1, "block_m": 16, "tile_n": 16}),
+        # Windows past a tile: cut tiles (masked), then whole ones (unmasked, through the prefetch loops).
+        (24, True, {"prefetch": 2, "num_stages": 1, "block_m": 16, "tile_n": 16}),
+        (24, False, {"prefetch": 1, "block_m": 16, "tile_n": 16}),
+    ],
+)
+def test_sliding_window_and_sinks_match_the_torch_path(
+    device: torch.device, window: int | None, has_sinks: bool, config_change: dict[str, int]
+) -> None:
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device, seed=17
+    )
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)).to(device) * 3 if has_sinks else None
+    expected = paged_attention_padded(
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+        0.2,
+        window=window,
+        sinks=sinks,
+    )
+    config = _default(batch).with_(**config_change)
+    got = paged_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        0.2,
+        config,
+        window=window,
+        sinks=sinks,
+    )
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [9, 40])
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_decode_with_window_and_sinks(device: torch.device, num_segments: int, window: int) -> None:
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    seq_lens = [1, 15, 16, 17, 130]
+    batch = make_paged_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=5,
+    )
+    sinks = torch.linspace(-2, 4, 6, device=device)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    expected = paged_attention_padded(*args, 1, batch.max_seq_len, 0.2, window=window, sinks=sinks)
+    config = _default(batch).with_(num_segments=num_segments, tile_n=16)
+    got = paged_attention(*args, 0.2, config, window=window, sinks=sinks)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-3)

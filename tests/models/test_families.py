@@ -18,6 +18,7 @@ from pagedserve.services.engine.models import CausalLM, load_model
 from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
+from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
 from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
@@ -74,6 +75,7 @@ FAMILY_CLASSES = {
     "falcon": FalconForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -1,5 +1,5 @@
 """Gemma beyond the family comparison: the spec lists the local layers' windows, a backend without
-window/soft-capping is refused at start, and Gemma 3's vision model is refused with a clear error."""
+soft-capping is refused at start (Gemma 3 runs on Triton), and Gemma 3's vision model is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pagedserve.services.engine.executor.worker import refuse_unsupported_attent
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.parallel.sharding import shard_model
 from pagedserve.services.engine.parallel.state import ParallelContext
+from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,13 +34,28 @@ def test_spec_lists_each_local_layers_window(tmp_path: Path) -> None:
     assert model.spec.max_model_len == 256  # the window no longer caps the context (Mistral's still does)
 
 
-def test_a_backend_without_windows_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:
+def test_a_backend_without_soft_capping_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:
     build_tiny_model("gemma2-window8-softcaps", tmp_path)
     model = load_model(tmp_path, "float32", "cpu", show_progress=False)
     refuse_unsupported_attention(model)  # torch: fine
-    attention.use_backend("reference")  # stands in for Triton: neither has windows
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs sliding-window attention.*use --device cpu"):
+    attention.use_backend("reference")  # stands in for Triton: neither has soft-capping
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs attention-logit soft-capping.*use --device cpu"):
         refuse_unsupported_attention(model)
+
+
+def test_gemma3_runs_on_the_triton_backend(tmp_path: Path, torch_backend_after: None) -> None:
+    """No soft-capping: Gemma 3's windows run in the Triton paged kernel (interpreted on CPU), as HF computes."""
+    pytest.importorskip("triton")
+    hf = build_tiny_model("gemma3-window8-qknorm-local-rope", tmp_path)
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    attention.use_backend("triton")
+    refuse_unsupported_attention(model)  # accepted
+    prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    driver = PagedDriver(model)
+    got = torch.cat([*driver.step({0: prompt[:11]}), *driver.step({0: prompt[11:]})])
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def test_gemma3_vision_is_refused(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedserve.services.engine.models import UnsupportedArchitectureError, load_model, resolve_dtype
 from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_params_from_config
+from pagedserve.services.engine.models.spec import sliding_windows
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -60,11 +61,23 @@ def test_max_model_len_is_checked_against_the_config(llama_dir: Path) -> None:
         load_model(llama_dir, max_model_len=257, show_progress=False)
 
 
-def test_sliding_window_limits_the_context(tmp_path: Path) -> None:
+def test_a_sliding_window_is_per_layer_not_a_context_cap(tmp_path: Path) -> None:
     build_tiny_model("mistral-gqa-window", tmp_path)
-    assert load_model(tmp_path, show_progress=False).spec.max_model_len == 64
-    with pytest.raises(ValueError, match="sliding_window"):
-        load_model(tmp_path, max_model_len=65, show_progress=False)
+    spec = load_model(tmp_path, show_progress=False).spec
+    assert spec.max_model_len == 256 and spec.layer_windows == (8, 8)
+    assert [spec.window_of(i) for i in range(spec.num_layers)] == [8, 8]
+
+
+def test_sliding_windows_follow_transformers_rules() -> None:
+    qwen2 = AutoConfig.for_model(
+        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3
+    ).to_dict()
+    assert sliding_windows(qwen2, 3) == (None, 16, 16)  # from transformers' own layer_types
+    older_qwen2 = {k: v for k, v in qwen2.items() if k != "layer_types"}
+    assert sliding_windows(older_qwen2, 3) == (None, 16, 16)  # max_window_layers: layers from 1 on slide
+    assert sliding_windows({**qwen2, "use_sliding_window": False}, 3) == ()
+    assert sliding_windows({"sliding_window": 4096}, 2) == (4096, 4096)  # Mistral v0.1: every layer
+    assert sliding_windows({"sliding_window": None}, 2) == ()
 
 
 def test_auto_dtype() -> None:
@@ -130,8 +143,8 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 def test_unsupported_rope_type_is_an_error() -> None:
-    with pytest.raises(ValueError, match="yarn"):
-        rope_params_from_config({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, head_dim=64)
+    with pytest.raises(ValueError, match=r"'mrope' is not supported.*yarn"):  # Qwen2-VL's: not here
+        rope_params_from_config({"rope_parameters": {"rope_type": "mrope", "factor": 4.0}}, head_dim=64)
 
 
 def test_eos_ids_prefer_generation_config(llama_dir: Path, tmp_path: Path) -> None:

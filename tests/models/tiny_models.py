@@ -52,7 +52,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         ),
         None,
     ),
-    "mistral-gqa-window": ("mistral", dict(num_key_value_heads=2, intermediate_size=128, sliding_window=64), None),
+    "mistral-gqa-window": ("mistral", dict(num_key_value_heads=2, intermediate_size=128, sliding_window=8), None),
     "qwen2-qkv-bias-tied": (
         "qwen2",
         dict(num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True),
@@ -149,6 +149,32 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         ),
         None,
     ),
+    "gpt_oss-sinks-window8-yarn-clamped-experts": (
+        "gpt_oss",
+        # swiglu_limit 1.0: at this init many gate/up values pass it, so the clamps are exercised
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,
+            initializer_range=0.1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        None,
+    ),
     "gpt_neox-parallel-partial-rotary": (
         "gpt_neox",
         dict(intermediate_size=128, use_parallel_residual=True, rotary_pct=0.25, tie_word_embeddings=False),
@@ -182,7 +208,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
 }
 
 # Mixture-of-experts families refuse tensor parallelism (parallel/sharding.py): not in the TP cases.
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # Gemma's layers have no tensor-parallel sharding yet (their own attention class).
 NO_TP_FAMILIES = (*MOE_FAMILIES, "gemma2", "gemma3_text")
 TP_CASES = [case for case, (family, _, _) in CASES.items() if family not in NO_TP_FAMILIES]

@@ -21,10 +21,13 @@ Families (one shared `DecoderLM` stack, layers from `layers.py`, rotary from `ro
     gpt_neox.py  GPTNeoXForCausalLM: LayerNorm, parallel or sequential residual, partial rotary
     falcon.py    FalconForCausalLM / RWForCausalLM: multi-query, new decoder architecture (grouped kv,
                  one or two norms), per-head qkv; rotary only (ALiBi Falcon is refused)
+    gpt_oss.py   GptOssForCausalLM: attention sinks, alternating sliding-window/global layers, YaRN,
+                 biased router (softmax over the top-k logits), clamped SwiGLU experts with biases
 Anything else raises UnsupportedArchitectureError naming these. Loading (`loader.py`, `weights.py`):
 config.json, single or sharded safetensors (index file) streamed tensor by tensor into parameters
 of a module built on the meta device, a tqdm bar, dtype "auto" = fp32 on CPU, the config's dtype
-on CUDA (bf16 when it says fp32). Sliding-window models (Mistral v0.1) are limited to their window.
+on CUDA (bf16 when it says fp32). Sliding windows (Mistral v0.1, Qwen2, Phi-3, Gemma, gpt-oss) are per layer
+in `spec.layer_windows` and run in the attention backends (torch path and Triton paged kernel).
 `load_model(..., parallel=ctx)` builds and loads one tensor-parallel rank's shard, and
 `random_weights_seed=N` fills random weights identical for every tensor-parallel size (see
 services/engine/parallel). `python -m pagedserve.services.engine.models [MODEL]` prints the spec and the

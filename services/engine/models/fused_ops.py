@@ -89,14 +89,15 @@ def rotary_and_attend(
     scale: float,
     k_scale: float = 1.0,  # an fp8 cache's scales
     v_scale: float = 1.0,
+    window: int | None = None,  # the layer's sliding window
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if not is_fused(q):
         q, k = rotary(positions, q, k)
-        return attention.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+        return attention.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale, window=window)
     from pagedserve.kernels import triton_backend
     from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
 
     cos, sin = rotary.caches_for(q)
     rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
     # k (rotated in place) and v still hold this step's keys/values unquantised: a prefill reads them there.
-    return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale, key=k, value=v)
+    return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale, key=k, value=v, window=window)

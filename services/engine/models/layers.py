@@ -110,9 +110,11 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         out_bias: bool = False,
         qk_norm_eps: float | None = None,
+        window: int | None = None,  # sliding window of a local layer (Mistral, Qwen2, Phi-3); None: global
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.qkv_proj = ShardedLinear(
@@ -141,7 +143,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # [num_tokens, num_heads, head_dim]
         out = fused_ops.rotary_and_attend(
-            self.rotary, positions, q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale
+            self.rotary, positions, q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale, self.window
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

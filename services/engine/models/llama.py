@@ -38,7 +38,9 @@ def _attention_biases(cfg: dict[str, Any]) -> tuple[bool, bool]:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None
+    ) -> None:
         super().__init__()
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         qkv_bias, out_bias = _attention_biases(cfg)
@@ -51,6 +53,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             qk_norm_eps=eps if cfg.get("model_type") in ("qwen3", "qwen3_moe") else None,
+            window=window,
         )
         self.mlp = GatedMLP(
             spec.hidden_size,
@@ -85,7 +88,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(DecoderLM):
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim), spec.max_model_len)
-        layers: list[nn.Module] = [LlamaDecoderLayer(cfg, spec, rotary) for _ in range(spec.num_layers)]
+        layers: list[nn.Module] = [
+            LlamaDecoderLayer(cfg, spec, rotary, spec.window_of(i)) for i in range(spec.num_layers)
+        ]
         norm = RMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
 

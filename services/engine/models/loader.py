@@ -19,6 +19,7 @@ from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
+from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
@@ -53,6 +54,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

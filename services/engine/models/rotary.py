@@ -2,9 +2,10 @@
 
 transformers 5 writes `rope_parameters = {"rope_type", "rope_theta", "factor", ...}`; older configs
 write `rope_theta` (or NeoX's `rotary_emb_base`) plus an optional `rope_scaling` dict. Both are
-normalised by `rope_params_from_config`. Supported types: default, linear, llama3, dynamic and
+normalised by `rope_params_from_config`. Supported types: default, linear, llama3, dynamic,
 longrope (Phi-3: its short factors only; the family caps the context at the original length, where
-HF uses the short factors too, and the attention factor scales cos/sin).
+HF uses the short factors too, and the attention factor scales cos/sin) and yarn (gpt-oss: frequencies
+blended between interpolated and original by a ramp over the dims, cos/sin scaled by its mscale).
 
 `dynamic` (NTK) only changes frequencies once a sequence outgrows `max_position_embeddings`, and
 the loader never allows a longer `max_model_len`, so inside our range it equals `default` -- which is
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 
 
 @dataclass(slots=True)
@@ -36,7 +37,10 @@ class RopeParams:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors
-    attention_factor: float = 1.0  # longrope: cos/sin scale
+    attention_factor: float = 1.0  # longrope, yarn: cos/sin scale
+    beta_fast: float = 32.0  # yarn: rotations where the ramp from original to interpolated starts ...
+    beta_slow: float = 1.0  # ... and ends
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims (gpt-oss: False)
 
 
 def rope_params_from_config(cfg: dict[str, Any], head_dim: int, default_theta: float = 10000.0) -> RopeParams:
@@ -61,8 +65,45 @@ def rope_params_from_config(cfg: dict[str, Any], head_dim: int, default_theta: f
             params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 8192)
         ),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
-        attention_factor=float(params.get("attention_factor") or 1.0),
+        attention_factor=float(params.get("attention_factor") or _default_attention_factor(rope_type, params, cfg)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
     )
+
+
+def _default_attention_factor(rope_type: str, params: dict[str, Any], cfg: dict[str, Any]) -> float:
+    """YaRN's cos/sin scale when the config names none: 0.1 * ln(factor) + 1 (HF's get_mscale)."""
+    if rope_type != "yarn":
+        return 1.0
+    original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 8192)
+    factor = float(params.get("factor") or cfg.get("max_position_embeddings", original) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):  # DeepSeek's variant
+        return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inverse_frequencies(p: RopeParams, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """Per dim pair: the original frequency where it turns more than beta_fast times over the original
+    context, the interpolated one (/ factor) below beta_slow turns, a linear blend in between."""
+
+    def correction_dim(num_rotations: float) -> float:
+        turns = p.original_max_position / (num_rotations * 2 * math.pi)
+        return p.rotary_dim * math.log(turns) / (2 * math.log(p.theta))
+
+    low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
+    if p.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, p.rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: avoids a division by zero
+    ramp = ((torch.arange(p.rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_original = 1 - ramp
+    return (1.0 / (p.factor * pos_freqs)) * (1 - keep_original) + (1.0 / pos_freqs) * keep_original
 
 
 def inverse_frequencies(p: RopeParams) -> torch.Tensor:  # [rotary_dim // 2] float32
@@ -71,6 +112,8 @@ def inverse_frequencies(p: RopeParams) -> torch.Tensor:  # [rotary_dim // 2] flo
     inv_freq = 1.0 / (p.theta**exponents)
     if p.rope_type == "longrope":
         inv_freq = 1.0 / (torch.tensor(p.short_factor, dtype=torch.float32) * p.theta**exponents)
+    elif p.rope_type == "yarn":
+        inv_freq = _yarn_inverse_frequencies(p, p.theta**exponents)
     elif p.rope_type == "linear":
         inv_freq = inv_freq / p.factor
     elif p.rope_type == "llama3":

@@ -26,13 +26,18 @@ class ModelSpec:
     bos_token_id: int | None = None
     # Sampling defaults the checkpoint ships in generation_config.json (temperature, top_p, top_k, ...).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # Per layer: the sliding window of a local layer, None for a global one (empty: all global).
-    # The KV cache still keeps every block of a local layer; freeing those out of the window is later work.
+    # Per layer: the sliding window of a local layer, None for a global one (empty: all global). The
+    # attention type per layer (local/global) for the attention backends and, later, the KV cache: it
+    # still keeps every block of a local layer; freeing those out of the window is later work.
     layer_windows: tuple[int | None, ...] = ()
 
     @property
     def max_position(self) -> int:  # the name the engine contract uses
         return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window; None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes one token's K and V take over all layers (sizes the paged cache)."""
@@ -72,27 +77,38 @@ def eos_token_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(i) for i in eos) if isinstance(eos, list) else (int(eos),)
 
 
+def sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from the Llama-style keys, as transformers reads them: `sliding_window` on every
+    layer (Mistral, Phi-3), or on the layers `layer_types` marks "sliding_attention" (Qwen2, whose older
+    configs say `max_window_layers`: layers from there on slide); none when `use_sliding_window` is false.
+    Families with their own rule (Gemma, gpt-oss) put `layer_windows` in the config instead."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return ()
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers") or 0) else "full_attention"
+        for i in range(num_layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
 def build_spec(model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, max_model_len: int | None) -> ModelSpec:
     """Spec from a config already normalised by its family (canonical Llama-style key names)."""
     num_heads = int(cfg["num_attention_heads"])
     hidden_size = int(cfg["hidden_size"])
     max_position = int(cfg.get("max_position_embeddings") or 2048)
-    # Families whose layers attend within their window list the windows (`layer_windows`); for the
-    # others (Mistral) limit contexts to the window so results stay exact.
-    layer_windows = tuple(cfg.get("layer_windows") or ())
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) and not layer_windows else None
-    limit, limit_name = max_position, "max_position_embeddings"
-    if window is not None and int(window) < limit:
-        limit, limit_name = int(window), "sliding_window (not implemented: contexts stop there)"
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_windows = tuple(cfg.get("layer_windows") or ()) or sliding_windows(cfg, num_layers)
     if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
+        max_model_len = max_position
+    elif max_model_len > max_position:
         raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's {limit_name} {limit} ({model_dir / 'config.json'})"
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position} "
+            f"({model_dir / 'config.json'})"
         )
     return ModelSpec(
         architecture=cfg["architectures"][0],
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),

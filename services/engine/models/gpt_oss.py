@@ -1,0 +1,188 @@
+"""gpt-oss (GptOssForCausalLM, bf16/fp32 weights; MXFP4 checkpoints are the quantization issue's).
+
+    per layer: x = x + attn(rmsnorm(x));  x = x + moe(rmsnorm(x))
+    attention: q/k/v/o with biases, YaRN rope, a learned sink logit per head in the softmax denominator,
+               local layers (config.layer_types "sliding_attention") see only the last `sliding_window` keys
+    moe:       router with a bias; softmax over the top-k logits; experts with biases and a clamped SwiGLU
+               (gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate))
+
+Checkpoints keep the experts as HF's 3-D tensors, transposed and with gate/up interleaved:
+
+    experts.gate_up_proj  [num_experts, hidden, 2 * intermediate]  columns g0 u0 g1 u1 ...
+    experts.down_proj     [num_experts, intermediate, hidden]
+
+`checkpoint_to_params` turns them into `moe.Experts`' layout ([E, 2I, hidden] rows [ gate | up ],
+[E, hidden, I]), so the grouped/dense expert paths of moe.py run them. Sinks and windows run in the
+torch attention path and in the Triton paged kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
+from pagedserve.services.engine.models.layers import ShardedLinear
+from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
+from pagedserve.services.engine.models.moe import Experts
+from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
+from pagedserve.services.engine.models.spec import ModelSpec
+
+SLIDING = "sliding_attention"
+_DEFAULT_ROPE_THETA = 150000.0  # GptOssConfig.default_theta: what HF uses when the config names none
+
+
+class GptOssRMSNorm(nn.Module):
+    """HF's GptOssRMSNorm: the weight multiplies the fp32 normed value, then the cast (Llama casts first)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def layer_types(cfg: dict[str, Any]) -> list[str]:
+    """HF's default when the config lists none: local, global, local, ..."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    return [SLIDING if i % 2 == 0 else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+
+
+class ClampedSwiGLUExperts(Experts):
+    """moe.Experts with a bias on both projections and gpt-oss's clamped SwiGLU."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, "silu")
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.alpha, self.limit = alpha, limit
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_proj[expert], self.gate_up_proj_bias[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return F.linear((up + 1) * glu, self.down_proj[expert], self.down_proj_bias[expert])
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
+        super().__init__()
+        num_experts = int(cfg["num_local_experts"])
+        self.top_k = int(cfg["num_experts_per_tok"])
+        self.router = nn.Linear(spec.hidden_size, num_experts, bias=True)
+        self.experts = ClampedSwiGLUExperts(
+            num_experts,
+            spec.hidden_size,
+            int(cfg["intermediate_size"]),
+            alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        # HF's router: top-k of the raw logits, then a softmax over those k only.
+        top_logits, ids = self.router(x).float().topk(self.top_k, dim=-1)
+        out: torch.Tensor = self.experts(x, top_logits.softmax(-1), ids)
+        return out
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], spec: ModelSpec, rotary: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(cfg.get("attention_bias", True))
+        self.qkv_proj = ShardedLinear(spec.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [num_heads] learned logit per head
+        self.rotary, self.window = rotary, window
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = attention.paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], spec: ModelSpec, rotary: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        eps = float(cfg.get("rms_norm_eps", 1e-5))
+        self.self_attn = GptOssAttention(cfg, spec, rotary, window)
+        self.mlp = GptOssMoE(cfg, spec)
+        self.input_layernorm = GptOssRMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm = GptOssRMSNorm(spec.hidden_size, eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssForCausalLM(DecoderLM):
+    supports_tensor_parallel = False  # mixture-of-experts and its own attention class: not sharded yet
+
+    def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
+        rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim, _DEFAULT_ROPE_THETA), spec.max_model_len)
+        layers: list[nn.Module] = [
+            GptOssDecoderLayer(cfg, spec, rotary, spec.window_of(i)) for i in range(spec.num_layers)
+        ]
+        norm = GptOssRMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-5)))
+        super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
+
+    @staticmethod
+    def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if method is not None:  # openai/gpt-oss-* ship MXFP4 experts (`*_blocks`/`*_scales` tensors)
+            raise ValueError(
+                f"GptOssForCausalLM: {method!r} checkpoints are not supported yet; serve a bf16 checkpoint "
+                "(e.g. one dequantized with transformers' Mxfp4Config(dequantize=True) and saved)"
+            )
+        window = cfg.get("sliding_window")
+        windows = [int(window) if t == SLIDING and window else None for t in layer_types(cfg)]
+        return {**cfg, "layer_windows": windows}
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], spec: ModelSpec) -> GptOssForCausalLM:
+        return cls(cfg, spec)
+
+    def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
+        if self.is_tied and name.startswith("lm_head."):
+            return
+        if name.endswith(".experts.gate_up_proj"):  # [E, hidden, 2I] interleaved -> [E, 2I, hidden] [gate | up]
+            yield name, _deinterleave(tensor.transpose(1, 2)), None
+        elif name.endswith(".experts.gate_up_proj_bias"):  # [E, 2I] interleaved -> [gate | up]
+            yield name, _deinterleave(tensor), None
+        elif name.endswith(".experts.down_proj"):  # [E, I, hidden] -> [E, hidden, I]
+            yield name, tensor.transpose(1, 2).contiguous(), None
+        else:
+            for hf_name, (ours, shard_id) in PACKED_PROJECTIONS.items():
+                if f".{hf_name}." in name:
+                    yield name.replace(f".{hf_name}.", f".{ours}."), tensor, shard_id
+                    return
+            yield name, tensor, None
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Columns g0 u0 g1 u1 ... of dim 1 -> g0 g1 ... u0 u1 ... (a new contiguous tensor)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
