@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.kernels.fused_moe import fused_experts
 from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
+from pagedserve.kernels.moe_align import moe_align_block_size
 from pagedserve.kernels.moe_reference import experts_grouped
 from pagedserve.services.engine.models.moe import route
 
@@ -83,7 +84,11 @@ def measure(
     cuda = device.type == "cuda"
     out = fused_experts(x, w13, w2, weights, ids)
     ref = experts_grouped(x, w13, w2, weights, ids)
-    error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    exact = experts_grouped(x.float(), w13.float(), w2.float(), weights, ids)  # fp32 all through
+
+    def rel_error(y: torch.Tensor, target: torch.Tensor) -> float:
+        return float((y.float() - target).abs().max() / target.abs().max())
+
     default = choose_moe_config(num_tokens=num_tokens, dtype=str(dtype).removeprefix("torch."), **shape)
     timed = {default: time_us(lambda: fused_experts(x, w13, w2, weights, ids, config=default), cuda)}
     if sweep:
@@ -100,7 +105,10 @@ def measure(
     return {
         "num_tokens": num_tokens,
         "experts_hit": hit,
-        "max_rel_error": error,
+        "max_rel_error": rel_error(out, ref.float()),  # kernel vs the torch path in the same dtype
+        "kernel_vs_fp32": rel_error(out, exact),
+        "torch_vs_fp32": rel_error(ref, exact),
+        "align_us": time_us(lambda: moe_align_block_size(ids, default.block_m, num_experts), cuda),
         "kernel_us": timed[default],
         "default_config": list(astuple(default)),
         "best_us": timed[best],
@@ -124,14 +132,18 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     bandwidth = copy_bandwidth(device)
     print(f"{name}: {shape}, {dtype}; copy {bandwidth / 1e9:.0f} GB/s; µs per call; floor = bytes hit / copy rate")
-    print(f"{'tokens':>6} {'hit':>4} {'kernel':>9} {'floor':>8} {'%floor':>7} {'torch':>9} {'rel err':>8}  best config")
+    print(
+        f"{'tokens':>6} {'hit':>4} {'kernel':>9} {'align':>6} {'floor':>8} {'%floor':>7} {'torch':>9} "
+        f"{'err/torch':>9} {'err/fp32':>8} {'torch/fp32':>10}  best config"
+    )
     results = []
     for num_tokens in (int(t) for t in args.tokens.split(",")):
         r = measure(num_tokens, shape, dtype, device, bandwidth, args.sweep)
         results.append(r)
         print(
-            f"{num_tokens:6d} {r['experts_hit']:4d} {r['kernel_us']:9.1f} {r['floor_us']:8.1f} "
-            f"{r['floor_fraction']:7.0%} {r['torch_reference_us']:9.1f} {r['max_rel_error']:8.1e}  "
+            f"{num_tokens:6d} {r['experts_hit']:4d} {r['kernel_us']:9.1f} {r['align_us']:6.1f} {r['floor_us']:8.1f} "
+            f"{r['floor_fraction']:7.0%} {r['torch_reference_us']:9.1f} {r['max_rel_error']:9.1e} "
+            f"{r['kernel_vs_fp32']:8.1e} {r['torch_vs_fp32']:10.1e}  "
             f"{r['best_config']} ({r['best_us']:.1f} µs)",
             flush=True,
         )

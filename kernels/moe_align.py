@@ -9,10 +9,13 @@
 
 Plain torch on the tensors' device, no host sync and no loop over experts, so the sizes are fixed by
 host integers (a CUDA graph captures it) and the grouped GEMM (kernels/fused_moe.py) reads how many
-rows are real from `num_tokens_post_padded`. Blocks past it are never read.
+rows are real from `num_tokens_post_padded`. Blocks past it are never read. A single token (batch-1
+decode) needs no sort: its top_k experts are distinct, so each slot is one block, in slot order.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -33,6 +36,13 @@ def moe_align_block_size(
     num_tokens_post_padded [1] int64)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_assignments, device = flat.numel(), flat.device
+    if topk_ids.shape[0] == 1:
+        # Made once per shape, but not while a CUDA graph captures: a capture runs no kernel, so a tensor
+        # first filled there stays unfilled until that graph replays.
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        layout = _one_token_layout.__wrapped__ if capturing else _one_token_layout
+        sorted_token_ids, num_tokens_post_padded = layout(num_assignments, block_m, device)
+        return sorted_token_ids, flat, num_tokens_post_padded
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync
     padded = (counts + block_m - 1) // block_m * block_m
@@ -49,3 +59,11 @@ def moe_align_block_size(
     # The expert whose padded run holds each block's first row (blocks past the last run: clamped, unread).
     expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_token_ids, expert_ids, padded_end[-1:].clone()
+
+
+@cache
+def _one_token_layout(top_k: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot i alone in block i: constant for the shape, so made once (no launches in a decode step)."""
+    sorted_token_ids = torch.full((top_k, block_m), top_k, dtype=torch.int64, device=device)
+    sorted_token_ids[:, 0] = torch.arange(top_k, device=device)
+    return sorted_token_ids.view(-1), torch.tensor([top_k * block_m], dtype=torch.int64, device=device)

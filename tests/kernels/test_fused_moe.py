@@ -56,6 +56,15 @@ def test_unhit_experts_are_never_read(device: torch.device) -> None:
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_one_token_decode(device: torch.device) -> None:
+    """Batch-1 decode takes the no-sort layout (a block per slot); top-4 of 16, gpt-oss's activation."""
+    case = random_case(1, 64, 32, 16, 4, swiglu=True)
+    expected = per_token_oracle(case)
+    on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
+    args = [t.to(device) for t in (case.x, case.w13, case.w2, case.topk_weights, case.topk_ids)]
+    torch.testing.assert_close(fused_experts(*args, **on).cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture
 def triton_backend() -> Iterator[None]:
     previous_backend, previous_mode = attention.backend_name(), fused_ops.fusion_mode()

@@ -9,7 +9,7 @@ import torch
 from pagedserve.kernels.moe_align import max_padded_rows, moe_align_block_size
 
 
-def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
+def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int, by_expert: bool = True) -> None:
     sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, num_experts)
     num_assignments = topk_ids.numel()
     flat = topk_ids.reshape(-1)
@@ -31,8 +31,9 @@ def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
         assert bool((flat[rows] == expert).all()), "every row of a block belongs to the block's expert"
         assert bool((rows[1:] > rows[:-1]).all()), "an expert's rows keep token order"
         assert bool((block[: rows.numel()] == rows).all()), "padding only at the end of an expert's run"
-    assert expert_ids[: used // block_m].tolist() == sorted(expert_ids[: used // block_m].tolist())
     assert set(expert_ids[: used // block_m].tolist()) == set(flat.tolist())
+    if by_expert:  # one run per expert, in expert order (a single token's blocks are in slot order instead)
+        assert expert_ids[: used // block_m].tolist() == sorted(expert_ids[: used // block_m].tolist())
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,16 @@ def test_assignments_sorted_by_expert_and_padded(num_tokens: int, top_k: int, nu
     gen = torch.Generator().manual_seed(num_tokens)
     topk_ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
     _check(topk_ids, block_m, num_experts)
+
+
+def test_one_token_gets_a_block_per_slot_without_a_sort() -> None:
+    ids = torch.tensor([[6, 2, 9]])
+    _check(ids, 16, 12, by_expert=False)
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, 16, 12)
+    assert expert_ids.tolist() == [6, 2, 9] and int(post_padded.item()) == 48
+    assert sorted_ids.view(3, 16)[:, 0].tolist() == [0, 1, 2]
+    again, _, _ = moe_align_block_size(torch.tensor([[1, 0, 3]]), 16, 12)
+    assert again is sorted_ids  # the layout depends on the shape only: made once
 
 
 def test_runs_that_fill_whole_blocks_and_unhit_experts() -> None:
