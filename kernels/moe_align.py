@@ -66,4 +66,4 @@ def _one_token_layout(top_k: int, block_m: int, device: torch.device) -> tuple[t
     """Slot i alone in block i: constant for the shape, so made once (no launches in a decode step)."""
     sorted_token_ids = torch.full((top_k, block_m), top_k, dtype=torch.int64, device=device)
     sorted_token_ids[:, 0] = torch.arange(top_k, device=device)
-    return sorted_token_ids.view(-1), torch.tensor([top_k * block_m], dtype=torch.int64, device=device)
+    return sorted_token_ids.view(-1), torch.full((1,), top_k * block_m, dtype=torch.int64, device=device)
