@@ -1,6 +1,6 @@
 """Fused mixture-of-experts: two grouped GEMMs over every expert at once (the technique of vLLM's fused_moe).
 
-    topk_ids ──moe_align_block_size──► sorted_token_ids, expert_ids (one expert per BLOCK_M block)
+    topk_ids ──moe_align (kernels/moe_align*.py)──► sorted_token_ids, expert_ids (one expert per BLOCK_M block)
     x [T, H] ──GEMM 1: w13 gate and up tiles, bias, activation──► hidden [T * top_k, I]   (row = assignment)
     hidden   ──GEMM 2: w2, bias, x topk weight──────────────────► down   [T * top_k, H]
     down.view(T, top_k, H).sum(1) ──► out [T, H]
@@ -25,6 +25,7 @@ import triton.language as tl
 
 from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
 from pagedserve.kernels.moe_align import moe_align_block_size
+from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
 from pagedserve.kernels.moe_reference import check_activation
 
 # The GEMM's ACTIVATION constexpr: none (GEMM 2), or a gated one on GEMM 1's [gate | up] pair.
@@ -202,7 +203,9 @@ def fused_experts(
             num_tokens=num_tokens,
             dtype=dtype,
         )
-    aligned = moe_align_block_size(topk_ids, config.block_m, num_experts)
+    # One token: a constant layout, no launch at all; else one Triton program instead of ~20 torch ops.
+    align = moe_align_block_size if num_tokens == 1 else moe_align_block_size_triton
+    aligned = align(topk_ids, config.block_m, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     swiglu = (float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
     x = x.contiguous()

@@ -13,10 +13,31 @@ pytest.importorskip("triton")
 
 from pagedserve.kernels.fused_moe import fused_experts
 from pagedserve.kernels.launch_config import MoeConfig
+from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.models import fused_ops
 from pagedserve.services.engine.models.moe import MoE, route
 from tests.kernels.moe_cases import per_token_oracle, random_case
+from tests.kernels.test_moe_align import check_alignment
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m"),
+    [(37, 2, 8, 16), (3, 2, 200, 16), (1, 4, 16, 16), (300, 4, 6, 32)],
+)
+def test_triton_alignment_is_valid(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device
+) -> None:
+    """The one-program Triton alignment: same invariants as the torch one (rows inside a run unordered);
+    200 experts pad to 256 lanes and several chunks of assignments."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    topk_ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
+
+    def align(ids: torch.Tensor, block: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.cpu() for t in moe_align_block_size_triton(ids, block, experts))  # type: ignore[return-value]
+
+    check_alignment(topk_ids, block_m, num_experts, align=align, keeps_token_order=False)
+
 
 _TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
