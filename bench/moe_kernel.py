@@ -99,7 +99,7 @@ def measure(
             except Exception as exc:  # a tiling that does not fit (shared memory, registers) on this GPU
                 print(f"  skip {config}: {type(exc).__name__}")
     best = min(timed, key=lambda c: timed[c])
-    align = moe_align_block_size if num_tokens == 1 or not cuda else moe_align_block_size_triton
+    align = moe_align_block_size if num_tokens == 1 else moe_align_block_size_triton
     hit = int(ids.unique().numel())
     weight_bytes = hit * 3 * hidden * intermediate * w13.element_size()
     activation_bytes = (2 * num_tokens * hidden + 2 * num_tokens * top_k * (intermediate + hidden)) * x.element_size()
