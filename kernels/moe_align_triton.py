@@ -4,7 +4,7 @@
 Same outputs and layout as the torch version (see its diagram), except that the rows inside one expert's
 run are in no particular order: nothing depends on it (every row of a block is computed on its own).
 
-    counts[e]  = #assignments of expert e            (compare-and-sum over chunks of assignments)
+    counts[e]  = #assignments of expert e            (tl.histogram over chunks of assignments)
     ends       = cumsum(roundup(counts, BLOCK_M))    start of run e = ends[e] - padded[e]
     expert of block b = #experts whose run ends at or before row b * BLOCK_M
     row of an assignment = atomic_add(cursor[its expert], 1)   (cursor starts at the run's start)
@@ -18,7 +18,8 @@ import triton.language as tl
 
 from pagedserve.kernels.moe_align import max_padded_rows
 
-_MAX_COMPARES = 1 << 16  # CHUNK x experts compared at once (registers of one program)
+_CHUNK = 1024  # assignments (or padded rows) per loop step
+_MAX_COMPARES = 4096  # block rows x experts compared at once (registers of one program)
 
 
 @triton.jit
@@ -27,36 +28,37 @@ def _moe_align_kernel(
     sorted_token_ids_ptr,  # [num_padded_rows] int64 (out)
     expert_ids_ptr,  # [num_padded_rows // BLOCK_M] int64 (out)
     num_tokens_post_padded_ptr,  # [1] int64 (out)
-    cursor_ptr,  # [NUM_EXPERTS_PAD] int32 scratch
+    cursor_ptr,  # [BINS] int32 scratch
     num_assignments,
     num_padded_rows,
     NUM_EXPERTS: tl.constexpr,
-    NUM_EXPERTS_PAD: tl.constexpr,  # power of two >= NUM_EXPERTS
+    BINS: tl.constexpr,  # power of two > NUM_EXPERTS: the last bin takes the masked lanes
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
 ):
-    experts = tl.arange(0, NUM_EXPERTS_PAD)
-    counts = tl.zeros([NUM_EXPERTS_PAD], dtype=tl.int32)
+    experts = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
     for start in range(0, num_assignments, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_assignments, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_assignments, other=BINS - 1).to(tl.int32)
+        counts += tl.histogram(ids, BINS)
+    counts = tl.where(experts < NUM_EXPERTS, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(num_tokens_post_padded_ptr, tl.sum(padded, axis=0).to(tl.int64))
     tl.store(cursor_ptr + experts, ends - padded)
 
-    for first in range(0, num_padded_rows // BLOCK_M, CHUNK):
-        blocks = first + tl.arange(0, CHUNK)
+    for first in range(0, num_padded_rows // BLOCK_M, CHUNK_BLOCKS):
+        blocks = first + tl.arange(0, CHUNK_BLOCKS)
         rows = blocks * BLOCK_M
         expert = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
         expert = tl.minimum(expert, NUM_EXPERTS - 1)  # blocks past the last run: never read
         tl.store(expert_ids_ptr + blocks, expert.to(tl.int64), mask=rows < num_padded_rows)
     for first in range(0, num_padded_rows, CHUNK):
         rows = first + tl.arange(0, CHUNK)
-        tl.store(
-            sorted_token_ids_ptr + rows, tl.zeros([CHUNK], tl.int64) + num_assignments, mask=rows < num_padded_rows
-        )
+        padding = tl.zeros([CHUNK], tl.int64) + num_assignments
+        tl.store(sorted_token_ids_ptr + rows, padding, mask=rows < num_padded_rows)
     tl.debug_barrier()  # the padding marks and cursors are in place before any row is claimed
 
     for start in range(0, num_assignments, CHUNK):
@@ -80,9 +82,8 @@ def moe_align_block_size_triton(
     sorted_token_ids = torch.empty(num_padded_rows, dtype=torch.int64, device=device)
     expert_ids = torch.empty(num_padded_rows // block_m, dtype=torch.int64, device=device)
     num_tokens_post_padded = torch.empty(1, dtype=torch.int64, device=device)
-    experts_pad = triton.next_power_of_2(num_experts)
-    cursor = torch.empty(experts_pad, dtype=torch.int32, device=device)
-    chunk = max(16, min(1024, _MAX_COMPARES // experts_pad))
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
     _moe_align_kernel[(1,)](
         flat,
         sorted_token_ids,
@@ -92,9 +93,10 @@ def moe_align_block_size_triton(
         num_assignments,
         num_padded_rows,
         NUM_EXPERTS=num_experts,
-        NUM_EXPERTS_PAD=experts_pad,
+        BINS=bins,
         BLOCK_M=block_m,
-        CHUNK=chunk,
+        CHUNK=_CHUNK,
+        CHUNK_BLOCKS=max(16, _MAX_COMPARES // bins),
         num_warps=4,
     )
     return sorted_token_ids, expert_ids, num_tokens_post_padded
