@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.fused_moe import fused_experts
+from pagedserve.kernels.fused_moe import TRITON_ALIGN_MAX_ASSIGNMENTS, fused_experts
 from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
 from pagedserve.kernels.moe_align import moe_align_block_size
 from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
@@ -99,7 +99,8 @@ def measure(
             except Exception as exc:  # a tiling that does not fit (shared memory, registers) on this GPU
                 print(f"  skip {config}: {type(exc).__name__}")
     best = min(timed, key=lambda c: timed[c])
-    align = moe_align_block_size if num_tokens == 1 else moe_align_block_size_triton
+    use_torch_align = num_tokens == 1 or num_tokens * top_k > TRITON_ALIGN_MAX_ASSIGNMENTS  # as fused_experts
+    align = moe_align_block_size if use_torch_align else moe_align_block_size_triton
     hit = int(ids.unique().numel())
     weight_bytes = hit * 3 * hidden * intermediate * w13.element_size()
     activation_bytes = (2 * num_tokens * hidden + 2 * num_tokens * top_k * (intermediate + hidden)) * x.element_size()
@@ -112,6 +113,7 @@ def measure(
         "torch_vs_fp32": rel_error(ref, exact),
         "align_us": time_us(lambda: align(ids, default.block_m, num_experts), cuda),  # the one fused_experts runs
         "align_torch_us": time_us(lambda: moe_align_block_size(ids, default.block_m, num_experts), cuda),
+        "align_triton_us": time_us(lambda: moe_align_block_size_triton(ids, default.block_m, num_experts), cuda),
         "kernel_us": timed[default],
         "default_config": list(astuple(default)),
         "best_us": timed[best],

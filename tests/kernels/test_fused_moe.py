@@ -65,8 +65,14 @@ def test_fused_experts_equal_a_per_token_loop(
     torch.testing.assert_close(out.float().cpu(), expected, **_TOL[dtype])
 
 
-def test_unhit_experts_are_never_read(device: torch.device) -> None:
-    """Only experts 1 and 5 are chosen; the others' weights are NaN, so reading any of them would show."""
+@pytest.mark.parametrize("align", ["triton", "torch"])
+def test_unhit_experts_are_never_read(align: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only experts 1 and 5 are chosen; the others' weights are NaN, so reading any of them would show.
+    Both alignments (the Triton one, and torch's that large batches take) feed the GEMMs."""
+    from pagedserve.kernels import fused_moe
+
+    if align == "torch":
+        monkeypatch.setattr(fused_moe, "TRITON_ALIGN_MAX_ASSIGNMENTS", 8)
     case = random_case(20, 64, 32, 8, 2)
     case.topk_ids = torch.stack([torch.full((20,), 1), torch.full((20,), 5)], dim=1)
     for e in (0, 2, 3, 4, 6, 7):
