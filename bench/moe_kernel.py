@@ -38,11 +38,16 @@ QUICK = dict(num_experts=8, top_k=2, hidden=64, intermediate=32)
 
 
 def sweep_candidates() -> list[MoeConfig]:
-    """Row blocks x output tiles x K tiles x warps (3 stages; 64-row blocks grouped 8 for L2 reuse)."""
-    return [
-        MoeConfig(bm, bn, bk, 8 if bm == 64 else 1, warps, 3)
-        for bm, bn, bk, warps in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8))
-    ]
+    """Row blocks x output tiles x K tiles x warps (3 stages; 64-row blocks grouped 8 for L2 reuse), and
+    large tiles for prefill-sized batches."""
+    return (
+        [
+            MoeConfig(bm, bn, bk, 8 if bm == 64 else 1, warps, 3)
+            for bm, bn, bk, warps in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8))
+        ]
+        + [MoeConfig(128, 128, 64, 8, 8, stages) for stages in (3, 4)]
+        + [MoeConfig(64, 128, 64, 8, 8, 4)]
+    )
 
 
 def time_us(fn: Callable[[], object], cuda: bool, graph: bool = True) -> float:
