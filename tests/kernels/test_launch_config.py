@@ -143,7 +143,8 @@ def _moe(num_tokens: int, **shape: int) -> launch_config.MoeConfig:
 def test_moe_configs_grow_with_rows_per_expert() -> None:
     assert _moe(1).block_m == 16  # decode: 8 assignments over 128 experts
     assert _moe(64).block_m == 16  # 4 rows per expert: more rows per block would be padding
-    assert _moe(4096).block_m == 64
+    assert _moe(1024).block_m == 64
+    assert _moe(4096).block_m == 128  # 256 rows per expert: prefill tiles
     assert _moe(64, num_experts=8, top_k=2).block_m == 32  # Mixtral: 16 rows per expert
     for n in (1, 3, 17, 200, 5000):
         cfg = _moe(n)
