@@ -151,10 +151,13 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by parallel/sharding.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         weights, ids = route(self.gate(x), self.top_k, self.scoring, self.renormalize)
         out = self.experts(x, weights, ids)
+        if self.reduce is not None:  # tensor parallel: each rank summed its slice of every expert
+            out = self.reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
