@@ -133,3 +133,30 @@ def test_fp8_cache_decode_tile_moves_the_same_bytes_per_load() -> None:
     assert one_segment.tile_n == FP8_DECODE_TILE_N and one_segment.prefetch == 0
     prefill = dict(num_seqs=8, num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=2048, num_sms=132)
     assert choose_config(**prefill, kv_dtype_bytes=1) == choose_config(**prefill)  # prefill tiles unchanged
+
+
+def _moe(num_tokens: int, **shape: int) -> launch_config.MoeConfig:
+    layer = dict(num_experts=128, top_k=8, hidden=2048, intermediate=768) | shape
+    return launch_config.choose_moe_config(num_tokens=num_tokens, dtype="bfloat16", **layer)
+
+
+def test_moe_configs_grow_with_rows_per_expert() -> None:
+    assert _moe(1).block_m == 16  # decode: 8 assignments over 128 experts
+    assert _moe(64).block_m == 16  # 4 rows per expert: more rows per block would be padding
+    assert _moe(1024).block_m == 64
+    assert _moe(4096).block_m == 128  # 256 rows per expert: prefill tiles
+    assert _moe(64, num_experts=8, top_k=2).block_m == 32  # Mixtral: 16 rows per expert
+    for n in (1, 3, 17, 200, 5000):
+        cfg = _moe(n)
+        assert all(v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k)) and cfg.block_m >= 16
+    assert _moe(33) == _moe(64)  # one bucket, one compiled kernel
+    assert launch_config.moe_tokens_bucket(10**6) == 4096
+
+
+def test_moe_tuned_table_overrides_defaults_per_shape_and_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = launch_config.MoeConfig(16, 128, 128, 1, 4, 4)
+    large = launch_config.MoeConfig(64, 128, 64, 8, 8, 3)
+    monkeypatch.setitem(launch_config.MOE_TUNED, (128, 8, 2048, 768, "bfloat16"), ((16, small), (256, large)))
+    assert _moe(1) == small and _moe(16) == small
+    assert _moe(17) == large and _moe(4096) == large  # the last entry serves larger batches
+    assert _moe(1, intermediate=1536) != small  # another shape keeps the defaults

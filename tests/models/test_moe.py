@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.moe import MoE, experts_reference, route
+from pagedserve.services.engine.parallel.moe import ParallelExperts
 from pagedserve.services.engine.parallel.sharding import shard_model
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.models.paged_driver import PagedDriver
@@ -82,8 +83,31 @@ def test_fused_3d_expert_names_load_like_per_expert_files(case: str, tmp_path: P
     assert PagedDriver(from_fused).greedy(prompts, 8) == PagedDriver(from_files).greedy(prompts, 8)
 
 
-def test_tensor_parallel_refuses_moe_with_a_clear_error(tmp_path: Path) -> None:
+def test_tensor_parallel_splits_every_expert_and_reduces_once(tmp_path: Path) -> None:
+    """Under TP each rank holds every expert's slice of the intermediate dim (tests/models/
+    test_tensor_parallel_families.py runs the MoE cases on 2 ranks); a fused 3-D checkpoint tensor loads
+    as the per-expert ones do."""
     build_tiny_model("qwen3_moe-qknorm-normtopk", tmp_path)
     model = load_model(tmp_path, "float32", "cpu", show_progress=False)
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: mixture-of-experts .* tensor parallelism"):
-        shard_model(model, ParallelContext(rank=0, world_size=2, device=torch.device("cpu")))
+    full = next(m for m in model.modules() if isinstance(m, MoE))
+    w13, w2 = full.experts.gate_up_proj.data, full.experts.down_proj.data  # [E, 2I, H], [E, H, I]
+    size = full.experts.intermediate_size // 2
+    ctx = ParallelContext(rank=1, world_size=2, device=torch.device("cpu"))
+    with torch.device("meta"):
+        shard_model(model, ctx)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert isinstance(moe.experts, ParallelExperts) and moe.reduce == ctx.all_reduce
+    experts = moe.experts.to_empty(device="cpu")
+    assert experts.gate_up_proj.shape == (4, 2 * size, 64)
+    experts.load_piece("gate_up_proj", None, lambda dim, start, n: w13.narrow(dim, start, n))
+    experts.load_piece("down_proj", None, lambda dim, start, n: w2.narrow(dim, start, n))
+    rows = torch.cat([torch.arange(size, 2 * size), torch.arange(3 * size, 4 * size)])  # rank 1: second halves
+    torch.testing.assert_close(experts.gate_up_proj, w13[:, rows])
+    torch.testing.assert_close(experts.down_proj, w2[:, :, size:])
+    experts.gate_up_proj.data[2], experts.down_proj.data[2] = 0.0, 0.0
+    for shard_id in ("gate:2", "up:2", "down:2"):  # per-expert Hub tensors, as load_sharded hands them over
+        part, e = shard_id.split(":")
+        tensor = w2[int(e)] if part == "down" else w13[int(e)].chunk(2)[part == "up"]
+        experts.load_piece("down_proj" if part == "down" else "gate_up_proj", shard_id, tensor.narrow)
+    torch.testing.assert_close(experts.gate_up_proj[2], w13[2, rows])
+    torch.testing.assert_close(experts.down_proj[2], w2[2, :, size:])

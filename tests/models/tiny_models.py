@@ -207,10 +207,9 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     ),
 }
 
-# Mixture-of-experts families refuse tensor parallelism (parallel/sharding.py): not in the TP cases.
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
-# Gemma's layers have no tensor-parallel sharding yet (their own attention class).
-NO_TP_FAMILIES = (*MOE_FAMILIES, "gemma2", "gemma3_text")
+# Gemma's layers have no tensor-parallel sharding yet (their own attention class); gpt-oss refuses TP.
+NO_TP_FAMILIES = ("gemma2", "gemma3_text", "gpt_oss")
 TP_CASES = [case for case, (family, _, _) in CASES.items() if family not in NO_TP_FAMILIES]
 
 

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import moe_reference
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
 from pagedserve.services.engine.models.layers import ShardedLinear
 from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
-from pagedserve.services.engine.models.moe import Experts
+from pagedserve.services.engine.models.moe import Experts, fused_experts
 from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
 from pagedserve.services.engine.models.spec import ModelSpec
 
@@ -60,13 +61,24 @@ def layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 class ClampedSwiGLUExperts(Experts):
-    """moe.Experts with a bias on both projections and gpt-oss's clamped SwiGLU."""
+    """moe.Experts with a bias on both projections and gpt-oss's clamped SwiGLU (`swigluoai`): the fused-MoE
+    kernel on CUDA, the torch paths elsewhere, as every MoE family."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, "silu")
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.alpha, self.limit = alpha, limit
+        self.activation = "swigluoai"
+
+    def _options(self) -> dict[str, Any]:
+        return dict(
+            activation=self.activation,
+            w13_bias=self.gate_up_proj_bias,
+            w2_bias=self.down_proj_bias,
+            swiglu_alpha=self.alpha,
+            swiglu_limit=self.limit,
+        )
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up_proj[expert], self.gate_up_proj_bias[expert])
@@ -75,6 +87,12 @@ class ClampedSwiGLUExperts(Experts):
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
         return F.linear((up + 1) * glu, self.down_proj[expert], self.down_proj_bias[expert])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, **self._options())
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe_reference.experts_dense(x, self.gate_up_proj, self.down_proj, weights, ids, **self._options())
 
 
 class GptOssMoE(nn.Module):

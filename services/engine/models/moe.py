@@ -6,17 +6,24 @@
 These are transformers 5's in-memory names; Hub checkpoints (and `save_pretrained`) store one
 Linear per expert (`experts.{i}.gate_proj/up_proj/down_proj`, Mixtral's `experts.{i}.w1/w3/w2`),
 which `Experts.load_shard` copies into expert i's slice (shard id "gate:i", "up:i", "down:i").
+
+The experts run through `fused_experts`: the fused-MoE Triton kernel (kernels/fused_moe.py) where the
+layers fuse (CUDA with the Triton backend), the torch path of kernels/moe_reference.py elsewhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.services.engine.models.layers import GatedMLP, get_activation
+from pagedserve.kernels import moe_reference
+from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine.models.layers import GatedMLP
 
 SCORING = ("softmax", "sigmoid")
+_ACTIVATION_ALIASES = {"swish": "silu"}  # config hidden_act names -> ours
 
 
 def route(
@@ -25,7 +32,9 @@ def route(
     scoring: str,
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k])
-    """Top-k experts per token and their weights, scored in fp32 like HF's routers."""
+    """Top-k experts per token and their weights, scored in fp32 like HF's routers (vLLM's fused_topk:
+    softmax or sigmoid over all experts, then top-k, then optionally weights / their sum). gpt-oss's
+    softmax over the top-k logits is softmax + renormalize."""
     if scoring not in SCORING:
         raise ValueError(f"MoE scoring {scoring!r} is not supported (supported: {', '.join(SCORING)})")
     scores = router_logits.float().softmax(-1) if scoring == "softmax" else router_logits.float().sigmoid()
@@ -33,6 +42,45 @@ def route(
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]  rows [ gate | up ]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    *,
+    activation: str = "silu",  # or "swigluoai" (gpt-oss: needs swiglu_alpha and swiglu_limit)
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]  [ gate | up ]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:  # [num_tokens, hidden]: sum over slots of weight x expert MLP
+    """The experts as every MoE family calls them. Under tensor parallelism each rank passes its slice of
+    the intermediate dim (w13's gate and up rows, w2's columns) and all-reduces the result."""
+    return _experts_path(x)(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+    )
+
+
+def _experts_path(x: torch.Tensor) -> Callable[..., torch.Tensor]:
+    if fused_ops.is_fused(x):
+        from pagedserve.kernels import fused_moe  # imported lazily: triton is absent on many CPU machines
+
+        return fused_moe.fused_experts
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouped path's counts need a host sync
+        return moe_reference.experts_dense
+    return moe_reference.experts_grouped
 
 
 class Experts(nn.Module):
@@ -43,7 +91,8 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.act = get_activation(act)
+        self.activation = _ACTIVATION_ALIASES.get(act, act)
+        moe_reference.check_activation(self.activation, 0.0, 0.0)  # refuse an unsupported config at start
 
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard_id: str) -> None:
         part, expert = shard_id.split(":")
@@ -56,8 +105,7 @@ class Experts(nn.Module):
         self.gate_up_proj.data[int(expert), start : start + size].copy_(loaded)
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj[expert])
+        return moe_reference.expert_mlp(x, self.gate_up_proj, self.down_proj, expert, self.activation)
 
     def forward(
         self,
@@ -65,34 +113,12 @@ class Experts(nn.Module):
         weights: torch.Tensor,  # [num_tokens, top_k] float32
         ids: torch.Tensor,  # [num_tokens, top_k] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.forward_dense(x, weights, ids)  # the per-expert counts below need a host sync
-        # Sort the (token, slot) pairs by expert: each hit expert then runs one matmul over a
-        # contiguous block of rows, and unhit experts cost nothing (no dense all-experts compute).
-        top_k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        x_sorted = x[token_of]
-        out_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                out_sorted[start : start + count] = self.expert_mlp(expert, x_sorted[start : start + count])
-                start += count
-        out_sorted = out_sorted * weights.reshape(-1)[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out_sorted)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, activation=self.activation)
 
     def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert over every token, weighted by 0 where not chosen: no host sync, so CUDA graphs
-        can capture it (decode batches); slow, until the fused-MoE Triton kernel replaces it."""
-        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        combine.scatter_add_(1, ids, weights.to(x.dtype))  # [num_tokens, num_experts]
-        out = torch.zeros_like(x)
-        for expert in range(self.num_experts):
-            out += combine[:, expert : expert + 1] * self.expert_mlp(expert, x)
-        return out
+        """The CUDA-graph path without the fused kernel (see moe_reference.experts_dense)."""
+        w13, w2 = self.gate_up_proj, self.down_proj
+        return moe_reference.experts_dense(x, w13, w2, weights, ids, activation=self.activation)
 
 
 def experts_reference(experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -125,10 +151,13 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by parallel/sharding.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         weights, ids = route(self.gate(x), self.top_k, self.scoring, self.renormalize)
         out = self.experts(x, weights, ids)
+        if self.reduce is not None:  # tensor parallel: each rank summed its slice of every expert
+            out = self.reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -8,8 +8,8 @@ leaves the families untouched (and the one-GPU code path exactly as it was):
     GatedMLP    gate_up_proj -> column-parallel [gate_r | up_r]; down_proj -> row-parallel (1 all-reduce)
     MLP         up_proj -> column-parallel; down_proj -> row-parallel (1 all-reduce)
     DecoderLM   embed_tokens and lm_head -> vocabulary-parallel; logits all-gathered
-    MoE         refused for now: sharding each expert's intermediate dim (one all-reduce per layer)
-                is the planned scheme, not built yet
+    MoE         every expert's intermediate dim split like a GatedMLP's (parallel/moe.py); the routed sum
+                is all-reduced once; Qwen2-MoE's shared expert is a GatedMLP with its own all-reduce
 
 Weights are loaded with the model's full spec (checkpoint reorderings need the full head counts);
 `local_spec` then gives the spec the runner sizes this rank's KV cache with.
@@ -32,6 +32,7 @@ from pagedserve.services.engine.parallel.linear import (
     attention_parts,
     even_part,
 )
+from pagedserve.services.engine.parallel.moe import ParallelExperts
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 
@@ -50,13 +51,10 @@ def shard_model(model: CausalLM, ctx: ParallelContext) -> None:
         raise ValueError(
             f"{spec.architecture} does not support tensor parallelism yet; run it with tensor_parallel_size 1"
         )
-    if any(isinstance(module, MoE) for module in model.modules()):
-        raise ValueError(
-            f"{spec.architecture}: mixture-of-experts layers do not support tensor parallelism yet; "
-            "run it with tensor_parallel_size 1"
-        )
     for module in list(model.modules()):
-        if isinstance(module, Attention):
+        if isinstance(module, MoE):
+            _shard_moe(module, spec.hidden_size, ctx)
+        elif isinstance(module, Attention):
             _shard_attention(module, spec.hidden_size, ctx)
         elif isinstance(module, GatedMLP):
             _shard_gated_mlp(module, spec.hidden_size, ctx)
@@ -87,6 +85,13 @@ def _shard_gated_mlp(mlp: GatedMLP, hidden_size: int, ctx: ParallelContext) -> N
     mlp.gate_up_proj = ColumnParallelLinear(hidden_size, {"gate": part, "up": part}, in_bias)  # type: ignore[assignment]
     mlp.down_proj = RowParallelLinear(part, hidden_size, out_bias, ctx)  # type: ignore[assignment]
     mlp.intermediate_size = part.size
+
+
+def _shard_moe(moe: MoE, hidden_size: int, ctx: ParallelContext) -> None:
+    experts = moe.experts
+    part = even_part(experts.intermediate_size, ctx)
+    moe.experts = ParallelExperts(experts.num_experts, hidden_size, part, experts.activation)
+    moe.reduce = ctx.all_reduce
 
 
 def _shard_mlp(mlp: MLP, hidden_size: int, ctx: ParallelContext) -> None:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Wave-3 GPU check, one call: the new Triton kernels' tests compiled (LoRA shrink/expand, fused MoE, paged
+# attention with windows and sinks), the families and the mixed-LoRA batch on the GPU vs HF, then the LoRA
+# and speculative-decoding benchmarks. Installs nothing from the network (carried wheels only).
+#
+#   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
+#   PARTS=tests,lora,oracle,ngram SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+# Logs and JSON go under $OUT; a short summary is printed last.
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-wave3}
+PARTS=${PARTS:-tests,lora,oracle}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
+if [ -d build/wheels-cp312 ] && ! python3 -c "import pydantic_settings" 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site build/wheels-cp312/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/env.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt" 2>&1
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+summary=()
+
+if has tests; then
+  timeout 420 python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
+    tests/kernels/test_moe_align.py tests/models/test_gpu_models.py "tests/engine/test_lora.py::test_mixed_batch_equals_peft_merged_weights" \
+    > "$OUT/tests.log" 2>&1
+  summary+=("tests rc=$? : $(tail -n 1 "$OUT/tests.log")")
+fi
+if has lora; then
+  timeout 600 python3 -m bench.lora --out-dir "$OUT" > "$OUT/lora.log" 2>&1
+  summary+=("lora rc=$?")
+fi
+if has oracle; then
+  timeout 600 python3 -m bench.spec_decode --parts oracle --corruption "${CORRUPTION:-0,0.5}" \
+    --out "$OUT/spec_oracle.json" > "$OUT/spec_oracle.log" 2>&1
+  summary+=("spec oracle rc=$?")
+fi
+if has ngram; then
+  timeout 600 python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
+    --out "$OUT/spec_ngram.json" > "$OUT/spec_ngram.log" 2>&1
+  summary+=("spec ngram rc=$?")
+fi
+
+cat "$OUT/env.txt"
+for log in tests lora spec_oracle spec_ngram; do
+  [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
+done
+printf '%s\n' "${summary[@]}"
