@@ -23,23 +23,23 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 summary=()
 
 if has tests; then
-  timeout 420 python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs \
     tests/kernels/test_lora_kernels.py tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
     tests/kernels/test_moe_align.py tests/models/test_gpu_models.py "tests/engine/test_lora.py::test_mixed_batch_equals_peft_merged_weights" \
     > "$OUT/tests.log" 2>&1
   summary+=("tests rc=$? : $(tail -n 1 "$OUT/tests.log")")
 fi
 if has lora; then
-  timeout 600 python3 -m bench.lora --out-dir "$OUT" > "$OUT/lora.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.lora --out-dir "$OUT" > "$OUT/lora.log" 2>&1
   summary+=("lora rc=$?")
 fi
 if has oracle; then
-  timeout 600 python3 -m bench.spec_decode --parts oracle --corruption "${CORRUPTION:-0,0.5}" \
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.spec_decode --parts oracle --corruption "${CORRUPTION:-0,0.5}" \
     --out "$OUT/spec_oracle.json" > "$OUT/spec_oracle.log" 2>&1
   summary+=("spec oracle rc=$?")
 fi
 if has ngram; then
-  timeout 600 python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
     --out "$OUT/spec_ngram.json" > "$OUT/spec_ngram.log" 2>&1
   summary+=("spec ngram rc=$?")
 fi
