@@ -57,7 +57,8 @@ def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, device: torch
     ref_shrunk, ref_y = run(lora_reference, x, lora_a, lora_b, y0.clone())
     got_shrunk, got_y = run(lora, x.to(device), lora_a.to(device), lora_b.to(device), y0.clone().to(device))
     is_lora = torch.tensor(token_slots) >= 0
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # fp32 on CUDA: tl.dot runs in tf32 (10-bit mantissa), so it gets fp16's tolerance; exact on the interpreter
+    tol = 1e-4 if dtype == torch.float32 and device.type == "cpu" else 3e-2
     torch.testing.assert_close(got_shrunk.cpu()[is_lora], ref_shrunk[is_lora], atol=tol, rtol=tol)
     torch.testing.assert_close(got_y.cpu(), ref_y, atol=tol, rtol=tol)
     assert torch.equal(got_y.cpu()[~is_lora], y0[~is_lora])  # base rows untouched
