@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import CASES, build_tiny_model
+from tests.models.tiny_models import CASES, MOE_FAMILIES, build_tiny_model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -39,7 +40,18 @@ def restore_backend() -> Iterator[None]:
 
 def hf_on_gpu(case: str, model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     model: torch.nn.Module = build_tiny_model(case, model_dir)
+    skip_if_hf_ignores_the_config(model)
     return model.to(device=CUDA, dtype=dtype)
+
+
+def skip_if_hf_ignores_the_config(model: torch.nn.Module) -> None:
+    """transformers before 5.18 hard-codes gpt-oss's clamp (limit 7.0) where the config says otherwise, and our
+    case clamps at 1.0 to exercise it: that HF is no oracle here (the CPU tests compare with a newer one)."""
+    layers: Any = model.model.layers
+    experts = getattr(getattr(layers[0], "mlp", None), "experts", None)
+    limit = getattr(model.config, "swiglu_limit", None)
+    if experts is not None and limit is not None and getattr(experts, "limit", limit) != limit:
+        pytest.skip(f"this transformers ignores config.swiglu_limit {limit} (uses {experts.limit})")
 
 
 def skip_if_triton_refuses(model: torch.nn.Module) -> None:
@@ -72,17 +84,31 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
+def token_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
+    """Each token's relative logit error, over all prompts."""
+    return torch.cat([(g - w).norm(dim=-1) / w.norm(dim=-1) for g, w in zip(got, want)])
+
+
+def bf16_error(case: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The worst prompt's error; for MoE families the median token's. In bf16 a router near-tie flips a token's
+    top-k now and then (HF's and ours, at different tokens), which moves that token's logits far: the worst
+    prompt then measures where the flips fell, not the implementation."""
+    if CASES[case][0] in MOE_FAMILIES:
+        return float(token_errors(got, want).median())
+    return max(relative_error(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_prefill_logits_triton(case: str, tmp_path: Path) -> None:
     hf = hf_on_gpu(case, tmp_path, torch.float32)
     want = [hf_logits(hf, p) for p in PROMPTS]
     hf_bf16 = hf.to(torch.bfloat16)
-    hf_err = max(relative_error(hf_logits(hf_bf16, p), w) for p, w in zip(PROMPTS, want))
+    hf_err = bf16_error(case, [hf_logits(hf_bf16, p) for p in PROMPTS], want)
     ours = load_model(tmp_path, dtype="bf16", device=CUDA, show_progress=False)
     skip_if_triton_refuses(ours)
     attention.use_backend("triton")
     got = PagedDriver(ours, block_size=16).step(dict(enumerate(PROMPTS)))
-    ours_err = max(relative_error(g, w) for g, w in zip(got, want))
+    ours_err = bf16_error(case, got, want)
     print(f"\n{case:40s} bf16 rel err vs fp32: ours (triton) {ours_err:.2e}, HF {hf_err:.2e}")
     assert ours_err <= 1.5 * hf_err + 1e-3
 
