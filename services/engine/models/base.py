@@ -30,6 +30,7 @@ class CausalLM(nn.Module):
     needs_torch_attention: str | None = None
     # False for families whose layers parallel/sharding.py does not know (it would leave them whole).
     supports_tensor_parallel = True
+    loads_mxfp4 = False  # MXFP4 tensors (`*_blocks`/`*_scales`) are read by families that say so
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""gpt-oss (GptOssForCausalLM, bf16/fp32 weights; MXFP4 checkpoints are the quantization issue's).
+"""gpt-oss (GptOssForCausalLM): bf16/fp32 checkpoints and the MXFP4 ones OpenAI ships.
 
     per layer: x = x + attn(rmsnorm(x));  x = x + moe(rmsnorm(x))
     attention: q/k/v/o with biases, YaRN rope, a learned sink logit per head in the softmax denominator,
@@ -12,8 +12,11 @@ Checkpoints keep the experts as HF's 3-D tensors, transposed and with gate/up in
     experts.down_proj     [num_experts, intermediate, hidden]
 
 `checkpoint_to_params` turns them into `moe.Experts`' layout ([E, 2I, hidden] rows [ gate | up ],
-[E, hidden, I]), so the grouped/dense expert paths of moe.py run them. Sinks and windows run in the
-torch attention path and in the Triton paged kernel.
+[E, hidden, I]), so the grouped/dense expert paths of moe.py run them. MXFP4 checkpoints (openai/gpt-oss-*,
+`quant_method` "mxfp4") store each as `{name}_blocks` + `{name}_scales` in the untransposed layout
+([E, 2I, hidden] with gate/up rows interleaved; [E, hidden, I]); the pair is dequantised at load (exact in
+bf16, see mxfp4.py), so gpt-oss-20b takes ~42 GB. Sinks and windows run in the torch attention path and in
+the Triton paged kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 from pagedserve.kernels import moe_reference
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
 from pagedserve.services.engine.models.layers import ShardedLinear
 from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
@@ -159,6 +163,7 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssForCausalLM(DecoderLM):
     supports_tensor_parallel = False  # mixture-of-experts and its own attention class: not sharded yet
+    loads_mxfp4 = True  # checkpoint_to_params dequantises the experts' blocks/scales
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim, _DEFAULT_ROPE_THETA), spec.max_model_len)
@@ -167,15 +172,13 @@ class GptOssForCausalLM(DecoderLM):
         ]
         norm = GptOssRMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-5)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
+        self._mxfp4_pending: dict[str, dict[str, torch.Tensor]] = {}  # weight -> its blocks/scales seen so far
 
     @staticmethod
     def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
         method = (cfg.get("quantization_config") or {}).get("quant_method")
-        if method is not None:  # openai/gpt-oss-* ship MXFP4 experts (`*_blocks`/`*_scales` tensors)
-            raise ValueError(
-                f"GptOssForCausalLM: {method!r} checkpoints are not supported yet; serve a bf16 checkpoint "
-                "(e.g. one dequantized with transformers' Mxfp4Config(dequantize=True) and saved)"
-            )
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"GptOssForCausalLM: {method!r} checkpoints are not supported (bf16 or mxfp4)")
         window = cfg.get("sliding_window")
         windows = [int(window) if t == SLIDING and window else None for t in layer_types(cfg)]
         return {**cfg, "layer_windows": windows}
@@ -187,7 +190,9 @@ class GptOssForCausalLM(DecoderLM):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         if self.is_tied and name.startswith("lm_head."):
             return
-        if name.endswith(".experts.gate_up_proj"):  # [E, hidden, 2I] interleaved -> [E, 2I, hidden] [gate | up]
+        if name.endswith(MXFP4_SUFFIXES):
+            yield from self._mxfp4_to_params(name, tensor)
+        elif name.endswith(".experts.gate_up_proj"):  # [E, hidden, 2I] interleaved -> [E, 2I, hidden] [gate | up]
             yield name, _deinterleave(tensor.transpose(1, 2)), None
         elif name.endswith(".experts.gate_up_proj_bias"):  # [E, 2I] interleaved -> [gate | up]
             yield name, _deinterleave(tensor), None
@@ -199,6 +204,24 @@ class GptOssForCausalLM(DecoderLM):
                     yield name.replace(f".{hf_name}.", f".{ours}."), tensor, shard_id
                     return
             yield name, tensor, None
+
+    def _mxfp4_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
+        """Hold a weight's blocks or scales until its other half arrives (files may order them either way),
+        then the dequantised weight: rows interleaved as the checkpoint's are, the bias's layout."""
+        weight, _, part = name.rpartition("_")
+        pair = self._mxfp4_pending.setdefault(weight, {})
+        pair[part] = tensor
+        if len(pair) < 2:
+            return
+        del self._mxfp4_pending[weight]
+        try:
+            dense = mxfp4.dequantize(pair["blocks"], pair["scales"])
+        except ValueError as e:
+            raise ValueError(f"{weight}_blocks/_scales: {e}") from None
+        yield weight, _deinterleave(dense) if weight.endswith(".gate_up_proj") else dense, None
+
+
+MXFP4_SUFFIXES = tuple(f".experts.{w}_{part}" for w in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
+from pagedserve.services.engine.models.mxfp4 import checkpoint_is_mxfp4
 from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
@@ -87,14 +88,19 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
-QUANTIZATIONS = ("none", "fp8", "awq", "gptq")
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "mxfp4")
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
-    """None/"none": as the checkpoint is (fp8, awq, gptq or none); "fp8": always; "awq"/"gptq": the checkpoint
-    must be one (vLLM's --quantization names the checkpoint's method)."""
+    """None/"none": as the checkpoint is (fp8, awq, gptq, mxfp4 or none); "fp8": always; "awq"/"gptq"/"mxfp4": the
+    checkpoint must be one (vLLM's --quantization names the checkpoint's method)."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if checkpoint_is_mxfp4(cfg):
+        return "mxfp4"
+    if quantization == "mxfp4":
+        found = (cfg.get("quantization_config") or {}).get("quant_method", "none")
+        raise ValueError(f"quantization 'mxfp4': the checkpoint's weights are {found!r}")
     int4 = int4_format(cfg)
     if quantization in ("awq", "gptq") and (int4 is None or int4[0] != quantization):
         found = int4[0] if int4 else (cfg.get("quantization_config") or {}).get("quant_method", "none")
@@ -157,6 +163,8 @@ def load_model(
                 shard_model(model, parallel)
         method = resolve_quantization(quantization, cfg)
         is_fp8 = method == "fp8"
+        if method == "mxfp4" and not cls.loads_mxfp4:
+            raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
         if method in ("awq", "gptq"):
             if is_sharded or random_weights_seed is not None:
                 raise ValueError(

@@ -1,0 +1,59 @@
+"""MXFP4 (OCP microscaling, FP4 E2M1 values with a shared E8M0 scale per 32), as gpt-oss ships its experts.
+
+Per weight [rows, cols] (rows = output features) the checkpoint stores
+
+    {name}_blocks  uint8 [..., rows, cols / 32, 16]  two 4-bit codes a byte, the low nibble first
+    {name}_scales  uint8 [..., rows, cols / 32]      the block's power of two, biased by 127
+
+and means  W[r, 32 b + j] = FP4[code j of block (r, b)] * 2 ** (scale[r, b] - 127).  A code is sign (bit 3)
+and magnitude (bits 0-2): 0, 0.5, 1, 1.5, 2, 3, 4, 6. Every such value times a power of two is exact in
+bf16, so dequantising at load loses nothing; the experts then run the bf16 fused-MoE kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BLOCK = 32  # values sharing one scale
+SCALE_BIAS = 127
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAGNITUDES = torch.tensor(FP4_VALUES[:8])
+
+
+def checkpoint_is_mxfp4(cfg: dict[str, Any]) -> bool:
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., rows, cols/32, 16] uint8 codes and [..., rows, cols/32] uint8 scales -> [..., rows, cols]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4: blocks and scales must be uint8 (got {blocks.dtype} and {scales.dtype})")
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"mxfp4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+            f"(want [..., n, {BLOCK // 2}] and [..., n])"
+        )
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., n, 32]: low nibble first
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)[codes.long()]
+    exponents = scales.to(torch.int32) - SCALE_BIAS
+    out = torch.ldexp(values, exponents[..., None].to(torch.float32))
+    return out.flatten(-2).to(dtype)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> (blocks, scales) in the checkpoint layout; round to nearest FP4 value (ties to the
+    lower magnitude) under the smallest power of two that keeps the block's largest value within 6. The
+    writer for tests and random-weight benchmarks: real checkpoints come quantized."""
+    if weight.shape[-1] % BLOCK:
+        raise ValueError(f"mxfp4: {weight.shape[-1]} columns are not a multiple of {BLOCK}")
+    w = weight.float().unflatten(-1, (-1, BLOCK))  # [..., n, 32]
+    amax = w.abs().amax(-1)
+    exponents = torch.ceil(torch.log2(amax.clamp(min=2.0**-126) / 6.0)).clamp(-SCALE_BIAS, 127)
+    scaled = w / torch.exp2(exponents)[..., None]
+    magnitudes = _MAGNITUDES.to(w.device)
+    nearest = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # first (lower) of two equal distances
+    codes = (nearest | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + SCALE_BIAS).to(torch.uint8)

@@ -1,0 +1,143 @@
+"""MXFP4 (gpt-oss's experts): the dequantisation against hand-packed bytes and against transformers' own reader,
+our writer's rounding, and a gpt-oss checkpoint in OpenAI's layout served greedily equal to the same model with
+the dequantised weights in fp32 (HF), with bad tensors and wrong flags refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.utils.quantization_config import Mxfp4Config
+
+from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.models import load_model, mxfp4
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.shared.config import Config
+from tests.models.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CASE = "gpt_oss-sinks-window8-yarn-clamped-experts"
+
+
+def test_dequantize_hand_packed_bytes() -> None:
+    """Byte 0x92: low nibble 2 (+1.0) first, high nibble 9 (-0.5); byte 0x7F: 15 (-6), 7 (+6); scales 2^1, 2^-2."""
+    blocks = torch.zeros((2, 1, 16), dtype=torch.uint8)
+    blocks[0, 0, 0], blocks[0, 0, 15] = 0x92, 0x7F
+    blocks[1, 0, 3] = 0x58  # 8 is -0.0, 5 is +3.0
+    scales = torch.tensor([[128], [125]], dtype=torch.uint8)
+    want = torch.zeros((2, 32))
+    want[0, 0], want[0, 1], want[0, 30], want[0, 31] = 2.0, -1.0, -12.0, 12.0
+    want[1, 6], want[1, 7] = -0.0, 3.0 / 4
+    got = mxfp4.dequantize(blocks, scales)
+    assert torch.equal(got, want)
+    assert torch.signbit(got[1, 6])
+
+
+def test_writer_round_trips_representable_values_and_rounds_to_nearest() -> None:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4, 6, 64), generator=gen)
+    exponents = torch.randint(-8, 8, (4, 6, 2), generator=gen).float()
+    exponents[..., 0] = 0  # a block holding +-6 or +-4 keeps its own scale
+    values = torch.tensor(mxfp4.FP4_VALUES)[codes] * torch.exp2(exponents).repeat_interleave(32, -1)
+    blocks, scales = mxfp4.quantize(values)
+    assert torch.equal(mxfp4.dequantize(blocks, scales), values)
+    x = torch.tensor([[0.24, 0.26, 1.24, 2.6, 5.1, -4.9, 0.74] + [0.0] * 24 + [6.0]])  # max 6: scale 2^0
+    got = mxfp4.dequantize(*mxfp4.quantize(x))[0, :7]
+    assert got.tolist() == [0.0, 0.5, 1.0, 3.0, 6.0, -4.0, 0.5]  # 0.24 -> 0 (ties to the lower: 0.25 -> 0)
+
+
+def test_our_dequantisation_equals_transformers_reader() -> None:
+    """An independent reader of the same bytes: transformers' convert_moe_packed_tensors ([E, cols, rows])."""
+    weight = torch.randn(3, 10, 96, generator=torch.Generator().manual_seed(1)) * 0.05
+    blocks, scales = mxfp4.quantize(weight)
+    ours = mxfp4.dequantize(blocks, scales)
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2), ours)
+    assert float((ours - weight).norm() / weight.norm()) < 0.15  # 4-bit: a coarse but faithful copy
+
+
+def write_mxfp4_checkpoint(hf: PreTrainedModel, model_dir: Path, out_dir: Path) -> PreTrainedModel:
+    """`model_dir`'s gpt-oss saved as OpenAI ships it (experts as blocks/scales, untransposed, the rest as
+    is); sets `hf`'s experts to the dequantised weights and returns it: the fp32 oracle."""
+    out_dir.mkdir(exist_ok=True)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        hf_layout = tensors.pop(name)  # [E, in, out]
+        blocks, scales = mxfp4.quantize(hf_layout.transpose(1, 2))  # checkpoints keep [E, out, in]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        hf.get_parameter(name).data.copy_(mxfp4.dequantize(blocks, scales).transpose(1, 2))
+    save_file(tensors, out_dir / "model.safetensors")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out_dir / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    bf16_dir, out = tmp_path_factory.mktemp("gpt_oss"), tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    hf = build_tiny_model(CASE, bf16_dir)
+    return out, write_mxfp4_checkpoint(hf, bf16_dir, out)
+
+
+def test_transformers_reads_our_checkpoint_as_the_oracle(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """The layout check: transformers' own MXFP4 loader (dequantising on CPU) gives the oracle's logits."""
+    model_dir, hf = checkpoint
+    theirs = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    theirs.config._attn_implementation = "eager"
+    ids = torch.tensor([list(range(3, 30))])
+    with torch.inference_mode():
+        torch.testing.assert_close(theirs(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def _hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_new):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_served_greedy_equals_the_dequantised_model(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    model_dir, hf = checkpoint
+    config = Config.of(
+        model=str(model_dir),
+        dtype="float32",
+        quantization="mxfp4",
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+    )
+    engine = Engine(config)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 19)]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(hf, prompt, 32)
+
+
+def test_bad_tensors_and_wrong_flags_are_named(checkpoint: tuple[Path, PreTrainedModel], tmp_path: Path) -> None:
+    model_dir, _ = checkpoint
+    tensors = load_file(model_dir / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :-1].contiguous()  # one block column short
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks/_scales: .* do not pair"):
+        load_model(tmp_path, "float32", "cpu", show_progress=False)
+    bf16_dir = tmp_path / "bf16"
+    build_tiny_model(CASE, bf16_dir)
+    with pytest.raises(ValueError, match=r"quantization 'mxfp4': the checkpoint's weights are 'none'"):
+        load_model(bf16_dir, "float32", "cpu", show_progress=False, quantization="mxfp4")
+    llama_dir = tmp_path / "llama"
+    build_tiny_model("qwen3-qknorm-headdim", llama_dir)
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match=r"only gpt-oss's experts load from MXFP4, not LlamaForCausalLM's"):
+        load_model(llama_dir, "float32", "cpu", show_progress=False)
