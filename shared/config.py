@@ -156,12 +156,20 @@ class CacheConfig:
         "auto", "auto: the model's dtype; fp8 (fp8_e4m3): e4m3 with per-layer scales", choices=tuple(KV_CACHE_DTYPES)
     )
     enable_prefix_caching: bool = opt(True, "reuse cached KV blocks of shared prompt prefixes")
+    kv_offload_gb: float = opt(
+        0.0,
+        "host memory (GiB) for a second KV tier: prefix blocks evicted from the device cache are kept there and "
+        "copied back on a later hit instead of recomputed (0: off)",
+        aliases=("--kv-offloading-size",),  # vLLM's name (GiB)
+    )
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = _pick("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _at_least(self, 1, "block_size", "num_kv_blocks")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.kv_offload_gb < 0:
+            raise ValueError("kv_offload_gb: must be >= 0")
 
 
 @dataclass(slots=True)
@@ -505,6 +513,11 @@ class Config:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    def __post_init__(self) -> None:
+        if self.cache.kv_offload_gb > 0 and self.parallel.tensor_parallel_size > 1:
+            # the ranks' own caches would need the same copies: not sent to them yet
+            raise ValueError("kv_offload_gb: the host KV tier runs with tensor_parallel_size 1 only")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -233,6 +233,9 @@ class KVEvents:
     num_running: int = 0
     num_waiting: int = 0
     num_used_blocks: int = 0
+    # the host-memory tier (--kv-offload-gb): blocks it gained and lost (all it holds, in a snapshot)
+    host_stored: list[int] = field(default_factory=list)
+    host_removed: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID
 from pagedserve.services.engine.kv_cache_manager import KVCacheManager, root_hash
+from pagedserve.services.engine.kv_offload import HostKVTier
 from pagedserve.services.engine.model_runner import StepHandle, StepResult
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.scheduler import SchedulerOutput
@@ -103,9 +104,14 @@ class KnownTokensKVCacheManager(KVCacheManager):
     """A KVCacheManager that hashes and publishes only blocks whose tokens are all known."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_known_tokens: Callable[[Request], int]
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_known_tokens: Callable[[Request], int],
+        host: HostKVTier | None = None,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, host)
         self._num_known_tokens = num_known_tokens
 
     def publish_known(self, request: Request) -> None:

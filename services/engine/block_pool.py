@@ -11,7 +11,7 @@ still hold a cached prefix, which stays reusable until the block is handed out a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -34,6 +34,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id (used or free)
         self.event_log: KVEventLog | None = None  # set by whoever publishes KV events
+        self.on_evict: Callable[[int, bytes], None] | None = None  # a cached block is about to be reused
 
     def drain_events(self) -> tuple[list[bytes], list[bytes], bool]:
         """(stored, removed, reset) since the last call, as the state now: a block stored and evicted
@@ -129,6 +130,8 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self._cached[block_hash]
             self.block_hashes[block_id] = None
             if self.event_log is not None:

@@ -38,6 +38,7 @@ from pagedserve.services.engine.async_steps import (
 from pagedserve.services.engine.config import is_async_scheduling, model_dir, torch_device
 from pagedserve.services.engine.executor import make_executor
 from pagedserve.services.engine.input_batch import eager_token_bucket
+from pagedserve.services.engine.kv_offload import HostKVTier
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.model_runner import StepResult
 from pagedserve.services.engine.models.base import CausalLM
@@ -79,8 +80,13 @@ class Engine:
         # None: the engine generates; else it only pools prompts into embeddings (pooling_config.py)
         self.pooling: PoolingParams | None = resolve_pooling(config.model, self.model_dir)
         self.placeholders = Placeholders()
+        host_kv = self.runner.host_kv  # None without --kv-offload-gb
         self.kv_cache = KnownTokensKVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self.placeholders.num_known_tokens
+            num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self.placeholders.num_known_tokens,
+            HostKVTier(host_kv.num_slots) if host_kv is not None else None,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -370,6 +376,7 @@ class Engine:
                 previous.pending_rows() if previous is not None else None,
                 previous.handle if previous is not None else None,
                 before_sampling=before_sampling,
+                kv_transfers=self.kv_cache.drain_transfers(),
             )
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
@@ -461,7 +468,9 @@ class Engine:
             return outputs
         try:
             handle = self.runner.launch(
-                scheduled.scheduled, self.kv_cache.block_tables(s.request for s in scheduled.scheduled)
+                scheduled.scheduled,
+                self.kv_cache.block_tables(s.request for s in scheduled.scheduled),
+                kv_transfers=self.kv_cache.drain_transfers(),
             )
             result = handle.result()
         except BaseException:
@@ -584,6 +593,8 @@ class Engine:
             num_steps=counters.num_steps,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_finished_by_reason=dict(counters.num_finished_by_reason),
+            num_prefix_cache_host_hit_tokens=counters.num_prefix_cache_host_hit_tokens,
+            num_host_cached_blocks=self.kv_cache.host.num_cached if self.kv_cache.host is not None else 0,
             **self._spec_stats(),
         )
 

@@ -7,6 +7,10 @@ Blocks are published in the cache when they are *scheduled* to be filled, not af
 pass: the model writes every token's K/V of a layer before any query of that layer attends, so a
 second sequence admitted in the same step can already share them. This is safe because the
 scheduler never frees a sequence between scheduling it and running its step.
+
+With a host tier (kv_offload.py), a cached block the pool evicts is saved to host memory, and a prefix
+lookup goes on in the host tier where the device cache ends: those hits take new device blocks, which the
+runner fills from host memory before the step (`drain_transfers`), and are published like computed ones.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pagedserve.services.engine.block_pool import BlockPool
+from pagedserve.services.engine.kv_offload import HostKVTier, KVTransfers
 from pagedserve.services.engine.request import Request
 from pagedserve.shared import kv_blocks
 
@@ -24,12 +29,18 @@ def root_hash(request: Request) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host: HostKVTier | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[int]] = {}  # seq_id -> block ids, in position order
         self._num_published: dict[str, int] = {}  # seq_id -> leading blocks offered to the cache
+        self.host = host if enable_prefix_caching else None
+        self._host_hits: dict[str, list[bytes]] = {}  # seq_id -> hashes found in host memory, until allocate
+        if self.host is not None:
+            self.pool.on_evict = self.host.save
 
     @property
     def num_blocks(self) -> int:
@@ -67,20 +78,47 @@ class KVCacheManager:
             return [], 0
         self._extend_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_hit_blocks]
         hit_block_ids = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
-        return hit_block_ids, len(hit_block_ids) * self.block_size
+        host_hits = self._host_hits_after(hashes[len(hit_block_ids) :])
+        if host_hits:
+            self._host_hits[request.seq_id] = host_hits
+        else:
+            self._host_hits.pop(request.seq_id, None)
+        return hit_block_ids, (len(hit_block_ids) + len(host_hits)) * self.block_size
+
+    def num_host_hit_tokens(self, request: Request) -> int:
+        """Of the last `get_computed_blocks` hit, the tokens that come from host memory."""
+        return len(self._host_hits.get(request.seq_id, ())) * self.block_size
+
+    def drain_transfers(self) -> KVTransfers:
+        """The host-tier copies the next step must run first (empty without a host tier)."""
+        return self.host.drain() if self.host is not None else KVTransfers()
+
+    def _host_hits_after(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The leading run of `hashes` the host tier holds (none without one)."""
+        if self.host is None:
+            return []
+        hits = []
+        for block_hash in hashes:
+            if block_hash not in self.host:
+                break
+            hits.append(block_hash)
+        return hits
 
     def allocate(self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Make room for the K/V of the request's first `num_tokens` tokens.
 
-        `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (new sequences only).
-        Returns the newly taken block ids, or None when there is no room (nothing changes then)."""
+        `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (new sequences only); its host
+        hits come next, in the first new blocks. Returns the newly taken block ids, or None when there is no
+        room (nothing changes then)."""
         seq_id = request.seq_id
+        host_hits = self._host_hits.pop(seq_id, [])
         block_ids = self._blocks.get(seq_id, [])
         if block_ids and not computed_block_ids and self.num_blocks_for(num_tokens) <= len(block_ids):
             # The common decode step: the sequence's last block still has room. Nothing to take.
@@ -97,9 +135,19 @@ class KVCacheManager:
         assert new_block_ids is not None  # checked above
         block_ids = [*block_ids, *computed_block_ids, *new_block_ids]
         self._blocks[seq_id] = block_ids
+        if host_hits:
+            self._load_from_host(host_hits, new_block_ids)
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, block_ids, num_tokens)
         return new_block_ids
+
+    def _load_from_host(self, host_hits: list[bytes], block_ids: list[int]) -> None:
+        """Queue the host copies into the first new blocks, which then hold those prefixes (published now,
+        as blocks scheduled to be filled are: the copies run before any query of the step)."""
+        assert self.host is not None and len(block_ids) >= len(host_hits)
+        for block_hash, block_id in zip(host_hits, block_ids):
+            self.host.load(block_hash, block_id)
+            self.pool.register(block_id, block_hash)
 
     def free(self, request: Request) -> None:
         """Return the sequence's blocks (idempotent). Cached ones stay reusable until evicted."""
@@ -112,6 +160,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
         self._num_published.clear()
+        self._host_hits.clear()
+        if self.host is not None:
+            self.host.clear()
 
     def check_invariants(self) -> None:
         """Assert that every reference on a block belongs to exactly one sequence holding it."""

@@ -64,6 +64,10 @@ class EngineMetrics:
         self.prefix_hits = counter(
             "pagedserve_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache"
         ).labels(*self._labels)
+        self.prefix_host_hits = counter(
+            "pagedserve_engine_prefix_cache_host_hits",
+            "Prompt tokens found in the host-memory KV tier (part of the prefix cache hits), copied back",
+        ).labels(*self._labels)
         self.generation_tokens = counter("pagedserve_engine_generation_tokens", "Tokens sampled").labels(*self._labels)
         self.computed_tokens = counter(
             "pagedserve_engine_computed_tokens", "Tokens run through the model (prefill and decode)"
@@ -87,6 +91,7 @@ class EngineMetrics:
             _add(self.preemptions, stats.num_preemptions - last.num_preemptions)
             _add(self.prefix_queries, stats.num_prefix_cache_query_tokens - last.num_prefix_cache_query_tokens)
             _add(self.prefix_hits, stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens)
+            _add(self.prefix_host_hits, stats.num_prefix_cache_host_hit_tokens - last.num_prefix_cache_host_hit_tokens)
             _add(self.generation_tokens, stats.num_generated_tokens - last.num_generated_tokens)
             _add(self.computed_tokens, stats.num_computed_tokens - last.num_computed_tokens)
         self._last = stats

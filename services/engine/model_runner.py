@@ -30,6 +30,7 @@ from pagedserve.services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
+from pagedserve.services.engine.kv_offload import HostKVCaches, KVTransfers, num_host_slots
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.outputs import TokenLogprob
@@ -111,6 +112,7 @@ class ModelRunner:
             kv_cache_dtype=kv_cache_torch_dtype(config),
             step_sender=step_sender,
             lora=lora,
+            kv_offload_gb=config.cache.kv_offload_gb if config.cache.enable_prefix_caching else 0.0,
         )
 
     def __init__(
@@ -129,6 +131,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
         lora: LoRAManager | None = None,  # adapters wrapped around the model's projections (--enable-lora)
+        kv_offload_gb: float = 0.0,  # host memory for evicted prefix blocks (kv_offload.py); 0: none
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -137,6 +140,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len = max_model_len or self.spec.max_model_len  # the served context limit
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
+        num_slots = num_host_slots(kv_offload_gb, self.kv_caches) if kv_offload_gb > 0 else 0
+        self.host_kv = HostKVCaches(num_slots, self.kv_caches) if num_slots > 0 else None
         self.sampler = Sampler(device, seed)
         self.sampling_metadata = SamplingMetadataCache()
         self.profile = profile or StepProfile()
@@ -169,9 +174,12 @@ class ModelRunner:
         pending_rows: Mapping[Request, int] | None = None,  # placeholder last token -> row in previous
         previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
         before_sampling: Callable[[], None] | None = None,  # host work after the forward is enqueued
+        kv_transfers: KVTransfers | None = None,  # host-tier copies to run before the forward pass
     ) -> StepHandle:
         """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
         profile = self.profile
+        if kv_transfers and self.host_kv is not None:
+            self.host_kv.apply(kv_transfers, self.kv_caches)
         batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows)
         num_tokens = batch.num_tokens
         graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None

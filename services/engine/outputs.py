@@ -50,6 +50,8 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int = 0  # prompt tokens prefilled (once per sequence, at its first token), since start
     num_finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished sequences, since start
+    num_prefix_cache_host_hit_tokens: int = 0  # of the hits, those copied back from the host-memory tier
+    num_host_cached_blocks: int = 0  # prefix blocks the host-memory tier holds now
     # Speculative decoding, since start: verify rows with drafts, drafts, accepted drafts (all and per position).
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0

@@ -58,6 +58,7 @@ class SchedulerCounters:
     num_preemptions: int = 0
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    num_prefix_cache_host_hit_tokens: int = 0  # of the hits, those in the host-memory tier
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
@@ -233,10 +234,12 @@ class Scheduler:
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            if request.params.prompt_logprobs is not None or (request.pooling and request.pooling.needs_every_row):
-                # cached positions would have no logits, or no hidden states to pool
-                hit_block_ids, num_hit_tokens = [], 0
+            # cached positions would have no logits, or no hidden states to pool
+            skip_cache = request.params.prompt_logprobs is not None or (
+                request.pooling is not None and request.pooling.needs_every_row
+            )
+            hit_block_ids, num_hit_tokens = ([], 0) if skip_cache else self.kv_cache.get_computed_blocks(request)
+            num_host_hit_tokens = self.kv_cache.num_host_hit_tokens(request) if num_hit_tokens else 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate(request, num_hit_tokens + num_new, hit_block_ids) is None:
                 break  # nobody overtakes the head of the queue
@@ -245,6 +248,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 self.counters.num_prefix_cache_query_tokens += request.num_tokens
                 self.counters.num_prefix_cache_hit_tokens += num_hit_tokens
+                self.counters.num_prefix_cache_host_hit_tokens += num_host_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             if self._by_priority:

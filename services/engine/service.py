@@ -184,6 +184,8 @@ class EngineService:
         self.pool = engine.kv_cache.pool
         if engine.kv_cache.enable_prefix_caching:
             self.pool.event_log = KVEventLog()
+            if engine.kv_cache.host is not None:
+                engine.kv_cache.host.records_events = True
         self._snapshot_due = 0.0  # monotonic time of the next full KV snapshot (0: at once)
         self._last_load: tuple[int, int, int] | None = None  # (running, waiting, used blocks) last published
         self._last_kv_event = 0.0  # monotonic time of the last KV event
@@ -378,16 +380,19 @@ class EngineService:
         if now - self._last_kv_event < _KV_EVENT_INTERVAL_S and now < self._snapshot_due:
             return  # the log keeps accumulating: routers need not hear of every step
         stored, removed, reset = self.pool.drain_events()
+        host = self.engine.kv_cache.host
+        host_stored, host_removed = host.drain_events() if host is not None else ([], [])
         stats = self.last_stats
         load = (stats.num_running, stats.num_waiting, stats.num_total_blocks - stats.num_free_blocks)
         is_snapshot = reset or now >= self._snapshot_due
-        if not (is_snapshot or stored or removed or load != self._last_load):
+        if not (is_snapshot or stored or removed or host_stored or host_removed or load != self._last_load):
             return
         self._last_load, self._last_kv_event = load, now
         wire = kv_blocks.wire_id
         if is_snapshot:
             self._snapshot_due = time.monotonic() + self.routing.kv_snapshot_interval_s
             stored, removed = self.pool.cached_hashes(), []
+            host_stored, host_removed = (host.cached_hashes() if host is not None else []), []
         events = KVEvents(
             self.settings.engine_id,
             self.engine.kv_cache.block_size,
@@ -396,6 +401,8 @@ class EngineService:
             is_snapshot,
             time.time(),
             *load,
+            [wire(h) for h in host_stored],
+            [wire(h) for h in host_removed],
         )
         self._send(events)
 

@@ -36,6 +36,7 @@ from pagedserve.shared import kv_blocks
 from pagedserve.shared.protocol import EngineHeartbeat, KVEvents
 
 _MAX_ROUTED_AGE_S = 5.0
+HOST_HIT_WEIGHT = 0.5  # a prefix block in a replica's host tier, against one in its device cache
 _MAX_CACHE_KEYS = 100_000  # prompt_cache_key -> replica, least recently used dropped first
 
 
@@ -53,6 +54,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = {}  # engine id -> the blocks its cache holds
+        self._host: dict[str, set[int]] = {}  # engine id -> the blocks its host-memory tier holds
         self.loads: dict[str, Load] = {}
 
     def apply(self, events: KVEvents) -> None:
@@ -62,13 +64,19 @@ class PrefixIndex:
             )
         if events.snapshot:
             self._blocks[events.engine_id] = set(events.stored)
+            self._host[events.engine_id] = set(events.host_stored)
             return
-        blocks = self._blocks.setdefault(events.engine_id, set())
-        blocks.difference_update(events.removed)
-        blocks.update(events.stored)
+        for tiers, stored, removed in (
+            (self._blocks, events.stored, events.removed),
+            (self._host, events.host_stored, events.host_removed),
+        ):
+            blocks = tiers.setdefault(events.engine_id, set())
+            blocks.difference_update(removed)
+            blocks.update(stored)
 
     def drop(self, engine_id: str) -> None:
         self._blocks.pop(engine_id, None)
+        self._host.pop(engine_id, None)
         self.loads.pop(engine_id, None)
 
     def engines(self) -> list[str]:
@@ -87,12 +95,25 @@ class PrefixIndex:
                 return count
         return len(block_ids)
 
+    def host_overlap(self, engine_id: str, block_ids: Sequence[int], start: int) -> int:
+        """How many blocks after the first `start` (the device hit) the replica's host tier goes on with."""
+        host, device = self._host.get(engine_id), self._blocks.get(engine_id, set())
+        if not host:
+            return 0
+        count = 0
+        for block_id in block_ids[start:]:
+            if block_id in host:
+                count += 1
+            elif block_id not in device:
+                break
+        return count
+
 
 @dataclass(slots=True)
 class RouteDecision:
     engine_id: str | None  # None: the shared stream
     reason: str  # prefix | cache_key | adapter | no_overlap | overflow | single_engine | load
-    overlap_blocks: int = 0
+    overlap_blocks: int = 0  # device and host-tier blocks
     prompt_blocks: int = 0
 
 
@@ -134,10 +155,19 @@ class PrefixRouter:
             hashes[size] = [
                 kv_blocks.wire_id(h) for h in kv_blocks.block_hashes(token_ids, size, cache_salt, lora_name)
             ]
-        hits = {e.engine_id: self.index.overlap(e.engine_id, hashes[e.block_size]) for e in live}
+        device_hits = {e.engine_id: self.index.overlap(e.engine_id, hashes[e.block_size]) for e in live}
+        host_hits = {
+            e.engine_id: self.index.host_overlap(e.engine_id, hashes[e.block_size], device_hits[e.engine_id])
+            for e in live
+        }
+        hits = {e: device_hits[e] + host_hits[e] for e in device_hits}
         loads = {e.engine_id: self._queued(e) for e in live}
-        # the longest prefix; among equals, the least loaded
-        best = max(live, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
+        # the longest prefix, a block in host memory worth less than one on the device (it is copied back);
+        # among equals, the least loaded
+        best = max(
+            live,
+            key=lambda e: (device_hits[e.engine_id] + HOST_HIT_WEIGHT * host_hits[e.engine_id], -loads[e.engine_id]),
+        )
         hit, num_blocks = hits[best.engine_id], len(hashes[best.block_size])
         reason = "prefix"
         is_share = hit >= self.min_hit_ratio * num_blocks and hit * best.block_size >= self.min_hit_tokens

@@ -79,6 +79,28 @@ def test_index_applies_events_and_snapshots() -> None:
     assert index.overlap("a", holding("x", PROMPT).stored) == 0
 
 
+def test_host_tier_blocks_extend_a_device_hit_and_weigh_half() -> None:
+    """a: 1 block on the device + 3 in its host tier (score 2.5); b: 2 on the device (score 2). a wins, with an
+    overlap of 4; once b holds 3 on the device (score 3), b does. Events and snapshots keep the host set."""
+    blocks = holding("x", PROMPT).stored
+    index = PrefixIndex()
+    index.apply(KVEvents("a", BLOCK, blocks[:1], host_stored=blocks[1:]))
+    assert (index.overlap("a", blocks), index.host_overlap("a", blocks, 1)) == (1, 3)
+    index.apply(KVEvents("a", BLOCK, host_removed=blocks[2:3]))
+    assert index.host_overlap("a", blocks, 1) == 1  # a later block is useless without block 3
+    index.apply(KVEvents("a", BLOCK, blocks[:1], snapshot=True, host_stored=blocks[1:]))
+    assert index.host_overlap("a", blocks, 1) == 3
+    router = PrefixRouter(min_hit_tokens=0)
+    router.index = index
+    router.index.apply(holding("b", PROMPT[:8]))
+    decision = router.route(PROMPT, None, [beat("a"), beat("b")])
+    assert (decision.engine_id, decision.overlap_blocks) == ("a", 4)
+    router.index.apply(holding("b", PROMPT[:12]))
+    assert router.route(PROMPT, None, [beat("a"), beat("b")]).engine_id == "b"
+    index.drop("a")
+    assert index.host_overlap("a", blocks, 0) == 0
+
+
 def test_a_prompt_goes_to_the_replica_holding_its_prefix() -> None:
     router = PrefixRouter(min_hit_tokens=0)
     router.index.apply(holding("b", PROMPT[:12]))
