@@ -247,3 +247,21 @@ def test_the_quantization_flag_must_name_the_checkpoints_method(tmp_path: Path) 
         load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantization="gptq")
     with pytest.raises(ValueError, match="quantization 'compressed-tensors': the checkpoint's weights are 'gptq'"):
         resolve_quantization("compressed-tensors", {"quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton W4A16 kernel needs CUDA")
+@pytest.mark.parametrize(("group_size", "symmetric", "act_order"), SCHEMES)
+@pytest.mark.parametrize("m", [1, 40])
+def test_the_cuda_kernel_serves_the_converted_weights(
+    group_size: int, symmetric: bool, act_order: bool, m: int
+) -> None:
+    """K 896 (not a power of two): per channel, the kernel's one group spans every K tile."""
+    k, n = 896, 256
+    scheme = PackQuantized(group_size and 128, symmetric, ())
+    layer = Int4Linear(k, n, False, torch.float16, "gptq", scheme.group_size or k, 0)
+    tensors, meaning = pack_quantized_tensors(torch.randn(n, k), scheme.group_size, symmetric, act_order)
+    _load(layer, tensors, scheme, None)
+    layer = layer.cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    want = x.float() @ meaning.t().cuda()
+    torch.testing.assert_close(layer(x).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
