@@ -41,7 +41,7 @@ DTYPES = {
 }
 LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": "random", "random": "random"}
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
-QUANTIZATIONS = ("fp8", "awq", "gptq", "mxfp4")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
 # vLLM's --tool-call-parser names (services/gateway/tool_parsers/ reads each; `llama3` is our older llama3_json)
 TOOL_CALL_PARSERS = (
     "hermes",
@@ -105,7 +105,8 @@ class ModelConfig:
     )
     quantization: str | None = opt(
         None,
-        "fp8: FP8 weights quantized at load; awq/gptq/mxfp4: the checkpoint's 4-bit method (default: as it is)",
+        "fp8: FP8 weights quantized at load; awq/gptq/compressed-tensors/mxfp4: the checkpoint's method "
+        "(default: as the checkpoint is)",
         choices=QUANTIZATIONS,
         short="-q",
     )

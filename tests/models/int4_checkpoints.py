@@ -86,3 +86,84 @@ def gptq_tensors(
     if g_idx is not None:
         tensors["g_idx"] = g_idx
     return tensors, _meaning(q, zeros, scales, groups)
+
+
+def pack_int4_signed(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """compressed-tensors' pack_to_int32 for 4 bits: signed values (-8..7) stored as value + 8, eight per
+    int32 along `dim` (1: the inputs, for weights; 0: the outputs, for zero points), value i at bits 4i."""
+    unsigned = (values.to(torch.int64) + 8).numpy()
+    if dim == 0:
+        unsigned = unsigned.T
+    packed = np.zeros((unsigned.shape[0], unsigned.shape[1] // 8), dtype=np.int64)
+    for i in range(8):
+        packed |= unsigned[:, i::8] << (4 * i)
+    out = _to_int32(packed)
+    return out.t().contiguous() if dim == 0 else out
+
+
+def pack_quantized_tensors(
+    weight: torch.Tensor,
+    group_size: int,
+    symmetric: bool,
+    act_order: bool = False,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors "pack-quantized" int4 tensors of an HF weight [N, K] (group_size 0: per channel),
+    and the weight [N, K] they mean: (q - z) * s with q, z signed; act order writes weight_g_idx."""
+    n, k = weight.shape
+    size = group_size or k
+    groups = torch.arange(k) // size
+    if act_order:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        groups = torch.empty(k, dtype=torch.int64)
+        groups[perm] = torch.arange(k) // size
+    members = [groups == g for g in range(k // size)]
+    lo = torch.stack([weight[:, m].min(dim=1).values for m in members], dim=1)  # [N, K/G]
+    hi = torch.stack([weight[:, m].max(dim=1).values for m in members], dim=1)
+    if symmetric:  # compressed-tensors: amax over half the range, no zero point
+        scales = (torch.maximum(lo.abs(), hi.abs()) / 7.5).clamp(min=1e-6)
+        zeros = torch.zeros_like(scales)
+    else:
+        scales = ((hi - lo) / 15).clamp(min=1e-6)
+        zeros = (torch.round(-lo / scales) - 8).clamp(-8, 7)
+    scales = scales.half().float()  # what a half-precision checkpoint holds, and the meaning uses
+    q = torch.round(weight / scales[:, groups] + zeros[:, groups]).clamp(-8, 7)
+    tensors = {
+        "weight_packed": pack_int4_signed(q, dim=1),
+        "weight_scale": scales.half(),
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_int4_signed(zeros, dim=0)
+    if act_order:
+        tensors["weight_g_idx"] = groups.to(torch.int32)
+    return tensors, (q - zeros[:, groups]) * scales[:, groups]
+
+
+def pack_quantized_config(group_size: int, symmetric: bool, act_order: bool = False) -> dict[str, object]:
+    """config.json's quantization_config of such a checkpoint (as llm-compressor writes it)."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "group" if group_size else "channel",
+        "group_size": group_size or None,
+        "actorder": "group" if act_order else None,
+        "dynamic": False,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ["lm_head"],
+    }

@@ -17,6 +17,7 @@ Fused q/k/v and gate/up load as output-column shards, like the full-precision la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -194,15 +195,27 @@ class Int4Linear(nn.Module):
         return (torch.arange(self.in_features) // self.group_size).to(torch.int32)
 
 
-def quantize_linears_int4(model: nn.Module, fmt: str, group_size: int, zero_offset: int) -> int:
+def quantize_linears_int4(
+    model: nn.Module,
+    fmt: str,
+    group_size: int,
+    zero_offset: int,
+    keep: Callable[[str], bool] | None = None,
+) -> int:
     """Swap every nn.Linear inside the decoder layers for an (empty) Int4Linear; returns how many.
-    Called on the meta-device model before loading; embeddings and lm_head stay in full precision."""
+    Called on the meta-device model before loading; embeddings and lm_head stay in full precision, and
+    so do linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj). group_size 0: per
+    output channel (one group of each linear's inputs)."""
     layers = model.get_submodule("model.layers")
-    swaps = [(name, module) for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    swaps = [
+        (name, module)
+        for name, module in layers.named_modules()
+        if isinstance(module, nn.Linear) and not (keep and keep(f"model.layers.{name}"))
+    ]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = layers.get_submodule(parent_name) if parent_name else layers
-        setattr(parent, child, Int4Linear.like(module, fmt, group_size, zero_offset))
+        setattr(parent, child, Int4Linear.like(module, fmt, group_size or module.in_features, zero_offset))
     return len(swaps)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.compressed_tensors import gptq_stream, ignored, pack_quantized_format
 from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
@@ -27,7 +28,7 @@ from pagedserve.services.engine.models.mxfp4 import checkpoint_is_mxfp4
 from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
-from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, load_weights, safetensors_files
+from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded
 from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
 
@@ -88,26 +89,52 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
-QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "mxfp4")
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
+INT4_METHODS = ("awq", "gptq", "compressed-tensors")  # loaded into Int4Linear
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
-    """None/"none": as the checkpoint is (fp8, awq, gptq, mxfp4 or none); "fp8": always; "awq"/"gptq"/"mxfp4": the
-    checkpoint must be one (vLLM's --quantization names the checkpoint's method)."""
+    """None/"none": as the checkpoint is (fp8, awq, gptq, compressed-tensors (int4), mxfp4 or none); "fp8": always;
+    "awq"/"gptq"/"compressed-tensors"/"mxfp4": the checkpoint must be one (vLLM's --quantization names the
+    checkpoint's method; a compressed-tensors checkpoint of fp8 weights resolves to "fp8")."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    qc = cfg.get("quantization_config") or {}
+    found = qc.get("quant_method", "none")
+    if quantization in ("awq", "gptq", "compressed-tensors", "mxfp4") and found != quantization:
+        raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
     if checkpoint_is_mxfp4(cfg):
         return "mxfp4"
-    if quantization == "mxfp4":
-        found = (cfg.get("quantization_config") or {}).get("quant_method", "none")
-        raise ValueError(f"quantization 'mxfp4': the checkpoint's weights are {found!r}")
-    int4 = int4_format(cfg)
-    if quantization in ("awq", "gptq") and (int4 is None or int4[0] != quantization):
-        found = int4[0] if int4 else (cfg.get("quantization_config") or {}).get("quant_method", "none")
-        raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
-    if int4 is not None:
+    if (int4 := int4_format(cfg)) is not None:
         return int4[0]
-    return "fp8" if quantization == "fp8" or checkpoint_is_fp8(cfg) else "none"
+    if pack_quantized_format(cfg) is not None:
+        return "compressed-tensors"
+    if quantization == "fp8" or checkpoint_is_fp8(cfg):
+        return "fp8"
+    if quantization == "compressed-tensors":
+        raise ValueError("quantization 'compressed-tensors': only int4 pack-quantized and fp8 weights are supported")
+    return "none"
+
+
+def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any]) -> int:
+    """Swap the decoder's linears for the checkpoint's 4-bit layout; returns how many."""
+    if method == "compressed-tensors":
+        scheme = pack_quantized_format(cfg)
+        assert scheme is not None
+        return quantize_linears_int4(model, "gptq", scheme.group_size, 0, keep=ignored(scheme))
+    fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
+    return quantize_linears_int4(model, fmt, group_size, zero_offset)
+
+
+def _checkpoint_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]], method: str, cfg: dict[str, Any]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model's modules take them."""
+    if method == "fp8":
+        return skip_input_scales(tensors)
+    if method == "compressed-tensors" and (scheme := pack_quantized_format(cfg)) is not None:
+        return gptq_stream(tensors, scheme)
+    return tensors
 
 
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
@@ -165,19 +192,13 @@ def load_model(
         is_fp8 = method == "fp8"
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if method in ("awq", "gptq"):
+        if method in INT4_METHODS:
             if is_sharded or random_weights_seed is not None:
                 raise ValueError(
                     f"{method} 4-bit weights load unsharded from the checkpoint (tensor parallel "
                     f"{is_sharded}, random {random_weights_seed is not None})"
                 )
-            fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
-            log.info(
-                "%s 4-bit weights (group %d): %d linears",
-                fmt,
-                group_size,
-                quantize_linears_int4(model, fmt, group_size, zero_offset),
-            )
+            log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
         if is_fp8 and (cls is not LlamaForCausalLM or is_sharded or random_weights_seed is not None):
             raise ValueError(
                 "fp8 weights are supported for the Llama family, unsharded, loaded from weights "
@@ -196,14 +217,10 @@ def load_model(
             raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
         load_sharded(model, safetensors_files(model_dir), show_progress)
     elif tensors is None:
-        if is_fp8:
-            load_tensors(
-                model, skip_input_scales(iter_checkpoint(safetensors_files(model_dir), show_progress)), str(model_dir)
-            )
-        else:
-            load_weights(model, safetensors_files(model_dir), show_progress)
+        files = safetensors_files(model_dir)
+        load_tensors(model, _checkpoint_stream(iter_checkpoint(files, show_progress), method, cfg), str(model_dir))
     else:
-        load_tensors(model, skip_input_scales(tensors) if is_fp8 else tensors, str(model_dir))
+        load_tensors(model, _checkpoint_stream(tensors, method, cfg), str(model_dir))
     if is_sharded and parallel is not None:
         model.spec = local_spec(spec, parallel)  # this rank's heads: sizes its KV cache
     for module in model.modules():

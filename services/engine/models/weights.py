@@ -59,8 +59,11 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             module_name, _, param_name = name.rpartition(".")
             load_weight = getattr(model.get_submodule(module_name), "load_weight", None)
             if load_weight is not None:  # modules that convert what they load (fp8) say what they wrote
-                with torch.no_grad():
-                    written = load_weight(param_name, loaded, shard_id)
+                try:
+                    with torch.no_grad():
+                        written = load_weight(param_name, loaded, shard_id)
+                except ValueError as e:  # name the checkpoint's tensor, not only our converted one
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from e
                 unwritten.difference_update(f"{module_name}.{p}" for p in written)
                 continue
             with torch.no_grad():
