@@ -2,9 +2,13 @@
 
 Tokens arrive grouped by slot (see kernels/lora_reference.py for the layout and the math):
 
-    grid = (max_loras, cdiv(num_tokens, BLOCK_M), cdiv(N, BLOCK_N))
+    grid = (max_loras, cdiv(num_tokens, BLOCK_M), cdiv(N, BLOCK_N) [* SPLIT_K for the shrink])
     program (s, m, n): rows sorted_token_ids[slot_starts[s] + m*BLOCK_M ...] (fewer at a slot's end),
                        returns at once when slot s has no m-th tile of tokens
+
+The shrink's N is tiny (slices x rank, e.g. 48) and its K the hidden size (4096-14336): for a decode batch one
+program per slot would walk all of K alone, tens of µs per projection. There it splits K over SPLIT_K programs
+that add their partial sums into the zeroed fp32 output (atomics: the sum order may vary in the last bits).
 
 The grid depends only on the step's (padded) token count and the slot count, and the grouping is read
 from device tensors, so a captured CUDA graph replays any mix of adapters; no host sync.
@@ -22,6 +26,17 @@ _BLOCK_K = 64
 
 def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+
+
+_SPLIT_K_MAX_TOKENS = 64  # bigger batches have programs enough across slots and row tiles
+_MIN_K_TILES_PER_SPLIT = 4
+_MAX_SPLIT_K = 32
+
+
+def _split_k(num_tokens: int, k: int) -> int:
+    if num_tokens > _SPLIT_K_MAX_TOKENS:
+        return 1
+    return max(1, min(_MAX_SPLIT_K, triton.cdiv(k, _BLOCK_K) // _MIN_K_TILES_PER_SPLIT))
 
 
 @triton.jit
@@ -51,16 +66,20 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,  # a multiple of BLOCK_K
 ):
     slot = tl.program_id(0)
     rows, is_row, has_rows = _slot_rows(sorted_ids_ptr, slot_starts_ptr, slot, tl.program_id(1), BLOCK_M)
     if not has_rows:
         return
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_n, split = tl.program_id(2) // SPLIT_K, tl.program_id(2) % SPLIT_K
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + slot.to(tl.int64) * stride_a_l
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         ks = k0 + offs_k
         x = tl.load(
             x_ptr + rows[:, None] * stride_x_t + ks[None, :], mask=is_row[:, None] & (ks[None, :] < K), other=0.0
@@ -69,7 +88,10 @@ def _shrink_kernel(
         a = tl.load(a_base + offs_n[None, :] * stride_a_n + ks[:, None], mask=a_mask, other=0.0)
         acc += tl.dot(x, a)
     out = out_ptr + rows[:, None] * stride_out_t + offs_n[None, :]
-    tl.store(out, acc, mask=is_row[:, None] & (offs_n[None, :] < N))
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=is_row[:, None] & (offs_n[None, :] < N))
+    else:
+        tl.atomic_add(out, acc, mask=is_row[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -111,7 +133,7 @@ def _expand_kernel(
 def lora_shrink(
     x: torch.Tensor,  # [num_tokens, in_features]
     lora_a: torch.Tensor,  # [max_loras, num_slices * max_rank, in_features]
-    shrunk: torch.Tensor,  # [num_tokens, num_slices * max_rank] fp32
+    shrunk: torch.Tensor,  # [num_tokens, num_slices * max_rank] fp32: written (LoRA rows; others maybe zeroed)
     sorted_token_ids: torch.Tensor,  # [>= num_lora_tokens] int32
     slot_starts: torch.Tensor,  # [max_loras + 1] int32
 ) -> None:
@@ -121,7 +143,11 @@ def lora_shrink(
     if num_tokens == 0:
         return
     block_m = _block_m(num_tokens)
-    grid = (max_loras, triton.cdiv(num_tokens, block_m), triton.cdiv(n, _BLOCK_N))
+    split_k = _split_k(num_tokens, k)
+    if split_k > 1:
+        shrunk.zero_()  # the splits add into it
+    k_per_split = triton.cdiv(triton.cdiv(k, _BLOCK_K), split_k) * _BLOCK_K
+    grid = (max_loras, triton.cdiv(num_tokens, block_m), triton.cdiv(n, _BLOCK_N) * split_k)
     _shrink_kernel[grid](
         x,
         lora_a,
@@ -137,6 +163,8 @@ def lora_shrink(
         BLOCK_M=block_m,
         BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K,
+        SPLIT_K=split_k,
+        K_PER_SPLIT=k_per_split,
         num_warps=4,
     )
 

@@ -76,3 +76,23 @@ def test_a_batch_without_adapter_tokens_changes_nothing(device: torch.device) ->
     before = y.clone()
     lora.lora_expand(shrunk, torch.randn(2, 32, 16, device=device), y, sorted_ids, starts)
     assert torch.equal(y, before) and bool((shrunk == 7.0).all())
+
+
+@pytest.mark.parametrize("token_slots", [[2], [0, -1, 2, 2, 0]], ids=["one-token", "decode-batch"])
+def test_shrink_splits_a_long_k_for_decode_batches(token_slots: list[int], device: torch.device) -> None:
+    """K = 1024 over 16 tiles: a decode batch's shrink runs 4 programs per row tile that add their partial
+    sums (atomics) into the output, which must equal the reference; rows without an adapter are zeros."""
+    gen = torch.Generator().manual_seed(1)
+    max_loras, n, k = 3, 48, 1024
+    assert lora._split_k(len(token_slots), k) == 4
+    x = torch.randn(len(token_slots), k, generator=gen)
+    lora_a = torch.randn(max_loras, n, k, generator=gen)
+    sorted_ids, starts = _grouping(token_slots, max_loras)
+    want = torch.zeros(len(token_slots), n)
+    lora_reference.lora_shrink(x, lora_a, want, sorted_ids, starts)
+    got = torch.full((len(token_slots), n), 7.0, device=device)  # stale contents: the split zeroes them first
+    lora.lora_shrink(x.to(device), lora_a.to(device), got, sorted_ids.to(device), starts.to(device))
+    is_lora = torch.tensor(token_slots) >= 0
+    tol = 1e-4 if device.type == "cpu" else 3e-2
+    torch.testing.assert_close(got.cpu()[is_lora], want[is_lora], atol=tol, rtol=tol)
+    assert bool((got.cpu()[~is_lora] == 0).all())
