@@ -43,6 +43,7 @@ TYPES = {
     "query_start_loc_ptr": "*i32",
     "qk_scale": "fp32",
     "v_scale": "fp32",
+    "softcap": "fp32",
 }
 
 
@@ -67,6 +68,9 @@ def resources(cfg: AttentionConfig, num_heads: int, num_kv_heads: int, head_dim:
         LATE_V=cfg.late_v,
         USE_DOT=cfg.use_dot,
         PERSISTENT_PROGRAMS=cfg.persistent_programs,
+        HAS_WINDOW=False,
+        HAS_SINKS=False,
+        SOFTCAP=False,
     )
     names = pa._paged_attention_kernel.arg_names
     signature = {

@@ -18,6 +18,8 @@ Sliding window (HAS_WINDOW, Mistral / Gemma / gpt-oss local layers): a row sees 
 q_pos]; tiles before the first row's window are never loaded, tiles the window cuts take the mask.
 Sinks (HAS_SINKS, gpt-oss): a learned logit per head joins the softmax denominator; it seeds segment
 0's running max/sum as if it were a key with a zero value.
+Soft-capping (SOFTCAP, Gemma 2): each scaled logit becomes cap * tanh(logit / cap) before the mask; it is
+elementwise on the scores, so tiles, segments and the split-KV reduction are as without it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,23 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _tanh(x):
+    # Triton has no portable tanh. exp2 of -2|x| * log2(e) never overflows: large |x| saturates to +-1
+    # (the plain (e^2x - 1) / (e^2x + 1) gives inf / inf = NaN there).
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    # Gemma 2's cap * tanh(logit / cap). s and cap are both log2(e) times their natural-scale values, and
+    # log2(e) * cap * tanh(s_nat / cap) == cap_log2 * tanh(s_log2 / cap_log2): capping in the log2 domain
+    # is the same function, with no conversion back and forth.
+    return cap * _tanh(s / cap)
+
+
+@triton.jit
 def _update(
     acc,  # [BLOCK_M, HEAD_DIM_PADDED] fp32, unnormalised output
     m_i,  # [BLOCK_M] fp32, running max of the log2-scaled scores
@@ -123,6 +142,7 @@ def _update(
     stride_cache_block,
     stride_cache_slot,
     qk_scale,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -132,6 +152,7 @@ def _update(
     LATE_V: tl.constexpr,
     USE_DOT: tl.constexpr,
     KV_EVICT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_n = tile_start + tl.arange(0, TILE_N)
     if USE_DOT:
@@ -143,6 +164,8 @@ def _update(
         # A few rows (GQA decode): fp32 multiply-add on CUDA cores instead of a 16-row padded MMA.
         prod = q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :]
         s = tl.sum(prod, 2) * qk_scale
+    if SOFTCAP:  # before the mask, as in HF's Gemma 2: masked keys end at -inf either way
+        s = _soft_cap(s, softcap)
     if IS_MASKED:
         visible = (
             (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > k_floor[:, None]) & (offs_n < kv_end)[None, :]
@@ -200,6 +223,7 @@ def _attend_tile(
     stride_cache_block,
     stride_cache_slot,
     qk_scale,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -209,6 +233,7 @@ def _attend_tile(
     LATE_V: tl.constexpr,
     USE_DOT: tl.constexpr,
     KV_EVICT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One key tile whose block ids are known: load K (and V), then the online-softmax update."""
     k = _load_kv_tile(
@@ -262,6 +287,7 @@ def _attend_tile(
         stride_cache_block,
         stride_cache_slot,
         qk_scale,
+        softcap,
         BLOCK_SIZE,
         TILE_N,
         HEAD_DIM,
@@ -271,6 +297,7 @@ def _attend_tile(
         LATE_V,
         USE_DOT,
         KV_EVICT,
+        SOFTCAP,
     )
 
 
@@ -287,6 +314,7 @@ def _attend_program(
     seq_lens_ptr,
     sinks_ptr,
     qk_scale,
+    softcap,
     v_scale,
     window,
     seq,
@@ -322,6 +350,7 @@ def _attend_program(
     USE_DOT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query block, KV head, segment) work item whose query block holds at least one token."""
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -399,6 +428,7 @@ def _attend_program(
                 stride_cache_block,
                 stride_cache_slot,
                 qk_scale,
+                softcap,
                 BLOCK_SIZE,
                 TILE_N,
                 HEAD_DIM,
@@ -408,6 +438,7 @@ def _attend_program(
                 LATE_V,
                 USE_DOT,
                 KV_EVICT,
+                SOFTCAP,
             )
         tile_lo = tile_cut_end
     if PREFETCH == 0:
@@ -429,6 +460,7 @@ def _attend_program(
                 stride_cache_block,
                 stride_cache_slot,
                 qk_scale,
+                softcap,
                 BLOCK_SIZE,
                 TILE_N,
                 HEAD_DIM,
@@ -438,6 +470,7 @@ def _attend_program(
                 LATE_V,
                 USE_DOT,
                 KV_EVICT,
+                SOFTCAP,
             )
     elif PREFETCH == 1:
         # The next tile's block ids load while this tile's K/V stream in, so a K/V address never
@@ -462,6 +495,7 @@ def _attend_program(
                 stride_cache_block,
                 stride_cache_slot,
                 qk_scale,
+                softcap,
                 BLOCK_SIZE,
                 TILE_N,
                 HEAD_DIM,
@@ -471,6 +505,7 @@ def _attend_program(
                 LATE_V,
                 USE_DOT,
                 KV_EVICT,
+                SOFTCAP,
             )
     else:
         # A software pipeline in registers: block ids two tiles ahead, K/V one tile ahead. Loads past
@@ -563,6 +598,7 @@ def _attend_program(
                 stride_cache_block,
                 stride_cache_slot,
                 qk_scale,
+                softcap,
                 BLOCK_SIZE,
                 TILE_N,
                 HEAD_DIM,
@@ -572,6 +608,7 @@ def _attend_program(
                 False,
                 USE_DOT,
                 KV_EVICT,
+                SOFTCAP,
             )
     for t in range(tile_mid, tile_hi):
         block_ids = _load_block_ids(block_table_ptr, t * TILE_N, kv_end, BLOCK_SIZE, TILE_N, True, BT_EVICT)
@@ -591,6 +628,7 @@ def _attend_program(
             stride_cache_block,
             stride_cache_slot,
             qk_scale,
+            softcap,
             BLOCK_SIZE,
             TILE_N,
             HEAD_DIM,
@@ -600,6 +638,7 @@ def _attend_program(
             LATE_V,
             USE_DOT,
             KV_EVICT,
+            SOFTCAP,
         )
 
     if NUM_SEGMENTS == 1:
@@ -628,6 +667,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     sinks_ptr,  # [num_heads] learned sink logits (HAS_SINKS)
     qk_scale,  # softmax scale * log2(e) * k_scale
+    softcap,  # SOFTCAP: the logit cap * log2(e) (capping in the log2 domain)
     v_scale,  # an fp8 cache stores V / v_scale (1.0 otherwise)
     window,  # sliding window (HAS_WINDOW): a query sees keys less than `window` positions back
     num_seqs,
@@ -660,6 +700,7 @@ def _paged_attention_kernel(
     PERSISTENT_PROGRAMS: tl.constexpr,  # > 0 (decode-only): a grid of this many programs looping over work
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     if PERSISTENT_PROGRAMS > 0:
         # Work item = (seq, kv head, segment), seq fastest: the order a plain grid would run them in.
@@ -684,6 +725,7 @@ def _paged_attention_kernel(
                     seq_lens_ptr,
                     sinks_ptr,
                     qk_scale,
+                    softcap,
                     v_scale,
                     window,
                     seq,
@@ -719,6 +761,7 @@ def _paged_attention_kernel(
                     USE_DOT,
                     HAS_WINDOW,
                     HAS_SINKS,
+                    SOFTCAP,
                 )
     else:
         q_block_id = tl.program_id(0)
@@ -749,6 +792,7 @@ def _paged_attention_kernel(
             seq_lens_ptr,
             sinks_ptr,
             qk_scale,
+            softcap,
             v_scale,
             window,
             seq,
@@ -784,6 +828,7 @@ def _paged_attention_kernel(
             USE_DOT,
             HAS_WINDOW,
             HAS_SINKS,
+            SOFTCAP,
         )
 
 
@@ -800,6 +845,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,  # sliding window: a query sees keys less than `window` positions back
     sinks: torch.Tensor | None = None,  # [num_heads] learned logit per head in each softmax denominator
+    softcap: float | None = None,  # attention-logit soft-capping (Gemma 2): logits -> cap * tanh(logits / cap)
 ) -> torch.Tensor:
     """Launch the kernel (plus the split-KV reduction when config.num_segments > 1); no host sync."""
     num_tokens, num_heads, head_dim = query.shape
@@ -813,6 +859,7 @@ def paged_attention(
     # missed the reference on an H100.
     assert config.use_dot or config.is_decode_only, "use_dot=False is for decode-only batches"
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
+    assert softcap is None or softcap > 0, "a logit cap must be positive"
     if out is None:
         out = torch.empty_like(query)
     head_dim_padded = next_power_of_2(head_dim)
@@ -844,6 +891,7 @@ def paged_attention(
         query_start_loc,
         query if sinks is None else sinks,  # any pointer when unused
         scale * LOG2_E * k_scale,
+        (softcap or 0.0) * LOG2_E,
         v_scale,
         window or 0,
         num_seqs,
@@ -876,6 +924,7 @@ def paged_attention(
         PERSISTENT_PROGRAMS=config.persistent_programs,
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -151,11 +151,13 @@ def paged_attention(
         return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
     if _attend is _torch_attend:
         return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
-    if _backend_name == "triton" and softcap is None:  # the paged kernel has windows and sinks
+    if _backend_name == "triton":  # the paged kernel has windows, sinks and soft-capping
         from pagedserve.kernels import triton_backend
 
-        return triton_backend.attend(query, kv_cache, meta, scale, k_scale, v_scale, window=window, sinks=sinks)
+        return triton_backend.attend(
+            query, kv_cache, meta, scale, k_scale, v_scale, window=window, sinks=sinks, softcap=softcap
+        )
     raise NotImplementedError(
-        f"the {_backend_name!r} attention backend lacks {'logit soft-capping' if softcap else 'windows / sinks'}; "
+        f"the {_backend_name!r} attention backend lacks windows / sinks / logit soft-capping; "
         "use --device cpu / the torch backend"
     )

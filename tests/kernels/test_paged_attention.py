@@ -256,3 +256,74 @@ def test_decode_with_window_and_sinks(device: torch.device, num_segments: int, w
     config = _default(batch).with_(num_segments=num_segments, tile_n=16)
     got = paged_attention(*args, 0.2, config, window=window, sinks=sinks)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-3)
+
+
+def _torch_path(batch: PagedBatch, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    return paged_attention_padded(*args, batch.max_query_len, batch.max_seq_len, scale, window=window, softcap=softcap)
+
+
+# A cap well inside the logits' range, so the tanh bends them (scale 0.5 on unit-variance q, k: |logit| up to ~10).
+SOFTCAP = 2.0
+
+
+@pytest.mark.parametrize(
+    ("window", "dtype", "config_change"),
+    [
+        (None, torch.float32, {}),
+        (7, torch.float32, {}),  # a window as well: the cap comes before the mask
+        (None, torch.float16, {"num_segments": 4, "tile_n": 16}),  # split-KV over a mixed batch
+        (24, torch.float16, {"prefetch": 2, "num_stages": 1, "block_m": 16, "tile_n": 16}),  # unmasked tiles too
+    ],
+)
+def test_softcap_matches_the_torch_path(
+    device: torch.device, window: int | None, dtype: torch.dtype, config_change: dict[str, int]
+) -> None:
+    """Prompts, a prompt after a cached prefix, a chunk and decodes; GQA (2 query heads per KV head)."""
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype, device=device, seed=19
+    )
+    expected = _torch_path(batch, 0.5, window=window, softcap=SOFTCAP)
+    config = _default(batch).with_(**config_change)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    got = paged_attention(*args, 0.5, config, window=window, softcap=SOFTCAP)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    uncapped = _torch_path(batch, 0.5, window=window)
+    assert (uncapped.float() - expected.float()).abs().max() > 0.1, "the cap must matter in this test"
+
+
+@pytest.mark.parametrize("variant", [{"num_segments": 1}, {"num_segments": 4}, {"num_segments": 4, "use_dot": False}])
+@pytest.mark.parametrize("window", [None, 40])
+def test_softcap_on_long_decodes(device: torch.device, variant: dict[str, int | bool], window: int | None) -> None:
+    seq_lens = [1, 17, 130, 300]  # 300: many tiles per segment
+    batch = make_paged_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=23,
+    )
+    expected = _torch_path(batch, 0.5, window=window, softcap=SOFTCAP)
+    config = decode_rows_fixed(_default(batch).with_(tile_n=16).with_(**variant), group=3)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    got = paged_attention(*args, 0.5, config, window=window, softcap=SOFTCAP)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_softcap_saturates_without_nan(device: torch.device) -> None:
+    """Logits far past the cap (|logit| ~ 1e4): tanh must give +-1, not inf / inf."""
+    batch = make_paged_batch(
+        [3, 1], [20, 33], num_heads=2, num_kv_heads=1, head_dim=32, block_size=16, dtype=torch.float32, device=device
+    )
+    expected = _torch_path(batch, 2000.0, None, SOFTCAP)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    got = paged_attention(*args, 2000.0, _default(batch), softcap=SOFTCAP)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

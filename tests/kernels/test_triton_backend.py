@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedserve.kernels.paged_batch import make_paged_batch
+from pagedserve.kernels.paged_batch import make_paged_batch, step_qkv
 from pagedserve.services.engine import attention
 
 
@@ -52,4 +52,70 @@ def test_write_then_attend_matches_reference_backend(
         outputs.append(attention.paged_attention(batch.query, new_kv[0], new_kv[1], cache, meta, 0.2))
         caches.append(cache)
     torch.testing.assert_close(caches[1], caches[0], equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-3, rtol=2e-3)
+
+
+def test_softcap_steps_take_the_paged_kernel(device: torch.device) -> None:
+    """A prefill-heavy step with its new K/V at hand would go to the prefill kernel, which has no soft-capping:
+    a capped layer must take the paged kernel (the torch path is the oracle)."""
+    from pagedserve.kernels import triton_backend
+    from pagedserve.kernels.launch_config import uses_prefill_kernel
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    batch = make_paged_batch(
+        [70, 40], [70, 52], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device
+    )
+    assert uses_prefill_kernel(num_tokens=batch.num_tokens, num_seqs=2, max_query_len=batch.max_query_len)
+    meta = attention.AttentionMetadata(
+        slot_mapping=batch.slot_mapping,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+    )
+    query, key, value = step_qkv(batch)
+    got = triton_backend.attend(query, batch.kv_cache, meta, 0.5, key=key, value=value, softcap=2.0)
+    expected = paged_attention_padded(
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+        0.5,
+        softcap=2.0,
+    )
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_entry_soft_caps_on_triton(device: torch.device, restore_backend: None) -> None:
+    """attention.paged_attention hands a soft-capped layer to the Triton backend: same as the torch backend."""
+    batch = make_paged_batch(
+        [1, 9, 5],
+        [30, 9, 21],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+        seed=13,
+    )
+    new_kv = torch.randn((2, batch.num_tokens, 2, 32), generator=torch.Generator().manual_seed(14)).to(device)
+    meta = attention.AttentionMetadata(
+        slot_mapping=batch.slot_mapping,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+    )
+    outputs = []
+    for name in ("torch", "triton"):
+        attention.use_backend(name)
+        cache = batch.kv_cache.clone()
+        k, v = new_kv[0].to(torch.float16), new_kv[1].to(torch.float16)
+        outputs.append(attention.paged_attention(batch.query, k, v, cache, meta, 0.5, window=6, softcap=2.0))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-3, rtol=2e-3)

@@ -1,5 +1,5 @@
-"""Gemma beyond the family comparison: the spec lists the local layers' windows, a backend without
-soft-capping is refused at start (Gemma 3 runs on Triton), and Gemma 3's vision model is refused with a clear error."""
+"""Gemma beyond the family comparison: the spec lists the local layers' windows, Gemma 2 (soft-capping) and
+Gemma 3 run on the Triton backend, and Gemma 3's vision model is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -34,12 +34,49 @@ def test_spec_lists_each_local_layers_window(tmp_path: Path) -> None:
     assert model.spec.max_model_len == 256  # the window no longer caps the context (Mistral's still does)
 
 
-def test_a_backend_without_soft_capping_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:
+def lower_attention_softcap(hf: torch.nn.Module, model_dir: Path, cap: float) -> None:
+    """Set Gemma 2's attention-logit cap in the saved config and in the HF model built from it."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["attn_logit_softcapping"] = cap
+    cfg_path.write_text(json.dumps(cfg))
+    for module in hf.modules():
+        if hasattr(module, "attn_logit_softcapping"):  # HF's attention layers copy it from the config
+            setattr(module, "attn_logit_softcapping", cap)  # noqa: B010 (nn.Module typing refuses a float)
+
+
+def test_gemma2_runs_on_the_triton_backend(tmp_path: Path, torch_backend_after: None) -> None:
+    """Soft-capping and windows in the Triton paged kernel (interpreted on CPU): a prompt 3x the window in two
+    chunks (the second beside another prompt), then decodes, as HF computes."""
+    pytest.importorskip("triton")
+    hf = build_tiny_model("gemma2-window8-softcaps", tmp_path)
+    lower_attention_softcap(hf, tmp_path, 0.5)  # the case's 4.0 barely bends this tiny model's logits
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    assert model.spec.layer_windows is not None and 8 in model.spec.layer_windows
+    attention.use_backend("triton")
+    refuse_unsupported_attention(model)  # accepted: the paged kernel soft-caps
+    gen = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(3, 256, (n,), generator=gen).tolist() for n in (26, 5))
+    driver = PagedDriver(model, seed=3)
+    first = driver.step({0: long[:10]})
+    rest = driver.step({0: long[10:], 1: short})
+    decode = driver.step({0: [7], 1: [9]})
+    with torch.inference_mode():
+        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
+        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
+    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+
+
+def test_a_model_needing_torch_attention_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:
+    """No family needs the torch backend today; the start-up check still refuses one that says so."""
     build_tiny_model("gemma2-window8-softcaps", tmp_path)
     model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    assert model.needs_torch_attention is None
+    model.needs_torch_attention = "some attention feature"
     refuse_unsupported_attention(model)  # torch: fine
-    attention.use_backend("reference")  # stands in for Triton: neither has soft-capping
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs attention-logit soft-capping.*use --device cpu"):
+    attention.use_backend("reference")
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs some attention feature.*use --device cpu"):
         refuse_unsupported_attention(model)
 
 

@@ -6,8 +6,8 @@
     Gemma 2: attention-logit and final-logit soft-capping.  Gemma 3: q/k norms, a rope theta per layer type.
     Local ("sliding_attention") and global layers interleave: `layer_types`, else the older patterns.
 
-Windows run in both attention backends; attention-logit soft-capping (Gemma 2) in the torch backend
-only (the Triton backend is refused at start for it). Gemma3ForConditionalGeneration's vision tower is refused at start.
+Windows and attention-logit soft-capping (Gemma 2) run in both attention backends (on Triton, in the paged
+kernel). Gemma3ForConditionalGeneration's vision tower is refused at start.
 """
 
 from __future__ import annotations
@@ -127,8 +127,6 @@ class GemmaForCausalLM(DecoderLM):
         norm = GemmaRMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", True)))
         self.final_softcap = cfg.get("final_logit_softcapping")
-        # Windows run in the Triton paged kernel too; attention-logit soft-capping (Gemma 2) only in torch.
-        self.needs_torch_attention = "attention-logit soft-capping" if cfg.get("attn_logit_softcapping") else None
 
     @staticmethod
     def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
