@@ -96,41 +96,66 @@ def test_host_copies_move_raw_blocks_and_saves_land_before_loads() -> None:
     assert all(torch.equal(cache[:, 2], old[:, 5]) for cache, old in zip(caches, before))
 
 
-def _engine(model_dir: Path, model: CausalLM, num_slots: int) -> Engine:
-    block_bytes = sum(
-        cache[:, 0].numel() * cache.element_size()
-        for cache in Engine(
-            Config.of(model=str(model_dir), num_kv_blocks=1, block_size=BLOCK_SIZE), model=model
-        ).runner.kv_caches
-    )
-    config = Config.of(
-        model=str(model_dir), num_kv_blocks=12, block_size=BLOCK_SIZE, kv_offload_gb=num_slots * block_bytes / (1 << 30)
-    )
-    return Engine(config, model=model)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _engine(model_dir: Path, model: CausalLM | None, device: str, block_size: int, num_slots: int) -> Engine:
+    """12 device blocks, and `num_slots` host blocks (0: no tier); `model` None: the engine loads it (CUDA)."""
+    config = Config.of(model=str(model_dir), dtype="float32", device=device, num_kv_blocks=12, block_size=block_size)
+    engine = Engine(config, model=model)
+    block_bytes = sum(cache[:, 0].numel() * cache.element_size() for cache in engine.runner.kv_caches)
+    if num_slots == 0:
+        return engine
+    config.cache.kv_offload_gb = num_slots * block_bytes / (1 << 30)
+    return Engine(config, model=model if model is not None else engine.runner.model)
+
+
+@pytest.mark.parametrize(
+    ("device", "block_size"), [("cpu", BLOCK_SIZE), pytest.param("cuda", 16, marks=CUDA)], ids=["cpu", "cuda"]
+)
 def test_an_evicted_prefix_comes_back_from_host_memory_with_the_same_output(
-    tiny_model: CausalLM, tiny_model_dir: Path
+    tiny_model: CausalLM, tiny_model_dir: Path, device: str, block_size: int
 ) -> None:
+    """Prompts of 7 full blocks and 2 tokens; each of the two others evicts what is left of the one before."""
     gen = torch.Generator().manual_seed(7)
-    prompt, *others = [torch.randint(3, 256, (30,), generator=gen).tolist() for _ in range(3)]
+    prompt, *others = [torch.randint(3, 256, (7 * block_size + 2,), generator=gen).tolist() for _ in range(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with_tier, without = _engine(tiny_model_dir, tiny_model, 64), _engine(tiny_model_dir, tiny_model, 0)
+    model = tiny_model if device == "cpu" else None
+    with_tier = _engine(tiny_model_dir, model, device, block_size, 64)
+    without = _engine(tiny_model_dir, model, device, block_size, 0)
     assert with_tier.kv_cache.host is not None and without.kv_cache.host is None
     results = {}
     for name, engine in (("tier", with_tier), ("none", without)):
         first = engine.generate([prompt], greedy)[0]
-        for other in others:  # 12 blocks of 4: each 38-token sequence evicts the previous one's prefix
+        for other in others:
             engine.generate([other], greedy)
         computed = engine.stats().num_computed_tokens
         again = engine.generate([prompt], greedy)[0]
         results[name] = (first, again, engine.stats().num_computed_tokens - computed)
     first, again, computed_tier = results["tier"]
+    hit = 7 * block_size
     assert again.token_ids == first.token_ids == results["none"][0].token_ids
-    assert again.num_cached_tokens == 28 and results["none"][1].num_cached_tokens == 0
-    assert computed_tier == results["none"][2] - 28  # the prefix was copied back, not recomputed
+    assert again.num_cached_tokens == hit and results["none"][1].num_cached_tokens == 0
+    assert computed_tier == results["none"][2] - hit  # the prefix was copied back, not recomputed
     stats = with_tier.stats()
-    assert stats.num_prefix_cache_host_hit_tokens == 28 and stats.num_host_cached_blocks > 0
+    assert stats.num_prefix_cache_host_hit_tokens == hit and stats.num_host_cached_blocks > 0
+
+
+@CUDA
+def test_host_copies_from_and_to_a_cuda_cache() -> None:
+    """Pinned host memory, the saves' staging and event: a save, then loads in a later step and in the same one."""
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn((2, 6, 16, 2, 8), generator=gen).to("cuda", dt) for dt in (torch.float32, torch.bfloat16)]
+    host = HostKVCaches(4, caches)
+    assert all(h.is_pinned() for h in host.caches)
+    before = [cache.clone() for cache in caches]
+    host.apply(KVTransfers(saves=[(4, 0), (1, 2)]), caches)
+    caches[0].add_(1.0)  # the device blocks change after the save was enqueued: the host keeps the old values
+    host.apply(KVTransfers(saves=[(5, 1)], loads=[(2, 0), (0, 3), (1, 5)]), caches)
+    torch.cuda.synchronize()
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache[:, 0], old[:, 1]) and torch.equal(cache[:, 3], old[:, 4])
+    assert torch.equal(caches[1][:, 5], before[1][:, 5])  # bf16 untouched since: its block 5 saved and back
 
 
 def test_tensor_parallel_refuses_the_host_tier() -> None:
