@@ -24,8 +24,18 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 _MAGNITUDES = torch.tensor(FP4_VALUES[:8])
 
 
+# The config key the loader sets for the family: keep the experts packed (True) or dequantise them at load.
+PACKED_EXPERTS_KEY = "mxfp4_packed_experts"
+
+
 def checkpoint_is_mxfp4(cfg: dict[str, Any]) -> bool:
     return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def keeps_experts_packed(device: torch.device, packed: bool | None) -> bool:
+    """`packed` if given, else on CUDA only: there the fused-MoE kernel dequantises in registers; the torch
+    expert paths the other devices run need dense weights."""
+    return device.type == "cuda" if packed is None else packed
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
