@@ -161,15 +161,14 @@ class Mxfp4Layer:
 
 
 def random_mxfp4_layer(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Mxfp4Layer:
-    """Uniform codes; scales 2^-9..2^-6 (|w| up to ~0.1, about gpt-oss's); dequantised one expert at a time
-    (the whole-tensor path would hold ~17 GB of int64 indices for gpt-oss-120b)."""
+    """mxfp4.random_flat's codes and scales; dequantised one expert at a time (the whole-tensor path would
+    hold ~17 GB of int64 indices for gpt-oss-120b)."""
     num_experts, hidden, intermediate = shape["num_experts"], shape["hidden"], shape["intermediate"]
     gen = torch.Generator(device=device).manual_seed(0)
 
     def codes(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = torch.randint(0, 256, (num_experts, rows, cols // 2), device=device, generator=gen)
-        scales = torch.randint(118, 122, (num_experts, rows, cols // mxfp4.BLOCK), device=device, generator=gen)
-        return packed.to(torch.uint8), scales.to(torch.uint8)
+        packed = mxfp4.random_flat((num_experts, rows, cols // 2), False, gen)
+        return packed, mxfp4.random_flat((num_experts, rows, cols // mxfp4.BLOCK), True, gen)
 
     def dense(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         out = torch.empty(*packed.shape[:2], 2 * packed.shape[2], dtype=dtype, device=device)

@@ -173,3 +173,16 @@ def test_packed_experts_give_the_dequantised_logits(checkpoint: tuple[Path, PreT
         steps = driver.step({0: long[:6]}), driver.step({0: long[6:], 1: short}), driver.step({0: [7], 1: [9]})
         logits.append(torch.cat([t for step in steps for t in step]))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_random_weights_fill_packed_experts_with_codes_and_scales(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """Benchmarks' random weights: bf16 draws would cast to zero bytes, so packed experts get random codes
+    and scales near gpt-oss's (|w| up to ~0.1)."""
+    model_dir, _ = checkpoint
+    model = load_model(model_dir, "float32", "cpu", show_progress=False, random_weights_seed=0, mxfp4_packed=True)
+    experts = _experts(model)[0]
+    assert isinstance(experts, Mxfp4Experts)
+    assert len(experts.down_proj_blocks.unique()) > 200
+    assert int(experts.down_proj_scales.min()) >= 118 and int(experts.down_proj_scales.max()) <= 121
+    w13, _ = experts.expert_weights(0)
+    assert 0.05 < float(w13.abs().max()) <= 6 * 2.0**-6

@@ -80,3 +80,10 @@ def quantize_flat(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., rows, cols] -> (codes [..., rows, cols/2], scales [..., rows, cols/32]), as the kernel takes them."""
     blocks, scales = quantize(weight)
     return blocks.flatten(-2), scales
+
+
+def random_flat(shape: tuple[int, ...], scales: bool, generator: torch.Generator) -> torch.Tensor:
+    """Random codes (uniform bytes) or scales (2^-9..2^-6: |w| up to ~0.1, about gpt-oss's) in the kernel's
+    layout, for random-weight benchmarks."""
+    low, high = (SCALE_BIAS - 9, SCALE_BIAS - 5) if scales else (0, 256)
+    return torch.randint(low, high, shape, generator=generator, device=generator.device, dtype=torch.uint8)
