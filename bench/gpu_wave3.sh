@@ -23,9 +23,12 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 summary=()
 
 if has tests; then
+  # TESTS: pytest arguments (default: the wave-3 kernels and families, the host KV tier, 4-bit checkpoints)
+  # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs \
-    tests/kernels/test_lora_kernels.py tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
-    tests/kernels/test_moe_align.py tests/models/test_gpu_models.py \
+    ${TESTS:-tests/kernels/test_lora_kernels.py tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_moe_align.py tests/models/test_gpu_models.py tests/engine/test_kv_offload.py \
+      tests/models/test_compressed_tensors.py tests/models/test_int4.py tests/models/test_mxfp4.py} \
     > "$OUT/tests.log" 2>&1
   summary+=("tests rc=$? : $(tail -n 1 "$OUT/tests.log")")
 fi

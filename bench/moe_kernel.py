@@ -1,7 +1,8 @@
 """Fused-MoE kernel on the Qwen3-30B-A3B layer shape: correctness, time, and % of its weight-read floor.
 
     python -m bench moe_kernel [--sweep] [--json bench/results/moe_kernel_h100.json]      # CUDA
-    TRITON_INTERPRET=1 python -m bench moe_kernel --quick --json /tmp/moe_quick.json     # any CPU: tiny shapes
+    python -m bench moe_kernel --mxfp4                                                   # CUDA: gpt-oss MXFP4
+    TRITON_INTERPRET=1 python -m bench moe_kernel --quick [--mxfp4] --json /tmp/moe_quick.json   # any CPU: tiny
 
 Per batch of tokens (1, 16, 64, 256), random bf16 weights and router logits (softmax top-8, renormalized
 as Qwen3-MoE's norm_topk_prob): our kernel (kernels/fused_moe.py, CUDA-graph timed) against the torch
@@ -9,6 +10,11 @@ reference (kernels/moe_reference.py, the CPU path: its max |error| relative to t
 time), and the floor = bytes of the experts the batch actually hit (w13 + w2 of each) plus activations /
 the measured copy bandwidth. `--sweep` times candidate configs per batch and prints a MOE_TUNED entry
 for kernels/launch_config.py.
+
+`--mxfp4`: gpt-oss-20b's and gpt-oss-120b's expert layers (32 or 128 experts, top-4, hidden = intermediate
+= 2880, swigluoai with biases) with random MXFP4 weights (codes and scales drawn directly: no 4-bit rounding
+of a dense tensor to wait for), the kernel dequantising in registers against the same kernel on the
+dequantised bf16 weights; the floor counts the 4-bit bytes hit (codes + one scale byte per 32 + biases).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -31,10 +37,17 @@ from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
 from pagedserve.kernels.moe_align import moe_align_block_size
 from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
 from pagedserve.kernels.moe_reference import experts_grouped
+from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.moe import route
 
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden=2048, intermediate=768)
 QUICK = dict(num_experts=8, top_k=2, hidden=64, intermediate=32)
+GPT_OSS = {
+    "gpt-oss-20b": dict(num_experts=32, top_k=4, hidden=2880, intermediate=2880),
+    "gpt-oss-120b": dict(num_experts=128, top_k=4, hidden=2880, intermediate=2880),
+}
+QUICK_MXFP4 = {"quick": dict(num_experts=8, top_k=2, hidden=64, intermediate=64)}
+SWIGLU = dict(activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=7.0)  # gpt-oss's
 
 
 def sweep_candidates() -> list[MoeConfig]:
@@ -130,14 +143,150 @@ def measure(
     }
 
 
+@dataclass
+class Mxfp4Layer:
+    """One gpt-oss expert layer: packed codes/scales, the same weights dequantised, and biases."""
+
+    w13: torch.Tensor  # [E, 2I, hidden / 2] uint8
+    w13_scale: torch.Tensor  # [E, 2I, hidden / 32] uint8
+    w2: torch.Tensor  # [E, hidden, I / 2] uint8
+    w2_scale: torch.Tensor  # [E, hidden, I / 32] uint8
+    w13_dense: torch.Tensor  # [E, 2I, hidden] in the activation dtype
+    w2_dense: torch.Tensor  # [E, hidden, I]
+    biases: dict[str, torch.Tensor]  # w13_bias, w2_bias
+
+    def packed_bytes_per_expert(self) -> int:
+        tensors = (self.w13, self.w13_scale, self.w2, self.w2_scale, *self.biases.values())
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def random_mxfp4_layer(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Mxfp4Layer:
+    """mxfp4.random_flat's codes and scales; dequantised one expert at a time (the whole-tensor path would
+    hold ~17 GB of int64 indices for gpt-oss-120b)."""
+    num_experts, hidden, intermediate = shape["num_experts"], shape["hidden"], shape["intermediate"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def codes(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = mxfp4.random_flat((num_experts, rows, cols // 2), False, gen)
+        return packed, mxfp4.random_flat((num_experts, rows, cols // mxfp4.BLOCK), True, gen)
+
+    def dense(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(*packed.shape[:2], 2 * packed.shape[2], dtype=dtype, device=device)
+        for e in range(num_experts):
+            out[e] = mxfp4.dequantize_flat(packed[e], scales[e], dtype)
+        return out
+
+    (w13, w13_scale), (w2, w2_scale) = codes(2 * intermediate, hidden), codes(hidden, intermediate)
+    biases = {
+        "w13_bias": (torch.randn(num_experts, 2 * intermediate, device=device, generator=gen) * 0.1).to(dtype),
+        "w2_bias": (torch.randn(num_experts, hidden, device=device, generator=gen) * 0.1).to(dtype),
+    }
+    return Mxfp4Layer(w13, w13_scale, w2, w2_scale, dense(w13, w13_scale), dense(w2, w2_scale), biases)
+
+
+def fp32_on_hit_experts(layer: Mxfp4Layer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The torch reference in fp32 on only the experts hit (ids relabelled), so 120b's fp32 copy stays small."""
+    hit = ids.unique()
+    local_ids = torch.searchsorted(hit, ids)
+    w13, w2 = layer.w13_dense[hit].float(), layer.w2_dense[hit].float()
+    biases = {name: b[hit].float() for name, b in layer.biases.items()}
+    return experts_grouped(x.float(), w13, w2, weights, local_ids, **biases, **SWIGLU)  # type: ignore[arg-type]
+
+
+def measure_mxfp4(
+    num_tokens: int, shape: dict[str, int], layer: Mxfp4Layer, device: torch.device, bandwidth: float, sweep: bool
+) -> dict[str, object]:
+    num_experts, top_k, hidden, intermediate = (shape[k] for k in ("num_experts", "top_k", "hidden", "intermediate"))
+    dtype = layer.w13_dense.dtype
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
+    weights, ids = route(torch.randn(num_tokens, num_experts, device=device, generator=gen), top_k, "softmax", True)
+    cuda = device.type == "cuda"
+    scales = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+
+    def packed(config: MoeConfig | None = None) -> torch.Tensor:
+        return fused_experts(x, layer.w13, layer.w2, weights, ids, **scales, **layer.biases, **SWIGLU, config=config)  # type: ignore[arg-type]
+
+    def dense() -> torch.Tensor:
+        return fused_experts(x, layer.w13_dense, layer.w2_dense, weights, ids, **layer.biases, **SWIGLU)  # type: ignore[arg-type]
+
+    out, out_dense, exact = packed(), dense(), fp32_on_hit_experts(layer, x, weights, ids)
+
+    def rel_error(y: torch.Tensor, target: torch.Tensor) -> float:
+        return float((y.float() - target.float()).abs().max() / target.float().abs().max())
+
+    dtype_key = str(dtype).removeprefix("torch.") + "+mxfp4"
+    default = choose_moe_config(num_tokens=num_tokens, dtype=dtype_key, **shape)
+    timed = {default: time_us(packed, cuda)}
+    if sweep:
+        for config in sweep_candidates()[: 3 if device.type == "cpu" else None]:
+            try:
+                timed[config] = time_us(partial(packed, config), cuda)
+            except Exception as exc:  # a tiling that does not fit this GPU
+                print(f"  skip {config}: {type(exc).__name__}")
+    best = min(timed, key=lambda c: timed[c])
+    hit = int(ids.unique().numel())
+    activation_bytes = (2 * num_tokens * hidden + 2 * num_tokens * top_k * (intermediate + hidden)) * x.element_size()
+    floor_us = (hit * layer.packed_bytes_per_expert() + activation_bytes) / bandwidth * 1e6
+    dense_bytes = hit * 3 * hidden * intermediate * x.element_size()
+    dense_us = time_us(dense, cuda)
+    return {
+        "num_tokens": num_tokens,
+        "experts_hit": hit,
+        "max_rel_error": rel_error(out, out_dense),  # the same kernel on the exactly dequantised weights
+        "kernel_vs_fp32": rel_error(out, exact),
+        "kernel_us": timed[default],
+        "default_config": list(astuple(default)),
+        "best_us": timed[best],
+        "best_config": list(astuple(best)),
+        "floor_us": floor_us,
+        "floor_fraction": floor_us / timed[default],
+        "dense_kernel_us": dense_us,
+        "dense_floor_fraction": (dense_bytes + activation_bytes) / bandwidth * 1e6 / dense_us,
+    }
+
+
+def run_mxfp4(args: argparse.Namespace, device: torch.device, bandwidth: float) -> dict[str, object]:
+    shapes, dtype = (QUICK_MXFP4, torch.float32) if args.quick else (GPT_OSS, torch.bfloat16)
+    print(
+        f"{'shape':>12} {'tokens':>6} {'hit':>4} {'mxfp4':>9} {'floor':>8} {'%floor':>7} {'bf16':>9} {'%floor':>7} "
+        f"{'err/bf16':>8} {'err/fp32':>8}  best config"
+    )
+    results = []
+    for name, shape in shapes.items():
+        layer = random_mxfp4_layer(shape, dtype, device)
+        for num_tokens in (int(t) for t in args.tokens.split(",")):
+            r = {"shape": name, **measure_mxfp4(num_tokens, shape, layer, device, bandwidth, args.sweep)}
+            results.append(r)
+            print(
+                f"{name:>12} {num_tokens:6d} {r['experts_hit']:4d} {r['kernel_us']:9.1f} {r['floor_us']:8.1f} "
+                f"{r['floor_fraction']:7.0%} {r['dense_kernel_us']:9.1f} {r['dense_floor_fraction']:7.0%} "
+                f"{r['max_rel_error']:8.1e} {r['kernel_vs_fp32']:8.1e}  {r['best_config']} ({r['best_us']:.1f} µs)",
+                flush=True,
+            )
+        if args.sweep:
+            key = (*(shape[k] for k in ("num_experts", "top_k", "hidden", "intermediate")), f"{str(dtype)[6:]}+mxfp4")
+            rows = [r for r in results if r["shape"] == name]
+            entries = ", ".join(f"({r['num_tokens']}, MoeConfig(*{tuple(r['best_config'])}))" for r in rows)  # type: ignore[arg-type]
+            print(f"MOE_TUNED[{key}] = ({entries},)")
+        del layer
+    return {"variant": "mxfp4", "shapes": shapes, "dtype": str(dtype), "results": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="default: bench/results/moe_kernel_<device>.json")
     parser.add_argument("--tokens", default="1,16,64,256")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs per batch, print the best")
     parser.add_argument("--quick", action="store_true", help="tiny fp32 shapes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--mxfp4", action="store_true", help="gpt-oss-20b/120b expert layers with MXFP4 weights (kernel dequantises)"
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    if args.mxfp4:
+        main_mxfp4(args, device)
+        return
     shape, dtype = (QUICK, torch.float32) if args.quick else (QWEN3_30B_A3B, torch.bfloat16)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     bandwidth = copy_bandwidth(device)
@@ -171,6 +320,24 @@ def main() -> None:
         "dtype": str(dtype),
         "copy_bytes_per_s": bandwidth,
         "results": results,
+    }
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+def main_mxfp4(args: argparse.Namespace, device: torch.device) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    bandwidth = copy_bandwidth(device)
+    print(f"{name}: MXFP4 experts; copy {bandwidth / 1e9:.0f} GB/s; µs per call; floor = bytes hit / copy rate")
+    record = run_mxfp4(args, device, bandwidth)
+    path = args.json or Path(f"bench/results/moe_kernel_mxfp4_{name.split()[-1].lower()}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "device": name,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench moe_kernel", *sys.argv[1:]]),
+        "copy_bytes_per_s": bandwidth,
+        **record,
     }
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")

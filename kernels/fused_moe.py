@@ -13,6 +13,15 @@ side, so the activation runs on its fp32 accumulators and the [T * top_k, 2I] ga
 No host sync: the grid is sized from host integers (the padded row bound), programs past
 `num_tokens_post_padded` return at once, so a CUDA graph captures a decode step. Layouts and the
 activations are kernels/moe_reference.py's, the oracle.
+
+MXFP4 weights (gpt-oss as OpenAI ships it; services/engine/models/mxfp4.py) stay 4-bit in memory: pass
+`w13`/`w2` as uint8 codes, two a byte along K (the low nibble first), with `w13_scale`/`w2_scale`, one
+E8M0 byte per 32 values along K:
+
+    w13 [E, 2I, hidden / 2] + w13_scale [E, 2I, hidden / 32]      w2 [E, hidden, I / 2] + w2_scale [E, hidden, I / 32]
+
+Each program then loads a [BLOCK_N, BLOCK_K / 2] byte tile, dequantises it in registers to the
+activations' dtype and feeds the same tl.dot: a decode step reads ~4.25 bits a weight instead of 16.
 """
 
 from __future__ import annotations
@@ -30,12 +39,36 @@ from pagedserve.kernels.moe_reference import check_activation
 
 # The GEMM's ACTIVATION constexpr: none (GEMM 2), or a gated one on GEMM 1's [gate | up] pair.
 _ACTIVATION_CODES = {"none": 0, "silu": 1, "swigluoai": 2}
+MXFP4_GROUP = 32  # values along K sharing one E8M0 scale (mxfp4.BLOCK; BLOCK_K must be a multiple)
+
+
+@triton.jit
+def _mxfp4_tile(packed_ptrs, scale_ptrs, k_left, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] weights in `dtype` from a [BLOCK_N, BLOCK_K / 2] tile of bytes (two FP4 E2M1
+    codes each, the low nibble first along K) and its [BLOCK_N, BLOCK_K / 32] E8M0 scales; columns at or
+    past `k_left` read as 0."""
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    packed = tl.load(packed_ptrs, mask=(offs_kb < k_left // 2)[None, :], other=0).to(tl.int32)
+    scale = tl.load(scale_ptrs, mask=(offs_ks < k_left // 32)[None, :], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j: low, 2j + 1: high
+    # E2M1 magnitude m = 2 exponent bits e, 1 mantissa bit f: f / 2 if e == 0, else (1 + f / 2) 2^(e - 1).
+    # Times 4 that is an integer: 2f, or (2 + f) << e; the 1/4 goes into the scale (all exact in fp32).
+    e = (codes >> 1) & 3
+    f = codes & 1
+    quadruple = tl.where(e == 0, 2 * f, (2 + f) << e)
+    quadruple = tl.where((codes & 8) != 0, -quadruple, quadruple)
+    # 2^(s - 127) as fp32 bits: the biased exponent s in place (s = 0, i.e. 2^-127, reads as 0: never in weights)
+    group_scale = (scale << 23).to(tl.float32, bitcast=True) * 0.25
+    values = tl.reshape(quadruple.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * group_scale[:, :, None]
+    return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(dtype))
 
 
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: x (row = assignment // A_ROW_DIV) or GEMM 1's output (row = assignment)
-    b_ptr,  # [num_experts, (2 if GATED) * N, K]: w13 or w2, K contiguous
+    b_ptr,  # [num_experts, (2 if GATED) * N, K]: w13 or w2, K contiguous (MXFP4: uint8, K / 2 bytes)
+    b_scale_ptr,  # [num_experts, (2 if GATED) * N, K / 32] uint8 (MXFP4)
     bias_ptr,  # [num_experts, (2 if GATED) * N] (HAS_BIAS)
     c_ptr,  # [num_assignments, N], row = assignment
     topk_weights_ptr,  # [num_assignments] float32 (MUL_ROUTED_WEIGHT)
@@ -51,12 +84,15 @@ def _grouped_gemm_kernel(
     stride_bn,
     stride_bias_e,
     stride_cm,
+    stride_scale_e,
+    stride_scale_n,
     swiglu_alpha,
     swiglu_limit,
     A_ROW_DIV: tl.constexpr,  # top_k for GEMM 1 (x has one row per token), 1 for GEMM 2
     ACTIVATION: tl.constexpr,  # _ACTIVATION_CODES; > 0 means GATED (up tile at row offset N)
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    MXFP4: tl.constexpr,  # b is 4-bit codes + scales, dequantised per tile (see _mxfp4_tile)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32 rounding), else unused
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,20 +118,38 @@ def _grouped_gemm_kernel(
     offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (assignment // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    up_offset = N * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if ACTIVATION > 0:
-            b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if MXFP4:
+        # [BLOCK_N, BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] scales: rows as stored, K contiguous
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + tl.arange(0, BLOCK_K // 2)[None, :]
+        s_ptrs = b_scale_ptr + expert * stride_scale_e + offs_n[:, None] * stride_scale_n
+        s_ptrs += tl.arange(0, BLOCK_K // 32)[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            b = _mxfp4_tile(b_ptrs, s_ptrs, K - k0, BLOCK_N, BLOCK_K, a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if ACTIVATION > 0:
+                b_up = _mxfp4_tile(
+                    b_ptrs + N * stride_bn, s_ptrs + N * stride_scale_n, K - k0, BLOCK_N, BLOCK_K, a.dtype
+                )
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
+    else:
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        up_offset = N * stride_bn
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if ACTIVATION > 0:
+                b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
 
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias_e
@@ -119,6 +173,7 @@ def _grouped_gemm_kernel(
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
+    b_scale: torch.Tensor | None,  # MXFP4: b holds the codes
     bias: torch.Tensor | None,
     c: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -132,11 +187,13 @@ def _grouped_gemm(
     n, k = c.shape[1], a.shape[1]
     assert a.stride(1) == 1 and b.stride(2) == 1 and c.stride(1) == 1, "K and output columns must be contiguous"
     assert bias is None or bias.stride(1) == 1
+    assert b_scale is None or (b_scale.stride(2) == 1 and config.block_k % MXFP4_GROUP == 0), (config, b_scale)
     num_padded_rows = sorted_token_ids.shape[0]
     grid = (triton.cdiv(num_padded_rows, config.block_m) * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
         b,
+        b_scale if b_scale is not None else b,
         bias if bias is not None else b,
         c,
         topk_weights if topk_weights is not None else c,
@@ -152,12 +209,15 @@ def _grouped_gemm(
         b.stride(1),
         bias.stride(0) if bias is not None else 0,
         c.stride(0),
+        b_scale.stride(0) if b_scale is not None else 0,
+        b_scale.stride(1) if b_scale is not None else 0,
         swiglu[0],
         swiglu[1],
         A_ROW_DIV=a_row_div,
         ACTIVATION=_ACTIVATION_CODES[activation],
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        MXFP4=b_scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -179,14 +239,16 @@ _config = cache(choose_moe_config)
 
 def fused_experts(
     x: torch.Tensor,  # [num_tokens, hidden]
-    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]  rows [ gate | up ]
-    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]  rows [ gate | up ]  (MXFP4: uint8, hidden / 2)
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]  (MXFP4: uint8, intermediate / 2)
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     *,
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    w13_scale: torch.Tensor | None = None,  # MXFP4: [num_experts, 2 * intermediate, hidden / 32] uint8
+    w2_scale: torch.Tensor | None = None,  # MXFP4: [num_experts, hidden, intermediate / 32] uint8
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
     config: MoeConfig | None = None,  # override the chosen tiles (benchmarks, tests)
@@ -195,11 +257,11 @@ def fused_experts(
     num_tokens, hidden = x.shape
     num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, intermediate), (w13.shape, w2.shape)
+    is_mxfp4 = _check_weights(x, w13, w2, w13_scale, w2_scale)
     if num_tokens == 0:
         return torch.empty_like(x)
     if config is None:
-        dtype = str(x.dtype).removeprefix("torch.")
+        dtype = str(x.dtype).removeprefix("torch.") + ("+mxfp4" if is_mxfp4 else "")  # its own tuning key
         config = _config(
             num_experts=num_experts,
             top_k=top_k,
@@ -216,7 +278,26 @@ def fused_experts(
     swiglu = (float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
     x = x.contiguous()
     hidden_rows = x.new_empty((num_tokens * top_k, intermediate))
-    _grouped_gemm(x, w13, w13_bias, hidden_rows, None, aligned, top_k, activation, config, swiglu)
+    _grouped_gemm(x, w13, w13_scale, w13_bias, hidden_rows, None, aligned, top_k, activation, config, swiglu)
     down = x.new_empty((num_tokens * top_k, hidden))
-    _grouped_gemm(hidden_rows, w2, w2_bias, down, weights, aligned, 1, "none", config, swiglu)
+    _grouped_gemm(hidden_rows, w2, w2_scale, w2_bias, down, weights, aligned, 1, "none", config, swiglu)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _check_weights(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None
+) -> bool:
+    """The expert weights' shapes against x's hidden size; whether they are MXFP4 (codes + scales)."""
+    hidden, (num_experts, rows, w13_cols) = x.shape[1], w13.shape
+    intermediate = rows // 2
+    if w13_scale is None and w2_scale is None:
+        assert w13_cols == hidden and w2.shape == (num_experts, hidden, intermediate), (w13.shape, w2.shape)
+        return False
+    assert w13_scale is not None and w2_scale is not None, "MXFP4 experts need both w13_scale and w2_scale"
+    assert w13.dtype == w2.dtype == w13_scale.dtype == w2_scale.dtype == torch.uint8, "MXFP4 weights are uint8"
+    assert hidden % MXFP4_GROUP == 0 and intermediate % MXFP4_GROUP == 0, (hidden, intermediate)
+    assert w13.shape == (num_experts, rows, hidden // 2), (w13.shape, hidden)
+    assert w13_scale.shape == (num_experts, rows, hidden // MXFP4_GROUP), w13_scale.shape
+    assert w2.shape == (num_experts, hidden, intermediate // 2), w2.shape
+    assert w2_scale.shape == (num_experts, hidden, intermediate // MXFP4_GROUP), w2_scale.shape
+    return True

@@ -1,6 +1,8 @@
 """The fused-MoE Triton kernel (interpreted on CPU, compiled on CUDA) against a per-token loop: fp32 and
 fp16, SiLU and gpt-oss's biased clamped SwiGLU, softmax/sigmoid routing with and without renormalizing,
-shapes that are not multiples of the tiles; unhit experts are never read; the MoE layer dispatches to it."""
+shapes that are not multiples of the tiles; unhit experts are never read; the MoE layer dispatches to it.
+MXFP4 weights (4-bit codes + scales, dequantised in the kernel) against the same kernel on the dequantised
+weights, and a hand-packed case."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pagedserve.kernels.fused_moe import fused_experts
 from pagedserve.kernels.launch_config import MoeConfig
 from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
 from pagedserve.services.engine import attention
-from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine.models import fused_ops, mxfp4
 from pagedserve.services.engine.models.moe import MoE, route
 from tests.kernels.moe_cases import per_token_oracle, random_case
 from tests.kernels.test_moe_align import check_alignment
@@ -90,6 +92,70 @@ def test_one_token_decode(device: torch.device) -> None:
     on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
     args = [t.to(device) for t in (case.x, case.w13, case.w2, case.topk_weights, case.topk_ids)]
     torch.testing.assert_close(fused_experts(*args, **on).cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "swiglu", "num_tokens", "top_k", "config"),
+    [
+        # hidden 96 / intermediate 96: GEMM 1's N tiles wrap, both GEMMs' K tails are half a 64-wide tile
+        (torch.float32, False, 13, 2, MoeConfig(16, 64, 64, 1, 4, 2)),
+        (torch.float32, True, 1, 4, MoeConfig(16, 32, 32, 1, 4, 2)),  # decode: one token, BLOCK_K one group
+        (torch.float32, True, 21, 3, MoeConfig(32, 32, 128, 2, 4, 2)),
+        (torch.float16, True, 9, 4, None),  # the config choose_moe_config gives
+        (torch.float16, False, 1, 2, MoeConfig(16, 32, 64, 1, 4, 2)),
+    ],
+    ids=[
+        "fp32-silu-ragged-top2",
+        "fp32-swiglu-decode-top4",
+        "fp32-swiglu-ragged-top3",
+        "fp16-swiglu-auto",
+        "fp16-silu-decode",
+    ],
+)
+def test_mxfp4_weights_equal_the_dequantised_weights(
+    dtype: torch.dtype, swiglu: bool, num_tokens: int, top_k: int, config: MoeConfig | None, device: torch.device
+) -> None:
+    """The kernel's in-register dequantisation against the same kernel fed mxfp4.dequantize's dense weights."""
+    case = random_case(num_tokens, 96, 96, 8, top_k, swiglu=swiglu, dtype=dtype, seed=num_tokens)
+    (w13, w13_scale), (w2, w2_scale) = mxfp4.quantize_flat(case.w13), mxfp4.quantize_flat(case.w2)
+    on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
+    x, weights, ids = (t.to(device) for t in (case.x, case.topk_weights, case.topk_ids))
+    dense = (mxfp4.dequantize_flat(w, s, dtype).to(device) for w, s in ((w13, w13_scale), (w2, w2_scale)))
+    expected = fused_experts(x, *dense, weights, ids, config=config, **on)
+    packed = (t.to(device) for t in (w13, w2))
+    scales = dict(w13_scale=w13_scale.to(device), w2_scale=w2_scale.to(device))
+    out = fused_experts(x, *packed, weights, ids, config=config, **scales, **on)
+    assert out.dtype == dtype and out.shape == case.x.shape
+    torch.testing.assert_close(out, expected, **_TOL[dtype])
+
+
+def test_mxfp4_hand_packed_weights(device: torch.device) -> None:
+    """One expert, hidden = intermediate = 32, x = (1, 4, 0, ...): nibble order, signs, scales, by hand.
+
+    gate row 0:  byte 0x92 (k0: code 2 = +1, k1: code 9 = -0.5) x 2^1   ->  2 - 4     = -2
+    up row 0:    byte 0x7F (k0: 15 = -6, k1: 7 = +6) x 2^-2             -> -1.5 + 6   = 4.5
+    gate/up 31:  byte 0x02 (k0: +1) x 2^0                               ->  1, 1
+    w2 row 0:    byte 0 0x05 (k0: 5 = +3);  row 1: byte 15 0xC0 (k31: 12 = -2) x 2^-1
+    """
+    w13 = torch.zeros(1, 64, 16, dtype=torch.uint8)
+    w13_scale = torch.full((1, 64, 1), 127, dtype=torch.uint8)
+    w13[0, 0, 0], w13_scale[0, 0, 0] = 0x92, 128
+    w13[0, 32, 0], w13_scale[0, 32, 0] = 0x7F, 125
+    w13[0, 31, 0] = w13[0, 63, 0] = 0x02
+    w2 = torch.zeros(1, 32, 16, dtype=torch.uint8)
+    w2_scale = torch.full((1, 32, 1), 127, dtype=torch.uint8)
+    w2[0, 0, 0] = 0x05
+    w2[0, 1, 15], w2_scale[0, 1, 0] = 0xC0, 126
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 1.0, 4.0
+    silu = torch.nn.functional.silu
+    expected = torch.zeros(1, 32)
+    expected[0, 0] = 3.0 * silu(torch.tensor(-2.0)) * 4.5
+    expected[0, 1] = -1.0 * silu(torch.tensor(1.0)) * 1.0
+    weights, ids = torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64)
+    args = [t.to(device) for t in (x, w13, w2, weights, ids)]
+    out = fused_experts(*args, w13_scale=w13_scale.to(device), w2_scale=w2_scale.to(device))
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """MXFP4 (gpt-oss's experts): the dequantisation against hand-packed bytes and against transformers' own reader,
 our writer's rounding, and a gpt-oss checkpoint in OpenAI's layout served greedily equal to the same model with
-the dequantised weights in fp32 (HF), with bad tensors and wrong flags refused by name."""
+the dequantised weights in fp32 (HF), with bad tensors and wrong flags refused by name; its experts kept packed
+(the fused-MoE kernel, interpreted here) give the dequantised load's logits."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.utils.quantization_config import Mxfp4Config
 
 from pagedserve.services.engine.engine import Engine
-from pagedserve.services.engine.models import load_model, mxfp4
+from pagedserve.services.engine.models import CausalLM, load_model, mxfp4
+from pagedserve.services.engine.models.gpt_oss import ClampedSwiGLUExperts, Mxfp4Experts
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -141,3 +144,45 @@ def test_bad_tensors_and_wrong_flags_are_named(checkpoint: tuple[Path, PreTraine
     (llama_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(ValueError, match=r"only gpt-oss's experts load from MXFP4, not LlamaForCausalLM's"):
         load_model(llama_dir, "float32", "cpu", show_progress=False)
+
+
+def _experts(model: CausalLM) -> list[ClampedSwiGLUExperts]:
+    return [m for m in model.modules() if isinstance(m, ClampedSwiGLUExperts)]
+
+
+def test_packed_experts_give_the_dequantised_logits(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """mxfp4_packed=True keeps uint8 codes and scales (gate/up rows de-interleaved as the dense load's are) and
+    runs the fused-MoE kernel on them; the default on CPU dequantises. Same logits on a prefill, a chunk
+    beside a second prompt, and a decode step."""
+    pytest.importorskip("triton")
+    model_dir, _ = checkpoint
+    dense = load_model(model_dir, "float32", "cpu", show_progress=False)
+    packed = load_model(model_dir, "float32", "cpu", show_progress=False, mxfp4_packed=True)
+    assert not any(isinstance(e, Mxfp4Experts) for e in _experts(dense))
+    for theirs, ours in zip(_experts(dense), _experts(packed), strict=True):
+        assert isinstance(ours, Mxfp4Experts) and ours.gate_up_proj_blocks.dtype == torch.uint8
+        assert not hasattr(ours, "gate_up_proj") and not hasattr(ours, "down_proj")
+        for e in (0, 5):  # the kernel's layout dequantises to exactly the dense load's weights
+            w13, w2 = ours.expert_weights(e)
+            assert torch.equal(w13, theirs.gate_up_proj[e]) and torch.equal(w2, theirs.down_proj[e])
+    gen = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(3, 256, (n,), generator=gen).tolist() for n in (11, 4))
+    logits = []
+    for model in (dense, packed):
+        driver = PagedDriver(model, seed=1)
+        steps = driver.step({0: long[:6]}), driver.step({0: long[6:], 1: short}), driver.step({0: [7], 1: [9]})
+        logits.append(torch.cat([t for step in steps for t in step]))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_random_weights_fill_packed_experts_with_codes_and_scales(checkpoint: tuple[Path, PreTrainedModel]) -> None:
+    """Benchmarks' random weights: bf16 draws would cast to zero bytes, so packed experts get random codes
+    and scales near gpt-oss's (|w| up to ~0.1)."""
+    model_dir, _ = checkpoint
+    model = load_model(model_dir, "float32", "cpu", show_progress=False, random_weights_seed=0, mxfp4_packed=True)
+    experts = _experts(model)[0]
+    assert isinstance(experts, Mxfp4Experts)
+    assert len(experts.down_proj_blocks.unique()) > 200
+    assert int(experts.down_proj_scales.min()) >= 118 and int(experts.down_proj_scales.max()) <= 121
+    w13, _ = experts.expert_weights(0)
+    assert 0.05 < float(w13.abs().max()) <= 6 * 2.0**-6

@@ -14,9 +14,15 @@ Checkpoints keep the experts as HF's 3-D tensors, transposed and with gate/up in
 `checkpoint_to_params` turns them into `moe.Experts`' layout ([E, 2I, hidden] rows [ gate | up ],
 [E, hidden, I]), so the grouped/dense expert paths of moe.py run them. MXFP4 checkpoints (openai/gpt-oss-*,
 `quant_method` "mxfp4") store each as `{name}_blocks` + `{name}_scales` in the untransposed layout
-([E, 2I, hidden] with gate/up rows interleaved; [E, hidden, I]); the pair is dequantised at load (exact in
-bf16, see mxfp4.py), so gpt-oss-20b takes ~42 GB. Sinks and windows run in the torch attention path and in
-the Triton paged kernel.
+([E, 2I, hidden] with gate/up rows interleaved; [E, hidden, I]). The loader decides (config key
+mxfp4.PACKED_EXPERTS_KEY, from load_model's `mxfp4_packed`; by default packed on CUDA only):
+
+    packed       Mxfp4Experts keeps the codes and scales (rows de-interleaved, which moves whole bytes, so
+                 it is exact) and the fused-MoE kernel dequantises them in registers: ~4.25 bits a weight
+    dequantised  the pair becomes the dense weight at load (exact in bf16, see mxfp4.py): gpt-oss-20b
+                 takes ~42 GB, and every expert path (the torch ones on CPU) runs it
+
+Sinks and windows run in the torch attention path and in the Triton paged kernel.
 """
 
 from __future__ import annotations
@@ -84,13 +90,18 @@ class ClampedSwiGLUExperts(Experts):
             swiglu_limit=self.limit,
         )
 
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s dense (gate_up [2I, hidden], down [hidden, I])."""
+        return self.gate_up_proj[expert], self.down_proj[expert]
+
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj[expert], self.gate_up_proj_bias[expert])
+        w13, w2 = self.expert_weights(expert)
+        gate_up = F.linear(x, w13.to(x.dtype), self.gate_up_proj_bias[expert])
         gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return F.linear((up + 1) * glu, self.down_proj[expert], self.down_proj_bias[expert])
+        return F.linear((up + 1) * glu, w2.to(x.dtype), self.down_proj_bias[expert])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, **self._options())
@@ -99,13 +110,47 @@ class ClampedSwiGLUExperts(Experts):
         return moe_reference.experts_dense(x, self.gate_up_proj, self.down_proj, weights, ids, **self._options())
 
 
+class Mxfp4Experts(ClampedSwiGLUExperts):
+    """The experts kept as MXFP4 on the device: uint8 codes and E8M0 scales in mxfp4.py's flat layout, w13's
+    rows [ gate | up ]. Every call runs the fused-MoE kernel, which dequantises in registers, also as the
+    CUDA-graph path (`forward_dense`): it has no host sync, and the torch dense path would need dense
+    weights. That needs Triton: compiled on CUDA, the interpreter on CPU (TRITON_INTERPRET=1, tests)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, alpha, limit)
+        del self.gate_up_proj, self.down_proj  # the dense placeholders (still on meta) give way to the codes
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj_blocks = _uint8_parameter(e, 2 * i, h // 2)
+        self.gate_up_proj_scales = _uint8_parameter(e, 2 * i, h // mxfp4.BLOCK)
+        self.down_proj_blocks = _uint8_parameter(e, h, i // 2)
+        self.down_proj_scales = _uint8_parameter(e, h, i // mxfp4.BLOCK)
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised on the fly: the per-token oracle of the tests, not a serving path."""
+        w13 = mxfp4.dequantize_flat(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert])
+        return w13, mxfp4.dequantize_flat(self.down_proj_blocks[expert], self.down_proj_scales[expert])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.gate_up_proj_blocks, self.down_proj_blocks
+        w13_scale, w2_scale = self.gate_up_proj_scales, self.down_proj_scales
+        return fused_experts(x, w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, **self._options())
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, weights, ids)
+
+
+def _uint8_parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+
+
 class GptOssMoE(nn.Module):
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         super().__init__()
         num_experts = int(cfg["num_local_experts"])
         self.top_k = int(cfg["num_experts_per_tok"])
         self.router = nn.Linear(spec.hidden_size, num_experts, bias=True)
-        self.experts = ClampedSwiGLUExperts(
+        experts_class = Mxfp4Experts if cfg.get(mxfp4.PACKED_EXPERTS_KEY) else ClampedSwiGLUExperts
+        self.experts = experts_class(
             num_experts,
             spec.hidden_size,
             int(cfg["intermediate_size"]),
@@ -163,7 +208,7 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssForCausalLM(DecoderLM):
     supports_tensor_parallel = False  # mixture-of-experts and its own attention class: not sharded yet
-    loads_mxfp4 = True  # checkpoint_to_params dequantises the experts' blocks/scales
+    loads_mxfp4 = True  # the experts' blocks/scales: kept packed or dequantised (see the module docstring)
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim, _DEFAULT_ROPE_THETA), spec.max_model_len)
@@ -172,6 +217,7 @@ class GptOssForCausalLM(DecoderLM):
         ]
         norm = GptOssRMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-5)))
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
+        self.mxfp4_packed = bool(cfg.get(mxfp4.PACKED_EXPERTS_KEY))
         self._mxfp4_pending: dict[str, dict[str, torch.Tensor]] = {}  # weight -> its blocks/scales seen so far
 
     @staticmethod
@@ -190,7 +236,9 @@ class GptOssForCausalLM(DecoderLM):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         if self.is_tied and name.startswith("lm_head."):
             return
-        if name.endswith(MXFP4_SUFFIXES):
+        if name.endswith(MXFP4_SUFFIXES) and self.mxfp4_packed:
+            yield name, _mxfp4_packed_param(name, tensor), None
+        elif name.endswith(MXFP4_SUFFIXES):
             yield from self._mxfp4_to_params(name, tensor)
         elif name.endswith(".experts.gate_up_proj"):  # [E, hidden, 2I] interleaved -> [E, 2I, hidden] [gate | up]
             yield name, _deinterleave(tensor.transpose(1, 2)), None
@@ -222,6 +270,15 @@ class GptOssForCausalLM(DecoderLM):
 
 
 MXFP4_SUFFIXES = tuple(f".experts.{w}_{part}" for w in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
+
+
+def _mxfp4_packed_param(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's blocks ([E, rows, cols/32, 16] -> the kernel's [E, rows, cols/2]) or scales as
+    Mxfp4Experts holds them; gate_up's interleaved rows become [ gate | up ] (whole rows of bytes move)."""
+    if tensor.dtype != torch.uint8 or (name.endswith("_blocks") and tensor.shape[-1] != mxfp4.BLOCK // 2):
+        raise ValueError(f"{name}: want uint8 MXFP4 {'blocks [..., 16]' if name.endswith('_blocks') else 'scales'}")
+    packed = tensor.flatten(-2) if name.endswith("_blocks") else tensor
+    return _deinterleave(packed) if ".gate_up_proj_" in name else packed.contiguous()
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
-from pagedserve.services.engine.models.mxfp4 import checkpoint_is_mxfp4
+from pagedserve.services.engine.models.mxfp4 import PACKED_EXPERTS_KEY, checkpoint_is_mxfp4, keeps_experts_packed
 from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
@@ -165,6 +165,7 @@ def load_model(
     parallel: ParallelContext | None = None,
     random_weights_seed: int | None = None,
     quantization: str | None = None,
+    mxfp4_packed: bool | None = None,
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
@@ -173,13 +174,17 @@ def load_model(
     and device are adopted, not copied). `parallel` (world size > 1): build and load only this
     rank's shard (services/engine/parallel). `random_weights_seed`: deterministic random weights,
     the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
-    loads the decoder layers' linears as FP8 (see models/fp8.py)."""
+    loads the decoder layers' linears as FP8 (see models/fp8.py). MXFP4 checkpoints (gpt-oss): the experts
+    stay 4-bit on the device if `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA
+    (mxfp4.keeps_experts_packed)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
     cfg = cls.normalize_config(cfg)
     if is_bare_decoder(cfg):  # no LM head to load: logits (never asked of a pooling engine) would read the embeddings
         cfg = {**cfg, "tie_word_embeddings": True}
+    if checkpoint_is_mxfp4(cfg):  # the family builds packed or dense expert parameters from this
+        cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed)}
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour

@@ -8,7 +8,8 @@ Linear per expert (`experts.{i}.gate_proj/up_proj/down_proj`, Mixtral's `experts
 which `Experts.load_shard` copies into expert i's slice (shard id "gate:i", "up:i", "down:i").
 
 The experts run through `fused_experts`: the fused-MoE Triton kernel (kernels/fused_moe.py) where the
-layers fuse (CUDA with the Triton backend), the torch path of kernels/moe_reference.py elsewhere.
+layers fuse (CUDA with the Triton backend), the torch path of kernels/moe_reference.py elsewhere. MXFP4
+experts (gpt-oss kept packed) always take the kernel: the torch paths need dense weights.
 """
 
 from __future__ import annotations
@@ -56,9 +57,28 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
+    w13_scale: torch.Tensor | None = None,  # MXFP4 (w13, w2 uint8 codes): see kernels/fused_moe.py
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]: sum over slots of weight x expert MLP
     """The experts as every MoE family calls them. Under tensor parallelism each rank passes its slice of
     the intermediate dim (w13's gate and up rows, w2's columns) and all-reduces the result."""
+    if w13_scale is not None or w2_scale is not None:
+        from pagedserve.kernels import fused_moe  # MXFP4: only the kernel reads packed weights
+
+        return fused_moe.fused_experts(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation=activation,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+        )
     return _experts_path(x)(
         x,
         w13,

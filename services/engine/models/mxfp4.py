@@ -7,7 +7,9 @@ Per weight [rows, cols] (rows = output features) the checkpoint stores
 
 and means  W[r, 32 b + j] = FP4[code j of block (r, b)] * 2 ** (scale[r, b] - 127).  A code is sign (bit 3)
 and magnitude (bits 0-2): 0, 0.5, 1, 1.5, 2, 3, 4, 6. Every such value times a power of two is exact in
-bf16, so dequantising at load loses nothing; the experts then run the bf16 fused-MoE kernel.
+bf16, so dequantising at load loses nothing. The fused-MoE kernel also takes the codes as they are, the
+blocks flattened to [..., rows, cols / 2] ("flat": `quantize_flat`, `dequantize_flat`), and dequantises
+in registers (kernels/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,18 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 _MAGNITUDES = torch.tensor(FP4_VALUES[:8])
 
 
+# The config key the loader sets for the family: keep the experts packed (True) or dequantise them at load.
+PACKED_EXPERTS_KEY = "mxfp4_packed_experts"
+
+
 def checkpoint_is_mxfp4(cfg: dict[str, Any]) -> bool:
     return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def keeps_experts_packed(device: torch.device, packed: bool | None) -> bool:
+    """`packed` if given, else on CUDA only: there the fused-MoE kernel dequantises in registers; the torch
+    expert paths the other devices run need dense weights."""
+    return device.type == "cuda" if packed is None else packed
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,3 +69,21 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (nearest | ((scaled < 0).long() << 3)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exponents + SCALE_BIAS).to(torch.uint8)
+
+
+def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The kernel's layout: [..., rows, cols/2] uint8 codes and [..., rows, cols/32] scales -> [..., rows, cols]."""
+    return dequantize(codes.unflatten(-1, (-1, BLOCK // 2)), scales, dtype)
+
+
+def quantize_flat(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> (codes [..., rows, cols/2], scales [..., rows, cols/32]), as the kernel takes them."""
+    blocks, scales = quantize(weight)
+    return blocks.flatten(-2), scales
+
+
+def random_flat(shape: tuple[int, ...], scales: bool, generator: torch.Generator) -> torch.Tensor:
+    """Random codes (uniform bytes) or scales (2^-9..2^-6: |w| up to ~0.1, about gpt-oss's) in the kernel's
+    layout, for random-weight benchmarks."""
+    low, high = (SCALE_BIAS - 9, SCALE_BIAS - 5) if scales else (0, 256)
+    return torch.randint(low, high, shape, generator=generator, device=generator.device, dtype=torch.uint8)

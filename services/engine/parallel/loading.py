@@ -7,7 +7,8 @@ and Falcon fused qkv), that one tensor is read whole, reordered, and sliced.
 
 Random weights (`load_random`, benchmarks): every full tensor is generated from (seed, its name,
 its shard id) and then sliced, so one GPU and N GPUs hold identical weights. Values are rounded to
-bf16 so an fp32 model of the same seed is an exact reference.
+bf16 so an fp32 model of the same seed is an exact reference. uint8 parameters (gpt-oss's MXFP4 experts
+kept packed) get random codes and scales instead (mxfp4.random_flat).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.layers import ShardedLinear
 from pagedserve.services.engine.parallel.linear import ReadSlice
@@ -111,10 +113,14 @@ def random_tensor(
         return torch.ones(shape, device=device)
     if leaf == "bias":
         return torch.zeros(shape, device=device)
+    values = torch.randn(shape, generator=_generator(name, shard_id, seed, device), device=device) * 0.02
+    return values.to(torch.bfloat16)
+
+
+def _generator(name: str, shard_id: str | None, seed: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}/{shard_id or ''}".encode()))
-    values = torch.randn(shape, generator=generator, device=device) * 0.02
-    return values.to(torch.bfloat16)
+    return generator
 
 
 def load_random(model: CausalLM, seed: int) -> None:
@@ -122,6 +128,10 @@ def load_random(model: CausalLM, seed: int) -> None:
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     for name, shard_id, shape in _full_pieces(model):
-        tensor = random_tensor(name, shard_id, shape, seed, device)
+        if params[name].dtype == torch.uint8:  # MXFP4 codes or scales: random bf16 values would cast to zeros
+            generator = _generator(name, shard_id, seed, device)
+            tensor = mxfp4.random_flat(shape, name.endswith("_scales"), generator)
+        else:
+            tensor = random_tensor(name, shard_id, shape, seed, device)
         _load_param(model, params, name, shard_id, _narrow_reader(tensor), shape[0])
         del tensor
