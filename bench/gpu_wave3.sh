@@ -4,7 +4,7 @@
 # and speculative-decoding benchmarks. Installs nothing from the network (carried wheels only).
 #
 #   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
-#   PARTS=tests,lora,oracle,ngram SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+#   PARTS=tests,mxfp4,lora,oracle,ngram SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
 # Logs and JSON go under $OUT; a short summary is printed last.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-wave3}
@@ -32,6 +32,11 @@ if has tests; then
     > "$OUT/tests.log" 2>&1
   summary+=("tests rc=$? : $(tail -n 1 "$OUT/tests.log")")
 fi
+if has mxfp4; then
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench moe_kernel --mxfp4 --json "$OUT/moe_kernel_mxfp4.json" \
+    > "$OUT/mxfp4.log" 2>&1
+  summary+=("mxfp4 rc=$?")
+fi
 if has lora; then
   timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.lora --out-dir "$OUT" > "$OUT/lora.log" 2>&1
   summary+=("lora rc=$?")
@@ -48,7 +53,7 @@ if has ngram; then
 fi
 
 cat "$OUT/env.txt"
-for log in tests lora spec_oracle spec_ngram; do
+for log in tests mxfp4 lora spec_oracle spec_ngram; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
 done
 printf '%s\n' "${summary[@]}"
