@@ -200,7 +200,7 @@ def test_greedy_generation_matches_hf_on_the_meant_weights(
     hf = _checkpoint(tmp_path, group_size, symmetric, act_order)
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 2 * 4  # qkv, o, gate_up, down per layer
-    config = Config.of(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
+    config = Config.of(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
     prompts = [[5, 17, 42, 99, 3, 250, 8], [9, 1, 200]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [r.token_ids for r in Engine(config, model=ours).generate(prompts, params)]
@@ -215,7 +215,7 @@ def test_ignored_linears_load_in_full_precision(tmp_path: Path) -> None:
     assert isinstance(ours.get_submodule("model.layers.0.mlp.down_proj"), nn.Linear)
     assert isinstance(ours.get_submodule("model.layers.1.self_attn.qkv_proj"), nn.Linear)
     assert isinstance(ours.get_submodule("model.layers.0.self_attn.qkv_proj"), Int4Linear)
-    config = Config.of(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
+    config = Config.of(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert Engine(config, model=ours).generate([[3, 4, 5]], params)[0].token_ids == hf_greedy(hf, [3, 4, 5], 8)
 

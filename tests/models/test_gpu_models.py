@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import CASES, MOE_FAMILIES, build_tiny_model
+from tests.models.tiny_models import CASES, MOE_FAMILIES, build_tiny_model, hf_ignores_the_config
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -40,18 +39,9 @@ def restore_backend() -> Iterator[None]:
 
 def hf_on_gpu(case: str, model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     model: torch.nn.Module = build_tiny_model(case, model_dir)
-    skip_if_hf_ignores_the_config(model)
+    if reason := hf_ignores_the_config(model):
+        pytest.skip(reason)
     return model.to(device=CUDA, dtype=dtype)
-
-
-def skip_if_hf_ignores_the_config(model: torch.nn.Module) -> None:
-    """transformers before 5.18 hard-codes gpt-oss's clamp (limit 7.0) where the config says otherwise, and our
-    case clamps at 1.0 to exercise it: that HF is no oracle here (the CPU tests compare with a newer one)."""
-    layers: Any = model.model.layers
-    experts = getattr(getattr(layers[0], "mlp", None), "experts", None)
-    limit = getattr(model.config, "swiglu_limit", None)
-    if experts is not None and limit is not None and getattr(experts, "limit", limit) != limit:
-        pytest.skip(f"this transformers ignores config.swiglu_limit {limit} (uses {experts.limit})")
 
 
 def skip_if_triton_refuses(model: torch.nn.Module) -> None:

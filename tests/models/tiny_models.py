@@ -223,3 +223,15 @@ def build_tiny_model(case: str, out_dir: Path) -> PreTrainedModel:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model
+
+
+def hf_ignores_the_config(model: PreTrainedModel) -> str | None:
+    """Why this installed transformers is no oracle for the case, or None. Before 5.18 it hard-codes gpt-oss's
+    clamp (limit 7.0) where the config says otherwise, and our case clamps at 1.0 to exercise it."""
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    experts = getattr(getattr(layers[0], "mlp", None), "experts", None) if layers else None
+    limit = getattr(model.config, "swiglu_limit", None)
+    if experts is not None and limit is not None and getattr(experts, "limit", limit) != limit:
+        return f"this transformers ignores config.swiglu_limit {limit} (uses {experts.limit})"
+    return None

@@ -175,8 +175,8 @@ def load_model(
     rank's shard (services/engine/parallel). `random_weights_seed`: deterministic random weights,
     the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
     loads the decoder layers' linears as FP8 (see models/fp8.py). MXFP4 checkpoints (gpt-oss): the experts
-    stay 4-bit on the device if `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA
-    (mxfp4.keeps_experts_packed)."""
+    stay 4-bit on the device if `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA when
+    the dequantised experts would not fit half the device (mxfp4.keeps_experts_packed)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -184,7 +184,7 @@ def load_model(
     if is_bare_decoder(cfg):  # no LM head to load: logits (never asked of a pooling engine) would read the embeddings
         cfg = {**cfg, "tie_word_embeddings": True}
     if checkpoint_is_mxfp4(cfg):  # the family builds packed or dense expert parameters from this
-        cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed)}
+        cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed, cfg)}
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour

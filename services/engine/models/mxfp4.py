@@ -32,10 +32,22 @@ def checkpoint_is_mxfp4(cfg: dict[str, Any]) -> bool:
     return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
-def keeps_experts_packed(device: torch.device, packed: bool | None) -> bool:
-    """`packed` if given, else on CUDA only: there the fused-MoE kernel dequantises in registers; the torch
-    expert paths the other devices run need dense weights."""
-    return device.type == "cuda" if packed is None else packed
+def keeps_experts_packed(device: torch.device, packed: bool | None, cfg: dict[str, Any]) -> bool:
+    """`packed` if given. Else dequantised wherever the bf16 experts take at most half the device's memory:
+    the fused-MoE kernel on bf16 weights ran 2.2-2.7x faster than on packed ones (H200, bench moe_kernel
+    --mxfp4); packed on CUDA beyond that (gpt-oss-120b: ~230 GB of bf16 experts). The torch expert paths of
+    the other devices need dense weights."""
+    if packed is not None:
+        return packed
+    if device.type != "cuda":
+        return False
+    return dense_expert_bytes(cfg) > torch.cuda.get_device_properties(device).total_memory // 2
+
+
+def dense_expert_bytes(cfg: dict[str, Any]) -> int:
+    """The experts' bytes in bf16: per layer and expert, gate/up [2I, H] and down [H, I]."""
+    per_expert = 3 * int(cfg["intermediate_size"]) * int(cfg["hidden_size"])
+    return 2 * per_expert * int(cfg["num_local_experts"]) * int(cfg["num_hidden_layers"])
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
