@@ -142,12 +142,21 @@ class Fp8Linear(nn.Module):
         return ["weight", "weight_scale"]
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear inside the decoder layers for an (empty) Fp8Linear; returns how many.
+# MoE routers stay in full precision (as llm-compressor's FP8 recipes leave `mlp.gate`): a rounded router
+# logit flips a token's experts at near-ties, which costs far more than the few bytes it saves.
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
-    Called on the meta-device model before loading. Embeddings and lm_head stay in full precision."""
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every nn.Linear inside the decoder layers, MoE routers aside, for an (empty) Fp8Linear; returns how
+    many. Called on the meta-device model before loading. Embeddings and lm_head stay in full precision, and so
+    do MoE experts (3-D tensors, not linears)."""
     layers = model.get_submodule("model.layers")
-    swaps = [(name, module) for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    swaps = [
+        (name, module)
+        for name, module in layers.named_modules()
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in ROUTER_NAMES
+    ]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(layers.get_submodule(parent_name) if parent_name else layers, child, Fp8Linear.like(module))
@@ -159,3 +168,33 @@ def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
     for name, tensor in tensors:
         if not name.endswith((".input_scale", ".k_scale", ".v_scale", ".kv_scale")):
             yield name, tensor
+
+
+def dequantize_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """FP8 checkpoints of MoE models (Qwen3-30B-A3B-FP8, Mixtral FP8) quantise the experts too; ours hold
+    full-precision experts (the fused-MoE kernel has no fp8 path yet), so each expert `weight` is dequantised
+    with its `weight_scale` (per tensor or per row) as the pair streams in, in either order."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        if ".experts." not in name or not name.endswith((".weight", ".weight_scale")):
+            yield name, tensor
+            continue
+        weight_name = name.removesuffix("_scale")
+        pair = pending.setdefault(weight_name, {})
+        pair["scale" if name.endswith("_scale") else "weight"] = tensor
+        if "weight" in pair and (pair["weight"].dtype != FP8_DTYPE or "scale" in pair):
+            del pending[weight_name]
+            yield weight_name, _dequantized(weight_name, pair["weight"], pair.get("scale"))
+    if pending:
+        raise ValueError(f"fp8 experts: {sorted(pending)[:4]} lack their weight or weight_scale")
+
+
+def _dequantized(name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:  # a full-precision expert in an fp8 checkpoint
+        return weight
+    scale = scale.float()
+    if scale.numel() != 1:
+        scale = scale.reshape(*weight.shape[:-1], 1)  # one per output row: [N], [N, 1], [E, N, 1]
+        if scale.numel() != weight[..., :1].numel():
+            raise ValueError(f"{name}_scale: {scale.numel()} scales for a weight of shape {tuple(weight.shape)}")
+    return weight.float() * scale

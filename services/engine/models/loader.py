@@ -17,7 +17,12 @@ import torch
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.compressed_tensors import gptq_stream, ignored, pack_quantized_format
 from pagedserve.services.engine.models.falcon import FalconForCausalLM
-from pagedserve.services.engine.models.fp8 import checkpoint_is_fp8, quantize_linears, skip_input_scales
+from pagedserve.services.engine.models.fp8 import (
+    checkpoint_is_fp8,
+    dequantize_experts,
+    quantize_linears,
+    skip_input_scales,
+)
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
@@ -131,7 +136,7 @@ def _checkpoint_stream(
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model's modules take them."""
     if method == "fp8":
-        return skip_input_scales(tensors)
+        return dequantize_experts(skip_input_scales(tensors))
     if method == "compressed-tensors" and (scheme := pack_quantized_format(cfg)) is not None:
         return gptq_stream(tensors, scheme)
     return tensors
@@ -204,10 +209,10 @@ def load_model(
                     f"{is_sharded}, random {random_weights_seed is not None})"
                 )
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
-        if is_fp8 and (cls is not LlamaForCausalLM or is_sharded or random_weights_seed is not None):
+        if is_fp8 and (is_sharded or random_weights_seed is not None):
             raise ValueError(
-                "fp8 weights are supported for the Llama family, unsharded, loaded from weights "
-                f"(not {cls.__name__}, tensor parallel {is_sharded}, random {random_weights_seed})"
+                "fp8 weights load unsharded, from the checkpoint's weights "
+                f"(tensor parallel {is_sharded}, random {random_weights_seed is not None})"
             )
         if is_fp8:
             log.info("fp8 weights: %d linears", quantize_linears(model))
