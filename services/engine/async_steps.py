@@ -110,8 +110,9 @@ class KnownTokensKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool,
         num_known_tokens: Callable[[Request], int],
         host: HostKVTier | None = None,
+        window: int | None = None,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, host)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, host, window)
         self._num_known_tokens = num_known_tokens
 
     def publish_known(self, request: Request) -> None:

@@ -87,6 +87,7 @@ class Engine:
             config.cache.enable_prefix_caching,
             self.placeholders.num_known_tokens,
             HostKVTier(host_kv.num_slots) if host_kv is not None else None,
+            spec.window_of_every_layer,
         )
         self.scheduler = Scheduler(
             self.kv_cache,

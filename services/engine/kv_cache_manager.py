@@ -8,6 +8,12 @@ pass: the model writes every token's K/V of a layer before any query of that lay
 second sequence admitted in the same step can already share them. This is safe because the
 scheduler never frees a sequence between scheduling it and running its step.
 
+When every layer attends within a sliding window (Mistral v0.1, Phi-3-mini: `window`), a running sequence
+hands back the blocks wholly before its window (one spare block kept) as it advances, so it holds ~window
+tokens of blocks however long it runs. Their ids stay at the front of its block table: attention never reads
+them (the window masks or skips those positions), and a block released with a cached prefix stays reusable.
+Models that mix global layers in (Gemma, gpt-oss) keep every block: one block table serves all layers.
+
 With a host tier (kv_offload.py), a cached block the pool evicts is saved to host memory, and a prefix
 lookup goes on in the host tier where the device cache ends: those hits take new device blocks, which the
 runner fills from host memory before the step (`drain_transfers`), and are published like computed ones.
@@ -30,9 +36,16 @@ def root_hash(request: Request) -> bytes:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host: HostKVTier | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host: HostKVTier | None = None,
+        window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window  # every layer's sliding window (the largest), None if any layer is global
+        self._num_released: dict[str, int] = {}  # seq_id -> leading blocks handed back (out of the window)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[int]] = {}  # seq_id -> block ids, in position order
@@ -149,13 +162,31 @@ class KVCacheManager:
             self.host.load(block_hash, block_id)
             self.pool.register(block_id, block_hash)
 
+    def release_out_of_window(self, request: Request) -> None:
+        """Hand back the running sequence's blocks that every later query's window starts after: those ending
+        at least a block before `num_computed_tokens - window` (the next query's earliest key)."""
+        if self.window is None:
+            return
+        block_ids = self._blocks.get(request.seq_id)
+        end = (request.num_computed_tokens - self.window) // self.block_size - 1
+        start = self._num_released.get(request.seq_id, 0)
+        if not block_ids or end <= start:
+            return
+        self.pool.release(block_ids[start:end])
+        self._num_released[request.seq_id] = end
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the sequence holds now (its table's length less the released ones)."""
+        return len(self._blocks.get(request.seq_id, ())) - self._num_released.get(request.seq_id, 0)
+
     def free(self, request: Request) -> None:
         """Return the sequence's blocks (idempotent). Cached ones stay reusable until evicted."""
         block_ids = self._blocks.pop(request.seq_id, None)
         self._num_published.pop(request.seq_id, None)
+        released = self._num_released.pop(request.seq_id, 0)
         if block_ids:
             # The tail first: it is the least likely to be shared, so it should be evicted first.
-            self.pool.release(reversed(block_ids))
+            self.pool.release(reversed(block_ids[released:]))
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -168,9 +199,10 @@ class KVCacheManager:
         """Assert that every reference on a block belongs to exactly one sequence holding it."""
         self.pool.check_invariants()
         holders = [0] * self.num_blocks
-        for block_ids in self._blocks.values():
-            assert len(set(block_ids)) == len(block_ids), "a sequence holds a block twice"
-            for block_id in block_ids:
+        for seq_id, block_ids in self._blocks.items():
+            held = block_ids[self._num_released.get(seq_id, 0) :]
+            assert len(set(held)) == len(held), "a sequence holds a block twice"
+            for block_id in held:
                 holders[block_id] += 1
         assert holders == self.pool.ref_counts, "ref counts differ from the sequences holding blocks"
 

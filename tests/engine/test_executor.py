@@ -43,6 +43,9 @@ def test_context_limit_never_exceeds_the_kv_cache() -> None:
     assert fit_max_model_len(config, 8192, num_blocks=100) == 1600
     with pytest.raises(ValueError, match="max_model_len: 4096 exceeds the KV cache"):
         fit_max_model_len(Config.of(block_size=16, max_model_len=4096), 8192, num_blocks=100)
+    # every layer slides: a window (4096) and a prefill chunk (2048) of blocks is all a sequence ever holds
+    assert fit_max_model_len(config, 32768, num_blocks=400, window=4096) == 32768
+    assert fit_max_model_len(config, 32768, num_blocks=300, window=4096) == 4800  # 386 needed: as before
 
 
 def test_the_engine_service_builds_its_engine_from_the_config(tiny_model_dir: Path) -> None:

@@ -62,7 +62,8 @@ class Worker:
         num_blocks = num_kv_blocks_for(self.model, self.config, self.model.spec.max_model_len)
         if self.ctx is not None:
             num_blocks = self.ctx.agree_min(num_blocks)
-        max_model_len = fit_max_model_len(self.config, self.model.spec.max_model_len, num_blocks)
+        spec = self.model.spec
+        max_model_len = fit_max_model_len(self.config, spec.max_model_len, num_blocks, spec.window_of_every_layer)
         return ModelRunner.from_config(
             self.model,
             self.config,
@@ -89,9 +90,15 @@ def load_rank_model(config: Config, ctx: ParallelContext | None) -> CausalLM:
     )
 
 
-def fit_max_model_len(config: Config, model_max_len: int, num_blocks: int) -> int:
-    """The context limit: the model's, but never more than the KV cache holds (a lone sequence must fit)."""
-    capacity = num_blocks * config.cache.block_size
+def fit_max_model_len(config: Config, model_max_len: int, num_blocks: int, window: int | None = None) -> int:
+    """The context limit: the model's, but never more than the KV cache holds (a lone sequence must fit). When
+    every layer slides (`window`), a sequence holds at most its window and a prefill chunk of blocks (it hands
+    back older ones: kv_cache_manager.py), so any length fits where that does."""
+    block_size = config.cache.block_size
+    chunk = config.scheduler.max_num_batched_tokens
+    if window is not None and -(-(window + chunk) // block_size) + 2 <= num_blocks:
+        return config.model.max_model_len or model_max_len
+    capacity = num_blocks * block_size
     if config.model.max_model_len is not None and config.model.max_model_len > capacity:
         raise ValueError(
             f"max_model_len: {config.model.max_model_len} exceeds the KV cache ({num_blocks} blocks of "

@@ -35,6 +35,13 @@ class ModelSpec:
     def max_position(self) -> int:  # the name the engine contract uses
         return self.max_position_embeddings
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The largest window when every layer slides (then a sequence needs no older blocks), else None."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(w for w in self.layer_windows if w is not None)
+
     def window_of(self, layer: int) -> int | None:
         """The layer's sliding window; None for a global layer."""
         return self.layer_windows[layer] if self.layer_windows else None
