@@ -13,15 +13,17 @@ def quantize(
     weight: torch.Tensor,
     group_size: int,
     g_idx: torch.Tensor | None = None,
+    min_zero: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W [K, N] float -> (q [K, N], zeros [K/G, N], scales [K/G, N]): asymmetric 4-bit per group of rows."""
+    """W [K, N] float -> (q [K, N], zeros [K/G, N], scales [K/G, N]): asymmetric 4-bit per group of rows, zero
+    points from `min_zero` up."""
     k = weight.shape[0]
     groups = g_idx.long() if g_idx is not None else torch.arange(k) // group_size
     num_groups = k // group_size
     lo = torch.stack([weight[groups == g].min(dim=0).values for g in range(num_groups)])
     hi = torch.stack([weight[groups == g].max(dim=0).values for g in range(num_groups)])
     scales = ((hi - lo) / 15).clamp(min=1e-6)
-    zeros = torch.round(-lo / scales).clamp(0, 15)
+    zeros = torch.round(-lo / scales).clamp(min_zero, 15)
     q = torch.round(weight / scales[groups] + zeros[groups]).clamp(0, 15)
     return q.to(torch.int64), zeros.to(torch.int64), scales
 
@@ -80,7 +82,9 @@ def gptq_tensors(
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[perm] = groups.to(torch.int32)
         groups = g_idx.long()
-    q, zeros, scales = quantize(weight, group_size, g_idx)
+    # v1 stores z - 1, and a zero point of 0 would pack as -1 over its neighbours' nibbles: AutoGPTQ's own
+    # packing has that flaw; we write what loads as meant (zero points from 1).
+    q, zeros, scales = quantize(weight, group_size, g_idx, min_zero=1)
     scales = scales.half()
     tensors = {"qweight": pack_rows(q), "qzeros": pack_columns(zeros - 1), "scales": scales}
     if g_idx is not None:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.services.engine.models.moe import ROUTER_NAMES
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or token gets a tiny scale, not 0/0
@@ -140,11 +142,6 @@ class Fp8Linear(nn.Module):
         self.weight.data[rows].copy_(q)
         self.weight_scale.data[rows].copy_(scale)
         return ["weight", "weight_scale"]
-
-
-# MoE routers stay in full precision (as llm-compressor's FP8 recipes leave `mlp.gate`): a rounded router
-# logit flips a token's experts at near-ties, which costs far more than the few bytes it saves.
-ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 
 def quantize_linears(model: nn.Module) -> int:

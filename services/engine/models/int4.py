@@ -17,12 +17,14 @@ Fused q/k/v and gate/up load as output-column shards, like the full-precision la
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.services.engine.models.moe import ROUTER_NAMES
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
 FORMATS = ("awq", "gptq")
@@ -203,14 +205,16 @@ def quantize_linears_int4(
     keep: Callable[[str], bool] | None = None,
 ) -> int:
     """Swap every nn.Linear inside the decoder layers for an (empty) Int4Linear; returns how many.
-    Called on the meta-device model before loading; embeddings and lm_head stay in full precision, and
-    so do linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj). group_size 0: per
+    Called on the meta-device model before loading; embeddings, lm_head and MoE routers stay in full precision,
+    and so do linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj). group_size 0: per
     output channel (one group of each linear's inputs)."""
     layers = model.get_submodule("model.layers")
     swaps = [
         (name, module)
         for name, module in layers.named_modules()
-        if isinstance(module, nn.Linear) and not (keep and keep(f"model.layers.{name}"))
+        if isinstance(module, nn.Linear)
+        and name.rpartition(".")[2] not in ROUTER_NAMES
+        and not (keep and keep(f"model.layers.{name}"))
     ]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
@@ -222,3 +226,47 @@ def quantize_linears_int4(
 def linear_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
     """What Int4Linear computes, in float32 (for tests and the kernel's check)."""
     return F.linear(x.float(), layer.dequantized().float().t(), None if layer.bias is None else layer.bias.float())
+
+
+_PACKED = ("qweight", "qzeros", "scales")
+
+
+def dequantize_experts(
+    tensors: Iterable[tuple[str, torch.Tensor]], fmt: str, group_size: int, zero_offset: int, act_order: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """4-bit MoE checkpoints (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) quantise the experts too; ours hold
+    full-precision experts (the fused-MoE kernel has no 4-bit path yet), so each expert linear's packed
+    tensors are dequantised to its `weight` [N, K] as they stream in, in any order. A GPTQ expert waits for its
+    g_idx when the checkpoint is act-order (`desc_act`); otherwise its g_idx, plain k // G, is dropped."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    for name, tensor in tensors:
+        linear, _, part = name.rpartition(".")
+        if ".experts." not in name or part not in (*_PACKED, "g_idx"):
+            yield name, tensor
+            continue
+        if linear in done:  # a plain g_idx after its expert was dequantised
+            continue
+        parts = pending.setdefault(linear, {})
+        parts[part] = tensor
+        if all(p in parts for p in _PACKED) and (fmt != "gptq" or not act_order or "g_idx" in parts):
+            del pending[linear]
+            done.add(linear)
+            yield f"{linear}.weight", _dequantized_expert(linear, parts, fmt, group_size, zero_offset, act_order)
+    if pending:
+        missing = {linear: sorted(set(_PACKED) - set(parts)) or ["g_idx"] for linear, parts in pending.items()}
+        raise ValueError(f"4-bit experts lack tensors: {dict(list(missing.items())[:4])}")
+
+
+def _dequantized_expert(
+    linear: str, parts: dict[str, torch.Tensor], fmt: str, group_size: int, zero_offset: int, act_order: bool
+) -> torch.Tensor:
+    num_inputs = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
+    groups = group_size or num_inputs  # 0: per output channel
+    g_idx = parts.get("g_idx") if act_order else None
+    try:
+        scales = parts["scales"].float()  # fp16 in checkpoints: the products rounded to fp16 would lose bits
+        weight = dequantize(fmt, parts["qweight"], parts["qzeros"], scales, g_idx, groups, zero_offset)
+    except (RuntimeError, IndexError) as e:  # shapes that do not pack together
+        raise ValueError(f"{linear}: its 4-bit tensors do not fit together ({e})") from None
+    return weight.t().contiguous()  # [K, N] -> HF's [N, K]

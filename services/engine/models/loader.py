@@ -26,6 +26,7 @@ from pagedserve.services.engine.models.fp8 import (
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
+from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
 from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
@@ -139,6 +140,9 @@ def _checkpoint_stream(
         return dequantize_experts(skip_input_scales(tensors))
     if method == "compressed-tensors" and (scheme := pack_quantized_format(cfg)) is not None:
         return gptq_stream(tensors, scheme)
+    if method in ("awq", "gptq") and (int4 := int4_format(cfg)) is not None:
+        act_order = bool((cfg.get("quantization_config") or {}).get("desc_act"))
+        return dequantize_int4_experts(tensors, *int4, act_order=act_order)
     return tensors
 
 

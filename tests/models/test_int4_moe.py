@@ -1,0 +1,90 @@
+"""4-bit MoE checkpoints (GPTQ with and without act order, AWQ) as people download them (Qwen3-30B-A3B-GPTQ-Int4,
+Mixtral AWQ): every linear 4-bit, experts included, routers left in full precision. The attention (and dense
+MLP) linears run as Int4Linear; the experts are dequantised as they load. Logits equal HF's on the weights
+the checkpoint means."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.moe import ROUTER_NAMES
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+from tests.models.paged_driver import PagedDriver
+from tests.models.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GROUP = 16
+PROMPTS = {0: [5, 17, 42, 99, 3, 250, 8], 1: [9, 1, 200]}
+MOE_CASES = ["mixtral-moe-top2-renormalized", "qwen2_moe-shared-expert-dense-layer0", "qwen3_moe-qknorm-normtopk"]
+
+
+def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool) -> PreTrainedModel:
+    """The case's checkpoint with its decoder linears (experts too, per expert as checkpoints store them; not
+    routers) rewritten as 4-bit tensors; returns HF's model loaded from the weights they mean (the oracle).
+    GPTQ without act order still writes each linear's plain g_idx, as AutoGPTQ does."""
+    source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
+    build_tiny_model(case, source)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    written: dict[str, torch.Tensor] = {}
+    meaning: dict[str, torch.Tensor] = {}
+    for name, weight in tensors.items():
+        module = name.rsplit(".", 2)[-2]
+        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
+        if not is_linear or module in ROUTER_NAMES:
+            written[name] = meaning[name] = weight.contiguous()
+            continue
+        w = weight.t().contiguous().float()  # [out, in] -> the formats' [in, out]
+        if fmt == "awq":
+            packed, meant_w = awq_tensors(w, GROUP)
+        else:
+            packed, meant_w = gptq_tensors(w, GROUP, act_order, seed=len(w))
+            packed.setdefault("g_idx", (torch.arange(len(w)) // GROUP).to(torch.int32))
+        base = name.removesuffix(".weight")
+        written.update({f"{base}.{key}": value for key, value in packed.items()})
+        meaning[name] = meant_w.t().contiguous()
+    config = json.loads((source / "config.json").read_text())
+    for directory, state in ((model_dir, written), (meant, meaning)):
+        directory.mkdir(exist_ok=True)
+        save_file(state, str(directory / "model.safetensors"))
+    (meant / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
+        if fmt == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order, "sym": False}
+    )
+    (model_dir / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager")
+    return hf.eval()
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_4bit_moe_checkpoint_matches_hf_on_its_weights(case: str, fmt: str, act_order: bool, tmp_path: Path) -> None:
+    hf = _write_4bit(case, tmp_path, fmt, act_order)
+    ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+    int4 = [name for name, m in ours.named_modules() if isinstance(m, Int4Linear)]
+    assert any("self_attn" in n for n in int4) and not any(n.rpartition(".")[2] in ROUTER_NAMES for n in int4)
+    got = PagedDriver(ours).step(PROMPTS)
+    for index, prompt in PROMPTS.items():
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_expert_missing_a_tensor_is_named(tmp_path: Path) -> None:
+    _write_4bit(MOE_CASES[2], tmp_path, "gptq", True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.g_idx"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"4-bit experts lack tensors: .*experts\.3\.up_proj': \['g_idx'\]"):
+        load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
