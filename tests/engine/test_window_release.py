@@ -6,14 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.kv_cache_manager import KVCacheManager
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.engine.engine_helpers import make_request
-from tests.models.tiny_models import build_tiny_model
+from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 BLOCK = 4
 WINDOW_CASE = "mistral-gqa-window"  # sliding_window 8 on every layer
@@ -43,14 +42,6 @@ def test_a_global_layer_keeps_every_block() -> None:
     assert kv.num_held_blocks(request) == 8
 
 
-def _hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_a_long_generation_holds_a_window_of_blocks_and_equals_hf(tmp_path: Path) -> None:
     """A 30-token prompt (two chunks of at most 16) and 40 new tokens through 12 blocks of 4: 70 tokens would need
     18 blocks, more than the cache (the context limit would be 48 without handing back); the sequence holds 5
@@ -77,4 +68,4 @@ def test_a_long_generation_holds_a_window_of_blocks_and_equals_hf(tmp_path: Path
         held.append(engine.kv_cache.num_held_blocks(request))
         engine.kv_cache.check_invariants()
     assert max(held) <= 12 and max(held[3:]) <= 8 // BLOCK + 3
-    assert tokens == _hf_greedy(hf, prompt, 40)
+    assert tokens == hf_greedy(hf, prompt, 40)

@@ -28,7 +28,7 @@ from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.int4_checkpoints import pack_quantized_config, pack_quantized_tensors
-from tests.models.tiny_models import build_tiny_model
+from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, GROUP = 64, 16
@@ -151,15 +151,6 @@ def test_ignore_matches_fused_linears_by_their_parts() -> None:
     assert not keep("model.layers.0.self_attn.qkv_proj") and not keep("model.layers.1.self_attn.o_proj")
     keep = ignored(PackQuantized(128, True, ("model.layers.0.mlp.down_proj",)))
     assert keep("model.layers.0.mlp.down_proj") and not keep("model.layers.10.mlp.down_proj")
-
-
-def hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
-    """Greedy decoding by full recomputation (no HF cache, no EOS)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _checkpoint(

@@ -24,7 +24,7 @@ from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_p
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import build_tiny_model
+from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASE = "gpt_oss-sinks-window8-yarn-clamped-experts"
@@ -129,14 +129,6 @@ def test_clamped_experts_grouped_and_dense_equal_a_per_token_loop(tiny) -> None:
     assert (gate.abs() > moe.experts.limit).any()  # the clamps do something at this init
 
 
-def _hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_engine_prefix_cache_and_prompt_logprobs_match_hf(tiny) -> None:
     """Prompts 3-4x the window; the second shares 20 tokens (5 blocks) with the first and reuses them."""
     model_dir, hf, ours = tiny
@@ -149,8 +141,8 @@ def test_engine_prefix_cache_and_prompt_logprobs_match_hf(tiny) -> None:
     [one] = engine.generate([first], greedy)
     [two] = engine.generate([second], greedy)
     assert two.num_cached_tokens == 20
-    assert one.token_ids == _hf_greedy(hf, first, 32)
-    assert two.token_ids == _hf_greedy(hf, second, 32)
+    assert one.token_ids == hf_greedy(hf, first, 32)
+    assert two.token_ids == hf_greedy(hf, second, 32)
 
     [scored] = engine.generate([second], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     with torch.inference_mode():

@@ -21,7 +21,7 @@ from pagedserve.services.engine.models.gpt_oss import ClampedSwiGLUExperts, Mxfp
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import build_tiny_model, hf_ignores_the_config
+from tests.models.tiny_models import build_tiny_model, hf_greedy, hf_ignores_the_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASE = "gpt_oss-sinks-window8-yarn-clamped-experts"
@@ -101,14 +101,6 @@ def test_transformers_reads_our_checkpoint_as_the_oracle(checkpoint: tuple[Path,
         torch.testing.assert_close(theirs(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
 
 
-def _hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_served_greedy_equals_the_dequantised_model(checkpoint: tuple[Path, PreTrainedModel]) -> None:
     model_dir, hf = checkpoint
     if reason := hf_ignores_the_config(hf):
@@ -127,7 +119,7 @@ def test_served_greedy_equals_the_dequantised_model(checkpoint: tuple[Path, PreT
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 19)]
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     for prompt, result in zip(prompts, results):
-        assert result.token_ids == _hf_greedy(hf, prompt, 32)
+        assert result.token_ids == hf_greedy(hf, prompt, 32)
 
 
 def test_bad_tensors_and_wrong_flags_are_named(checkpoint: tuple[Path, PreTrainedModel], tmp_path: Path) -> None:

@@ -235,3 +235,12 @@ def hf_ignores_the_config(model: PreTrainedModel) -> str | None:
     if experts is not None and limit is not None and getattr(experts, "limit", limit) != limit:
         return f"this transformers ignores config.swiglu_limit {limit} (uses {experts.limit})"
     return None
+
+
+def hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+    """Greedy decoding by full recomputation (no HF cache, no EOS): the plainest oracle for an engine's tokens."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_new):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
