@@ -76,3 +76,20 @@ class PagedDriver:
             for out, lg in zip(outputs, logits):
                 out.append(int(lg[-1].argmax()))
         return outputs
+
+
+def assert_chunked_steps_match_hf(model: CausalLM, hf: torch.nn.Module, prompt_seed: int, driver_seed: int) -> None:
+    """A 26-token prompt in two chunks (the second beside a 5-token prompt), then a decode step each, through the
+    paged cache: every step's logits equal HF's on the whole sequences (fp32)."""
+    gen = torch.Generator().manual_seed(prompt_seed)
+    long = torch.randint(3, 256, (26,), generator=gen).tolist()
+    short = torch.randint(3, 256, (5,), generator=gen).tolist()
+    driver = PagedDriver(model, seed=driver_seed)
+    first = driver.step({0: long[:10]})
+    rest = driver.step({0: long[10:], 1: short})
+    decode = driver.step({0: [7], 1: [9]})
+    with torch.inference_mode():
+        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
+        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
+    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)

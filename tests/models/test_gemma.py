@@ -15,7 +15,7 @@ from pagedserve.services.engine.executor.worker import refuse_unsupported_attent
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.parallel.sharding import shard_model
 from pagedserve.services.engine.parallel.state import ParallelContext
-from tests.models.paged_driver import PagedDriver
+from tests.models.paged_driver import PagedDriver, assert_chunked_steps_match_hf
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,17 +55,7 @@ def test_gemma2_runs_on_the_triton_backend(tmp_path: Path, torch_backend_after: 
     assert model.spec.layer_windows is not None and 8 in model.spec.layer_windows
     attention.use_backend("triton")
     refuse_unsupported_attention(model)  # accepted: the paged kernel soft-caps
-    gen = torch.Generator().manual_seed(5)
-    long, short = (torch.randint(3, 256, (n,), generator=gen).tolist() for n in (26, 5))
-    driver = PagedDriver(model, seed=3)
-    first = driver.step({0: long[:10]})
-    rest = driver.step({0: long[10:], 1: short})
-    decode = driver.step({0: [7], 1: [9]})
-    with torch.inference_mode():
-        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
-        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
-    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+    assert_chunked_steps_match_hf(model, hf, prompt_seed=5, driver_seed=3)
 
 
 def test_a_model_needing_torch_attention_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:

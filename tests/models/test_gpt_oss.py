@@ -23,7 +23,7 @@ from pagedserve.services.engine.models.moe import experts_reference
 from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_params_from_config
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
-from tests.models.paged_driver import PagedDriver
+from tests.models.paged_driver import assert_chunked_steps_match_hf
 from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,17 +177,4 @@ def test_triton_backend_matches_hf(tiny, torch_backend_after: None) -> None:
     assert ours.spec.layer_windows == (8, None, 8)
     attention.use_backend("triton")
     refuse_unsupported_attention(ours)  # accepted: the paged kernel has what gpt-oss needs
-    gen = torch.Generator().manual_seed(9)
-    long, short = (
-        torch.randint(3, 256, (26,), generator=gen).tolist(),
-        torch.randint(3, 256, (5,), generator=gen).tolist(),
-    )
-    driver = PagedDriver(ours, seed=4)
-    first = driver.step({0: long[:10]})
-    rest = driver.step({0: long[10:], 1: short})
-    decode = driver.step({0: [7], 1: [9]})
-    with torch.inference_mode():
-        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
-        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
-    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+    assert_chunked_steps_match_hf(ours, hf, prompt_seed=9, driver_seed=4)
