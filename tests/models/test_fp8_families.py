@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.services.engine.models import CausalLM, load_model
 from pagedserve.services.engine.models.fp8 import FP8_DTYPE, Fp8Linear
-from pagedserve.services.engine.models.moe import ROUTER_NAMES
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import CASES, MOE_FAMILIES, build_tiny_model
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.int4 import Int4Linear
-from pagedserve.services.engine.models.moe import ROUTER_NAMES
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.services.engine.models.moe import ROUTER_NAMES
+from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -148,16 +148,7 @@ def quantize_linears(model: nn.Module) -> int:
     """Swap every nn.Linear inside the decoder layers, MoE routers aside, for an (empty) Fp8Linear; returns how
     many. Called on the meta-device model before loading. Embeddings and lm_head stay in full precision, and so
     do MoE experts (3-D tensors, not linears)."""
-    layers = model.get_submodule("model.layers")
-    swaps = [
-        (name, module)
-        for name, module in layers.named_modules()
-        if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in ROUTER_NAMES
-    ]
-    for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, Fp8Linear.like(module))
-    return len(swaps)
+    return replace_decoder_linears(model, Fp8Linear.like)
 
 
 def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.services.engine.models.moe import ROUTER_NAMES
+from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
 FORMATS = ("awq", "gptq")
@@ -208,19 +208,11 @@ def quantize_linears_int4(
     Called on the meta-device model before loading; embeddings, lm_head and MoE routers stay in full precision,
     and so do linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj). group_size 0: per
     output channel (one group of each linear's inputs)."""
-    layers = model.get_submodule("model.layers")
-    swaps = [
-        (name, module)
-        for name, module in layers.named_modules()
-        if isinstance(module, nn.Linear)
-        and name.rpartition(".")[2] not in ROUTER_NAMES
-        and not (keep and keep(f"model.layers.{name}"))
-    ]
-    for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = layers.get_submodule(parent_name) if parent_name else layers
-        setattr(parent, child, Int4Linear.like(module, fmt, group_size or module.in_features, zero_offset))
-    return len(swaps)
+
+    def make(linear: nn.Linear) -> Int4Linear:
+        return Int4Linear.like(linear, fmt, group_size or linear.in_features, zero_offset)
+
+    return replace_decoder_linears(model, make, keep)
 
 
 def linear_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:

@@ -175,3 +175,29 @@ class LayerNormBlock(nn.Module):
         assert mlp_norm is not None
         h = attn_out + x
         return self.mlp(mlp_norm(h)) + h
+
+
+# MoE routers (`mlp.gate`, gpt-oss's `mlp.router`, Qwen2-MoE's `shared_expert_gate`) stay in full precision under
+# weight quantization, as quantized checkpoints leave them: a rounded router logit flips a token's experts at
+# near-ties, which costs far more than the few bytes it saves.
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+
+
+def replace_decoder_linears(
+    model: nn.Module, make: Callable[[nn.Linear], nn.Module], keep: Callable[[str], bool] | None = None
+) -> int:
+    """Swap every nn.Linear inside the decoder layers for `make(linear)` (a quantized layer, on the meta model
+    before loading); returns how many. Embeddings and lm_head are outside the layers; MoE routers and the
+    linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj) stay as they are."""
+    layers = model.get_submodule("model.layers")
+    swaps = [
+        (name, module)
+        for name, module in layers.named_modules()
+        if isinstance(module, nn.Linear)
+        and name.rpartition(".")[2] not in ROUTER_NAMES
+        and not (keep and keep(f"model.layers.{name}"))
+    ]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, make(module))
+    return len(swaps)

@@ -23,11 +23,6 @@ from pagedserve.kernels import moe_reference
 from pagedserve.services.engine.models import fused_ops
 from pagedserve.services.engine.models.layers import GatedMLP
 
-# MoE routers (`mlp.gate`, gpt-oss's `mlp.router`, Qwen2-MoE's `shared_expert_gate`) stay in full precision under
-# weight quantization, as quantized checkpoints leave them: a rounded router logit flips a token's experts at
-# near-ties, which costs far more than the few bytes it saves.
-ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
-
 SCORING = ("softmax", "sigmoid")
 _ACTIVATION_ALIASES = {"swish": "silu"}  # config hidden_act names -> ours
 
