@@ -15,7 +15,8 @@ Checkpoints keep the experts as HF's 3-D tensors, transposed and with gate/up in
 [E, hidden, I]), so the grouped/dense expert paths of moe.py run them. MXFP4 checkpoints (openai/gpt-oss-*,
 `quant_method` "mxfp4") store each as `{name}_blocks` + `{name}_scales` in the untransposed layout
 ([E, 2I, hidden] with gate/up rows interleaved; [E, hidden, I]). The loader decides (config key
-mxfp4.PACKED_EXPERTS_KEY, from load_model's `mxfp4_packed`; by default packed on CUDA only):
+mxfp4.PACKED_EXPERTS_KEY, from load_model's `mxfp4_packed`; by default packed only on CUDA and only where the
+bf16 experts would take more than half the GPU: mxfp4.keeps_experts_packed):
 
     packed       Mxfp4Experts keeps the codes and scales (rows de-interleaved, which moves whole bytes, so
                  it is exact) and the fused-MoE kernel dequantises them in registers: ~4.25 bits a weight
