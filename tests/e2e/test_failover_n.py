@@ -4,7 +4,8 @@ on on the other replica with no token lost or repeated.
 Greedy requests must reproduce, choice for choice, the answers of a healthy run. Sampled requests (a seed,
 so the two choices differ) cannot be compared with a healthy run (a continuation restarts the choice's
 random stream), so they are checked structurally: each choice streams exactly max_tokens tokens (one lost
-token makes one fewer, one repeated token one more), its text is exactly its tokens' bytes, and usage agrees.
+token makes one fewer, one repeated token one more), its text is exactly its tokens' bytes (less the special
+tokens, which ignore_eos lets a sampled choice draw and the text skips), and usage agrees.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 import redis
+from transformers import AutoTokenizer
 
 from pagedserve.shared import streams
 from pagedserve.shared.protocol import EngineHeartbeat, decode_as
@@ -32,13 +35,15 @@ REPLICA_ID = "eng-doomed-n2"
 @dataclass
 class Answer:
     texts: list[str] = field(default_factory=lambda: ["", ""])
-    token_bytes: list[bytes] = field(default_factory=lambda: [b"", b""])
+    token_bytes: list[bytes] = field(default_factory=lambda: [b"", b""])  # of the tokens the text shows
     num_tokens: list[int] = field(default_factory=lambda: [0, 0])
     finish_reasons: list[str | None] = field(default_factory=lambda: [None, None])
     completion_tokens: int = -1
 
 
-async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: float, salt: str) -> Answer:
+async def ask(
+    client: openai.AsyncOpenAI, model: str, prompt: str, temperature: float, salt: str, special: set[str]
+) -> Answer:
     answer = Answer()
     stream = await client.chat.completions.create(
         model=model,
@@ -61,7 +66,8 @@ async def ask(client: openai.AsyncOpenAI, model: str, prompt: str, temperature: 
             i = choice.index
             answer.texts[i] += choice.delta.content or ""
             for token in (choice.logprobs.content or []) if choice.logprobs else []:
-                answer.token_bytes[i] += bytes(token.bytes or [])
+                if token.token not in special:  # EOS drawn under ignore_eos: counted, never shown
+                    answer.token_bytes[i] += bytes(token.bytes or [])
                 answer.num_tokens[i] += 1
             answer.finish_reasons[i] = choice.finish_reason or answer.finish_reasons[i]
     return answer
@@ -76,13 +82,15 @@ def _num_moves(services: RunningServices) -> int:
     return (services.log_dir / "gateway.log").read_text().count(" is gone; ")
 
 
-def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: RunningServices) -> None:
+def test_every_choice_of_an_n2_request_survives_a_killed_replica(services: RunningServices, smollm2_dir: Path) -> None:
+    special = set(AutoTokenizer.from_pretrained(smollm2_dir).all_special_tokens)
+
     async def run(salt: str) -> tuple[list[Answer], list[Answer]]:
         async with openai.AsyncOpenAI(
             base_url=f"{services.base_url}/v1", api_key="x", max_retries=0, timeout=300
         ) as client:
-            greedy = [ask(client, services.model, p, 0.0, salt) for p in GREEDY_PROMPTS]
-            sampled = [ask(client, services.model, p, 0.9, salt) for p in SAMPLED_PROMPTS]
+            greedy = [ask(client, services.model, p, 0.0, salt, special) for p in GREEDY_PROMPTS]
+            sampled = [ask(client, services.model, p, 0.9, salt, special) for p in SAMPLED_PROMPTS]
             answers = await asyncio.gather(*greedy, *sampled)
             return list(answers[: len(greedy)]), list(answers[len(greedy) :])
 
