@@ -4,7 +4,8 @@
 # and speculative-decoding benchmarks. Installs nothing from the network (carried wheels only).
 #
 #   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
-#   PARTS=tests,mxfp4,lora,oracle,ngram SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+#   PARTS=tests,mxfp4,lora,oracle,ngram,graphs SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+#   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
 # Logs and JSON go under $OUT; a short summary is printed last.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-wave3}
@@ -46,6 +47,11 @@ if has oracle; then
     --out "$OUT/spec_oracle.json" > "$OUT/spec_oracle.log" 2>&1
   summary+=("spec oracle rc=$?")
 fi
+if has graphs; then  # mixed/prefill-step CUDA graphs on and off: TTFT, throughput, same tokens (issue 23)
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.step_graphs --models "${GRAPH_MODELS:-smollm2-135m}" \
+    --json "$OUT/step_graphs.json" > "$OUT/step_graphs.log" 2>&1
+  summary+=("step graphs rc=$?")
+fi
 if has ngram; then
   timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
     --out "$OUT/spec_ngram.json" > "$OUT/spec_ngram.log" 2>&1
@@ -53,7 +59,7 @@ if has ngram; then
 fi
 
 cat "$OUT/env.txt"
-for log in tests mxfp4 lora spec_oracle spec_ngram; do
+for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
 done
 printf '%s\n' "${summary[@]}"

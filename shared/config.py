@@ -200,6 +200,11 @@ class SchedulerConfig:
 class RunnerConfig:
     enforce_eager: bool = opt(False, "never replay CUDA graphs (every step runs eagerly)")
     cuda_graph_max_batch: int = opt(512, "CUDA: decode steps of up to this many sequences replay captured graphs")
+    cuda_graph_max_tokens: int = opt(
+        2048,
+        "CUDA: mixed and prefill steps of up to this many tokens (capped by max_num_batched_tokens) replay "
+        "captured graphs; 0: decode graphs only",
+    )
     async_scheduling: bool | None = opt(
         None, "schedule step N+1 before step N's tokens reach the host (default: on CUDA only)"
     )
@@ -214,6 +219,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "cuda_graph_max_batch")
+        _at_least(self, 0, "cuda_graph_max_tokens")
         if self.speculative_config is not None:
             parse_speculative_config(self.speculative_config)  # a bad config stops start-up, naming the field
 
@@ -221,6 +227,11 @@ class RunnerConfig:
     def num_graph_batch(self) -> int:
         """The largest batch that replays a graph; 0 = eager always."""
         return 0 if self.enforce_eager else self.cuda_graph_max_batch
+
+    @property
+    def num_graph_tokens(self) -> int:
+        """The largest mixed/prefill step that replays a graph; 0 = such steps run eagerly."""
+        return 0 if self.enforce_eager else self.cuda_graph_max_tokens
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

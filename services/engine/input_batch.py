@@ -188,6 +188,25 @@ def pad_eager_batch(batch: HostBatch, num_tokens: int) -> HostBatch:
     )
 
 
+def pad_mixed_batch(batch: HostBatch, num_tokens: int, num_seqs: int) -> HostBatch:
+    """`batch` grown to a mixed graph's shape: padding tokens as in `pad_eager_batch`, and padding sequences
+    with no tokens and no context (query_start_loc repeats its end; a zero block-table row), which the
+    attention kernels skip."""
+    num_pad = num_seqs - batch.num_seqs
+    assert num_pad >= 0 and batch.max_query_len > 1
+    padded = pad_eager_batch(batch, num_tokens)
+    if num_pad == 0:
+        return padded
+    end = batch.query_start_loc[-1]
+    tables = batch.block_tables
+    return replace(
+        padded,
+        query_start_loc=np.concatenate([batch.query_start_loc, np.full(num_pad, end, dtype=np.int32)]),
+        seq_lens=np.concatenate([batch.seq_lens, np.zeros(num_pad, dtype=np.int32)]),
+        block_tables=np.concatenate([tables, np.zeros((num_pad, tables.shape[1]), dtype=np.int32)]),
+    )
+
+
 def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
     """Fresh tensors (the CPU path, where a copy is a no-op)."""
 

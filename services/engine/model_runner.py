@@ -21,12 +21,11 @@ import torch
 from pagedserve.services.engine import attention, pooler, prompt_logprobs
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.config import kv_cache_torch_dtype, torch_device
-from pagedserve.services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.services.engine.cuda_graphs import StepGraphs, graph_shapes
 from pagedserve.services.engine.input_batch import (
     InputBuffers,
     build_host_batch,
     eager_token_bucket,
-    pad_decode_batch,
     pad_eager_batch,
     to_model_input,
 )
@@ -108,6 +107,7 @@ class ModelRunner:
             max_num_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=max_model_len,
             cuda_graph_max_batch=config.runner.num_graph_batch,
+            cuda_graph_max_tokens=config.runner.num_graph_tokens,
             profile=profile,
             kv_cache_dtype=kv_cache_torch_dtype(config),
             step_sender=step_sender,
@@ -126,7 +126,8 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_tokens: int = 2048,
         max_model_len: int | None = None,
-        cuda_graph_max_batch: int = 0,  # 0: no CUDA graphs
+        cuda_graph_max_batch: int = 0,  # decode steps of up to this many sequences replay graphs (0: none)
+        cuda_graph_max_tokens: int = 0,  # mixed/prefill steps of up to this many tokens replay graphs (0: none)
         profile: StepProfile | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; float8_e4m3fn: fp8 cache
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
@@ -148,15 +149,17 @@ class ModelRunner:
         self.step_sender = step_sender
         self.lora = lora
         self.buffers: InputBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda":
             self.buffers = InputBuffers(
                 max(max_num_tokens, max_num_seqs), max_num_seqs, -(-max_model_len // block_size), device
             )
             # Graphs need kernels that read no host-side lengths: the Triton backend's.
-            if cuda_graph_max_batch > 0 and attention.backend_name() == "triton":
-                sizes = capture_sizes(min(cuda_graph_max_batch, max_num_seqs))
-                self.graphs = DecodeGraphs(model, self.kv_caches, self.buffers, sizes, max_model_len)
+            shapes = graph_shapes(
+                min(cuda_graph_max_batch, max_num_seqs), min(cuda_graph_max_tokens, max_num_tokens), max_num_seqs
+            )
+            if shapes and attention.backend_name() == "triton":
+                self.graphs = StepGraphs(model, self.kv_caches, self.buffers, shapes, max_model_len)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -182,15 +185,15 @@ class ModelRunner:
             self.host_kv.apply(kv_transfers, self.kv_caches)
         batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows)
         num_tokens = batch.num_tokens
-        graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
-        if graph_size is not None:
-            batch = pad_decode_batch(batch, graph_size)
+        graph_id = self.graphs.choose(batch) if self.graphs else None
+        if graph_id is not None and self.graphs is not None:
+            batch = self.graphs.pad(batch, graph_id)
         elif self.buffers is not None and attention.backend_name() == "triton":
             batch = pad_eager_batch(batch, min(eager_token_bucket(num_tokens), self.buffers.max_num_tokens))
         if self.step_sender is not None:
-            self.step_sender.send(batch, graph_size)
+            self.step_sender.send(batch, graph_id)
         if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
-            self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_size is not None)
+            self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_id is not None)
         inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:
@@ -202,8 +205,8 @@ class ModelRunner:
                 self.step_sender.share_input_ids(inputs.input_ids)
         profile.mark("prepare")
 
-        if graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(graph_size)  # [graph_size, hidden]
+        if graph_id is not None and self.graphs is not None:
+            hidden = self.graphs.replay(graph_id)  # [the graph's num_tokens, hidden]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_chunks = (
@@ -213,7 +216,7 @@ class ModelRunner:
         )
         pooled_chunks = pooler.pool_step(hidden, scheduled) if pooler.wants_pooling(scheduled) else []
         sampling_requests = [s.request for s in scheduled if s.is_sampling]
-        kind = "eager" if graph_size is None else "graph"
+        kind = "eager" if graph_id is None else "graph"
         if not sampling_requests:
             if marks is not None:
                 marks.forward_done.record()
@@ -357,11 +360,14 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: Config, max_model_len: int) -
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, other processes
-    budget = int(total * config.cache.gpu_memory_utilization) - used - activation_peak
+    # The mixed graphs' shared pool holds about the largest one's activations, beside the eager steps' own.
+    graph_pool = activation_peak * min(config.runner.num_graph_tokens, num_tokens) // num_tokens
+    budget = int(total * config.cache.gpu_memory_utilization) - used - activation_peak - graph_pool
     log.info(
-        "KV cache budget %.2f GiB (used %.2f, activation peak %.2f)",
+        "KV cache budget %.2f GiB (used %.2f, activation peak %.2f, mixed-step graphs %.2f)",
         budget / 2**30,
         used / 2**30,
         activation_peak / 2**30,
+        graph_pool / 2**30,
     )
     return budget

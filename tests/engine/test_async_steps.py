@@ -7,14 +7,24 @@ checks it here; the GPU run in bench/throughput.py checks the device side.
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
-from pagedserve.services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.services.engine.attention import AttentionMetadata
+from pagedserve.services.engine.cuda_graphs import (
+    GraphShape,
+    QueryKind,
+    StepGraphs,
+    capture_sizes,
+    graph_shapes,
+    mixed_token_sizes,
+)
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.input_batch import (
     PLACEHOLDER_TOKEN_ID,
@@ -32,13 +42,15 @@ from tests.engine.engine_helpers import make_request
 EOS = 2
 
 
-def make_engine(model: CausalLM, model_dir: Path, is_async: bool, num_kv_blocks: int = 64) -> Engine:
+def make_engine(
+    model: CausalLM, model_dir: Path, is_async: bool, num_kv_blocks: int = 64, max_num_batched_tokens: int = 24
+) -> Engine:
     config = Config.of(
         model=str(model_dir),
         num_kv_blocks=num_kv_blocks,
         block_size=4,
         max_num_seqs=8,
-        max_num_batched_tokens=24,
+        max_num_batched_tokens=max_num_batched_tokens,
         async_scheduling=is_async,
     )
     return Engine(config, model=model)
@@ -157,44 +169,114 @@ def test_capture_sizes() -> None:
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and all(s % 8 == 0 for s in sizes[3:])
 
 
+def test_graph_shapes_and_the_choice_of_one() -> None:
+    assert mixed_token_sizes(2048)[:9] == [16, 32, 48, 64, 80, 96, 112, 128, 160]
+    assert mixed_token_sizes(2048)[-3:] == [1536, 1792, 2048] and mixed_token_sizes(100)[-1] == 100
+    sizes = mixed_token_sizes(2048)
+    assert all(later <= 1.25 * earlier for earlier, later in itertools.pairwise(sizes[3:]))  # padding <= 25%
+    shapes = graph_shapes(max_decode_batch=16, max_mixed_tokens=512, max_num_seqs=64)
+    assert GraphShape(16, 16, QueryKind.DECODE) in shapes and GraphShape(512, 64, QueryKind.SHORT) in shapes
+    assert GraphShape(512, 16, QueryKind.LONG) in shapes  # 512 // 32: the prefill kernel may take it
+    assert not any(s.kind == QueryKind.LONG and s.num_tokens < 64 for s in shapes)
+    buffers = InputBuffers(512, 64, 8, torch.device("cpu"))
+    graphs = StepGraphs(None, [], buffers, shapes, 128)
+    graphs._graphs = dict.fromkeys(range(len(shapes)))  # type: ignore[assignment]
+
+    def chosen(query_lens: list[int]) -> GraphShape | None:
+        batch = build_host_batch(
+            [ScheduledRequest(make_request(list(range(3, 3 + n))), 0, n, True) for n in query_lens],
+            [list(range(-(-n // 4))) for n in query_lens],
+            block_size=4,
+        )
+        graph_id = graphs.choose(batch)
+        if graph_id is None:
+            return None
+        padded = graphs.pad(batch, graph_id)
+        shape = shapes[graph_id]
+        assert (padded.num_tokens, padded.num_seqs) == (shape.num_tokens, shape.num_seqs)
+        return shape
+
+    assert chosen([1, 1, 1]) == GraphShape(4, 4, QueryKind.DECODE)
+    assert chosen([1] * 17) is None  # more decodes than the largest decode graph
+    assert chosen([5, 1, 1]) == GraphShape(16, 16, QueryKind.SHORT)
+    assert chosen([100]) == GraphShape(112, 3, QueryKind.LONG)  # 112 // 32 sequences: the prefill kernel's
+    assert chosen([100, *[1] * 10]) == GraphShape(112, 64, QueryKind.LONG)
+    assert chosen([400, 200]) is None  # more tokens than the largest mixed graph
+
+
 class EagerGraph:
     """Stands in for a CUDA graph on the CPU: "replay" reruns the forward pass on the buffers."""
 
-    def __init__(self, graphs: DecodeGraphs, size: int, out: torch.Tensor) -> None:
-        self.graphs, self.size, self.out = graphs, size, out
+    def __init__(self, graphs: StepGraphs, shape: GraphShape, out: torch.Tensor) -> None:
+        self.graphs, self.shape, self.out = graphs, shape, out
 
-    num_replays = 0
+    replays: ClassVar[list[GraphShape]] = []
 
     def replay(self) -> None:
-        EagerGraph.num_replays += 1
-        self.out.copy_(self.graphs._forward(self.size))
+        EagerGraph.replays.append(self.shape)
+        self.out.copy_(self.graphs._forward(self.shape))
 
 
-class EagerGraphs(DecodeGraphs):
+class EagerGraphs(StepGraphs):
     def capture(self) -> None:
-        self._fill_dummy_decode(self.max_size)
         hidden_size = self.model.spec.hidden_size
-        for size in self.sizes:
-            graph = EagerGraph(self, size, torch.empty(size, hidden_size))
-            self._graphs[size] = (graph, graph.out)  # type: ignore[assignment]
+        for graph_id, shape in enumerate(self.shapes):
+            graph = EagerGraph(self, shape, torch.empty(shape.num_tokens, hidden_size))
+            self._graphs[graph_id] = (graph, graph.out)  # type: ignore[assignment]
+
+    def _forward(self, shape: GraphShape) -> torch.Tensor:
+        """The graph's inputs (padding sequences included) but only the real tokens, with the step's longest
+        query and sequence: the torch attention pads to those and takes no token outside a sequence (the
+        Triton kernels read neither length and skip such tokens)."""
+        ids = self.buffers.device_1d
+        starts = ids["query_start_loc"][: shape.num_seqs + 1]
+        seq_lens = ids["seq_lens"][: shape.num_seqs]
+        num_real = int(starts[-1])
+        meta = AttentionMetadata(
+            ids["slot_mapping"][:num_real],
+            starts,
+            seq_lens,
+            self.buffers.block_tables[: shape.num_seqs],
+            int((starts[1:] - starts[:-1]).max()),
+            int(seq_lens.max()),
+        )
+        hidden = self.model(ids["input_ids"][:num_real], ids["positions"][:num_real], self.kv_caches, meta)
+        return torch.cat([hidden, hidden.new_zeros(shape.num_tokens - num_real, hidden.shape[1])])
 
 
-def test_persistent_buffers_and_padded_graph_batches_match(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
-    """The CUDA path's input handling (pinned staging, persistent buffers, decode batches padded to a
-    captured size, placeholders patched from the previous step) run on the CPU gives the same tokens."""
+@pytest.mark.parametrize("max_num_batched_tokens", [24, 128])  # 128: prompts of 64+ tokens (LONG graphs)
+def test_persistent_buffers_and_padded_graph_batches_match(
+    tiny_model: CausalLM, tiny_model_dir: Path, max_num_batched_tokens: int
+) -> None:
+    """The CUDA path's input handling (pinned staging, persistent buffers, decode and mixed batches padded
+    to a captured shape, placeholders patched from the previous step) run on the CPU gives the same tokens."""
     cases = [(rid, prompt, params) for rid, prompt, params in workload(seed=5) if not params.has_penalties]
+    if max_num_batched_tokens > 64:
+        cases += [
+            (f"long{i}", list(range(3 + i, 3 + i + 70 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=4))
+            for i in range(3)
+        ]
     summaries = []
+    EagerGraph.replays.clear()
     for is_cuda_like in (False, True):
-        engine = make_engine(tiny_model, tiny_model_dir, is_async=is_cuda_like)
+        engine = make_engine(
+            tiny_model, tiny_model_dir, is_async=is_cuda_like, max_num_batched_tokens=max_num_batched_tokens
+        )
         if is_cuda_like:
             runner = engine.runner
-            runner.buffers = InputBuffers(24, 8, -(-engine.max_model_len // 4), torch.device("cpu"))
-            runner.graphs = EagerGraphs(
-                tiny_model, runner.kv_caches, runner.buffers, [1, 2, 4, 8], engine.max_model_len
-            )
+            runner.buffers = InputBuffers(max_num_batched_tokens, 8, -(-engine.max_model_len // 4), torch.device("cpu"))
+            shapes = graph_shapes(8, max_num_batched_tokens, 8)
+            runner.graphs = EagerGraphs(tiny_model, runner.kv_caches, runner.buffers, shapes, engine.max_model_len)
             runner.capture_graphs()
         for request_id, prompt, params in cases:
             engine.add_request(request_id, prompt, params)
         summaries.append(summary(run(engine)))
     assert summaries[0] == summaries[1]
-    assert EagerGraph.num_replays > 10
+    kinds = {shape.kind for shape in EagerGraph.replays}
+    assert kinds == (
+        {QueryKind.DECODE, QueryKind.SHORT, QueryKind.LONG}
+        if max_num_batched_tokens > 64
+        else {QueryKind.DECODE, QueryKind.SHORT}
+    )
+    padded_seqs = [s for s in EagerGraph.replays if s.kind != QueryKind.DECODE and s.num_seqs > 1]
+    assert padded_seqs  # mixed steps ran with padding sequences

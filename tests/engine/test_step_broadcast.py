@@ -26,11 +26,11 @@ def _batch() -> HostBatch:
 
 def test_a_packed_step_unpacks_to_the_same_batch() -> None:
     batch = _batch()
-    for graph_size in (None, 8):
-        header, payload = pack(batch, graph_size)
+    for graph_id in (None, 8):
+        header, payload = pack(batch, graph_id)
         assert header.shape == (HEADER_LEN,) and payload_len(header.tolist()) == payload.shape[0]
         message = unpack(header.tolist(), payload.numpy())
-        assert message.graph_size == graph_size
+        assert message.graph_id == graph_id
         got = message.batch
         assert got is not None
         for name in (

@@ -327,3 +327,24 @@ def test_softcap_saturates_without_nan(device: torch.device) -> None:
     got = paged_attention(*args, 2000.0, _default(batch), softcap=SOFTCAP)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_padded_to_a_graph_shape(device: torch.device) -> None:
+    """A mixed step padded to a captured graph's shape (cuda_graphs.py): tokens past the last sequence and
+    sequences with no tokens and no context. The real rows are as unpadded; the padding costs programs that
+    exit, not results."""
+    batch = make_paged_batch(
+        *MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device
+    )
+    unpadded = _run(batch, _default(batch))
+    num_pad_tokens, num_pad_seqs = 13, 5
+    query = torch.cat([batch.query, torch.randn_like(batch.query[:num_pad_tokens])])
+    end = batch.query_start_loc[-1:]
+    starts = torch.cat([batch.query_start_loc, end.repeat(num_pad_seqs)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(num_pad_seqs)])
+    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(num_pad_seqs, batch.block_tables.shape[1])])
+    out = torch.full_like(query, float("nan"))
+    config = _default(batch).with_(num_segments=1)
+    paged_attention(query, batch.kv_cache, starts, seq_lens, tables, 32**-0.5, config, out=out)
+    torch.testing.assert_close(out[: batch.num_tokens], unpadded, atol=1e-5, rtol=1e-5)
+    assert out[batch.num_tokens :].isnan().all()  # padding tokens belong to no sequence: never written

@@ -172,3 +172,23 @@ def test_fp8_cache_scales_only_the_cached_prefix(device: torch.device, dtype: to
     )
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_a_batch_padded_to_a_graph_shape(device: torch.device) -> None:
+    """Padding sequences with no tokens and no context after the real ones (a mixed graph's shape,
+    cuda_graphs.py): the real rows are as unpadded, the padding rows untouched."""
+    batch = make_paged_batch(
+        *PROMPTS, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, device=device
+    )
+    unpadded = _check(batch, _config())
+    num_pad_seqs = 4
+    query, key, value = step_qkv(batch, PAD_TOKENS)
+    starts = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(num_pad_seqs)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(num_pad_seqs)])
+    tables = torch.cat([batch.block_tables, batch.block_tables.new_zeros(num_pad_seqs, batch.block_tables.shape[1])])
+    out = torch.full_like(query, float("nan"))
+    prefill_attention(
+        query, key, value, batch.kv_cache, starts, seq_lens, tables, 64**-0.5, _config(), out=out
+    )  # all rows, the PAD_TOKENS padding ones included
+    torch.testing.assert_close(out[: batch.num_tokens], unpadded, atol=1e-5, rtol=1e-5)
+    assert out[batch.num_tokens :].isnan().all()

@@ -136,9 +136,9 @@ def follow_step(runner: ModelRunner, ctx: ParallelContext, message: StepMessage)
     inputs = to_model_input(batch, runner.device) if runner.buffers is None else runner.buffers.load(batch)
     if batch.patch_rows.shape[0] > 0:
         ctx.broadcast_from_driver(inputs.input_ids)  # rank 0's ids with the placeholders filled in
-    if message.graph_size is not None:
+    if message.graph_id is not None:
         assert runner.graphs is not None
-        hidden = runner.graphs.replay(message.graph_size)
+        hidden = runner.graphs.replay(message.graph_id)
     else:
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
     if batch.logits_rows.shape[0] > 0:

@@ -1,7 +1,8 @@
 """Rank 0 -> the other ranks: each step's host batch as one packed int64 tensor (gloo, host memory).
 
     header  [HEADER_LEN] int64: kind, num_tokens, num_seqs, num_table_rows, num_table_cols,
-            num_logits_rows, num_patches, max_query_len, max_seq_len, graph_size (-1: eager)
+            num_logits_rows, num_patches, max_query_len, max_seq_len,
+            graph_id (an index of the captured graph shapes; -1: eager)
     payload [sum of the sizes] int64: input_ids | positions | slot_mapping | query_start_loc |
             seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src
 
@@ -28,10 +29,10 @@ KIND_STOP, KIND_STEP = 0, 1
 @dataclass(slots=True)
 class StepMessage:
     batch: HostBatch | None  # None: stop
-    graph_size: int | None
+    graph_id: int | None
 
 
-def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(batch: HostBatch, graph_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = batch.block_tables.shape
     header = torch.tensor(
         [
@@ -44,7 +45,7 @@ def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.
             batch.patch_rows.shape[0],
             batch.max_query_len,
             batch.max_seq_len,
-            -1 if graph_size is None else graph_size,
+            -1 if graph_id is None else graph_id,
         ],
         dtype=torch.int64,
     )
@@ -104,8 +105,8 @@ class StepSender:
     def __init__(self, ctx: ParallelContext) -> None:
         self.ctx = ctx
 
-    def send(self, batch: HostBatch, graph_size: int | None) -> None:
-        header, payload = pack(batch, graph_size)
+    def send(self, batch: HostBatch, graph_id: int | None) -> None:
+        header, payload = pack(batch, graph_id)
         dist.broadcast(header, src=0, group=self.ctx.step_group)
         dist.broadcast(payload, src=0, group=self.ctx.step_group)
 
