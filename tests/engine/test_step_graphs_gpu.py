@@ -30,7 +30,7 @@ def test_mixed_step_graphs_give_the_eager_tokens(tiny_model_dir: Path) -> None:
             model=str(tiny_model_dir),
             dtype="float32",
             device="cuda",
-            gpu_memory_utilization=0.3,
+            num_kv_blocks=256,  # not a share of the GPU: later tests in this process size theirs from what is free
             max_model_len=512,
             max_num_seqs=16,
             max_num_batched_tokens=128,  # long prompts go in chunks beside the others' decodes
@@ -39,18 +39,21 @@ def test_mixed_step_graphs_give_the_eager_tokens(tiny_model_dir: Path) -> None:
             enforce_eager=enforce_eager,
         )
         engine = Engine(config)
-        graphs = engine.runner.graphs
-        replayed: list[GraphShape] = []
-        if graphs is not None:
-            replay = graphs.replay
+        try:
+            graphs = engine.runner.graphs
+            replayed: list[GraphShape] = []
+            if graphs is not None:
+                replay = graphs.replay
 
-            def recording_replay(graph_id: int) -> torch.Tensor:
-                replayed.append(graphs.shapes[graph_id])
-                return replay(graph_id)
+                def recording_replay(graph_id: int) -> torch.Tensor:
+                    replayed.append(graphs.shapes[graph_id])
+                    return replay(graph_id)
 
-            graphs.replay = recording_replay  # type: ignore[method-assign]
-        results = engine.generate(prompts, params)
-        return [[c.token_ids for c in r.choices] for r in results], replayed
+                graphs.replay = recording_replay  # type: ignore[method-assign]
+            results = engine.generate(prompts, params)
+            return [[c.token_ids for c in r.choices] for r in results], replayed
+        finally:
+            engine.shutdown()
 
     eager, _ = run(0, enforce_eager=True)
     graphed, replayed = run(128, enforce_eager=False)

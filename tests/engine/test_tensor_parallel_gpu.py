@@ -6,6 +6,7 @@ the Triton kernels give the same greedy tokens as one GPU (fp32, tiny Llama with
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,9 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_dir: Path) -> None:
             return outputs, num_replays[0]
         finally:
             engine.shutdown()
+            del engine
+            gc.collect()  # the TP=1 engine's cache (a share of GPU 0) must be gone before TP=2 sizes its own
+            torch.cuda.empty_cache()
 
     one, _ = run(1)
     two, num_replays = run(2)
