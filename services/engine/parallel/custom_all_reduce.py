@@ -84,8 +84,8 @@ class SymmMemTransport:
 
 def _local_obstacle(device: torch.device, world_size: int) -> str | None:
     """Why this rank cannot join, or None."""
-    if not hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out"):
-        return f"torch {torch.__version__} has no symm_mem one-shot all-reduce"
+    if not all(hasattr(torch.ops.symm_mem, op) for op in ("one_shot_all_reduce_out", "two_shot_all_reduce_out")):
+        return f"torch {torch.__version__} lacks the symm_mem all-reduce ops"
     for peer in range(world_size):
         if peer != device.index and not torch.cuda.can_device_access_peer(device.index or 0, peer):
             return f"cuda:{device.index} has no P2P access to cuda:{peer}"
