@@ -16,8 +16,10 @@ Each phase runs in its own process (a fresh CUDA context and process group; rank
     python -m bench.tensor_parallel --phases 8b-tp1,8b-tp2,8b-fp32
     python -m bench.tensor_parallel --phases 70b-tp2
     python -m bench.tensor_parallel --device cpu --quick # a CPU smoke run of the logic (tiny shape, gloo)
-Prints a table; writes tensor_parallel_<device>[_quick].json and .md under --out-dir (bench/results).
-Child processes inherit the environment (NCCL_* settings included).
+    python -m bench.tensor_parallel --phases 8b-tp1,8b-tp2 --disable-custom-all-reduce   # TP all-reduces by NCCL
+Prints a table; writes tensor_parallel_<device>[_quick][_nccl_all_reduce].json and .md under --out-dir
+(bench/results). Child processes inherit the environment (NCCL_* settings included; NVLink multicast is
+off unless the environment says otherwise: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
         load_format="random",
         seed=0,
         tensor_parallel_size=tp,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -247,6 +250,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "phase": phase,
         "shape": shape_name,
         "tensor_parallel_size": tp,
+        "custom_all_reduce": not args.disable_custom_all_reduce,
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -354,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cuda-graph-max-batch", type=int, default=512, help="0: no CUDA graphs (eager decode)")
+    parser.add_argument(
+        "--disable-custom-all-reduce", action="store_true", help="TP all-reduces by NCCL only (the engine's flag)"
+    )
     parser.add_argument("--phase-timeout-s", type=float, default=540, help="a phase running longer is killed")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -365,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if args.phase:  # a child: one phase, its JSON into the work dir
         if args.device == "cpu":
             torch.set_num_threads(1)
@@ -412,6 +421,7 @@ def main() -> None:
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"tensor_parallel_{args.device}{'_quick' if args.quick else ''}"
+    stem += "_nccl_all_reduce" if args.disable_custom_all_reduce else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

@@ -292,6 +292,12 @@ class ParallelConfig:
     device: str = opt("auto", "auto (cuda when available), cpu, cuda or cuda:N")
     tensor_parallel_size: int = opt(1, "GPUs (processes) per engine replica", short="-tp")
     parallel_timeout_s: float = opt(120.0, "a collective waiting longer than this fails (a rank died)")
+    disable_custom_all_reduce: bool = opt(
+        False, "tensor parallel on CUDA: every all-reduce through NCCL (no symmetric-memory all-reduce for small ones)"
+    )
+    custom_all_reduce_max_bytes: int = opt(
+        8 << 20, "tensor parallel on CUDA: all-reduces up to this size go over symmetric memory, larger ones NCCL"
+    )
     gpus: str | None = opt(
         None,
         "serve: comma-separated GPU indexes, one engine replica per group of "
@@ -305,7 +311,7 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "tensor_parallel_size", "cpu_threads", "data_parallel_size")
+        _at_least(self, 1, "tensor_parallel_size", "cpu_threads", "data_parallel_size", "custom_all_reduce_max_bytes")
 
 
 @dataclass(slots=True)

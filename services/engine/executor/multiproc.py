@@ -28,7 +28,7 @@ import torch
 
 from pagedserve.services.engine.config import torch_device
 from pagedserve.services.engine.executor.worker import Worker
-from pagedserve.services.engine.parallel.state import init_parallel, shutdown_parallel
+from pagedserve.services.engine.parallel.state import custom_all_reduce_bytes, init_parallel, shutdown_parallel
 from pagedserve.services.engine.parallel.step_broadcast import StepSender
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.shared.config import Config
@@ -76,7 +76,14 @@ class MultiprocExecutor:
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch_workers, name="tp-worker-watch", daemon=True)
         self._monitor.start()
-        ctx = init_parallel(0, world, init_method, torch_device(config), config.parallel.parallel_timeout_s)
+        ctx = init_parallel(
+            0,
+            world,
+            init_method,
+            torch_device(config),
+            config.parallel.parallel_timeout_s,
+            custom_all_reduce_bytes(config.parallel),
+        )
         self.world_size = world
         self._sender = StepSender(ctx)
         atexit.register(self.shutdown)

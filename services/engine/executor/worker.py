@@ -27,7 +27,12 @@ from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
-from pagedserve.services.engine.parallel.state import ParallelContext, init_parallel, shutdown_parallel
+from pagedserve.services.engine.parallel.state import (
+    ParallelContext,
+    custom_all_reduce_bytes,
+    init_parallel,
+    shutdown_parallel,
+)
 from pagedserve.services.engine.parallel.step_broadcast import StepMessage, StepReceiver, StepSender
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.shared.config import Config
@@ -195,7 +200,12 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
     config = Config.from_dict(json.loads(args.config))
     ctx = init_parallel(
-        args.rank, args.world_size, args.init_method, torch_device(config), config.parallel.parallel_timeout_s
+        args.rank,
+        args.world_size,
+        args.init_method,
+        torch_device(config),
+        config.parallel.parallel_timeout_s,
+        custom_all_reduce_bytes(config.parallel),
     )
     runner = Worker(config, ctx).build_runner()
     if runner.device.type == "cuda" and config.runner.warm_up:

@@ -3,7 +3,8 @@
 Two groups:
   model  NCCL on CUDA, gloo on CPU, with the configured timeout: the all-reduces and all-gathers
          inside the forward pass (and the input-id broadcast of overlapped steps). A rank that dies
-         mid-step makes the others fail within the timeout instead of hanging.
+         mid-step makes the others fail within the timeout instead of hanging. On CUDA, small
+         all-reduces skip NCCL for the custom all-reduce over symmetric memory (custom_all_reduce.py).
   steps  gloo (host tensors), no practical timeout: rank 0 broadcasts each step's inputs on it, and
          an idle replica may wait there for hours. A dead peer still ends the wait (closed socket),
          and the workers also watch their parent process.
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce
+    from pagedserve.shared.config import ParallelConfig
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -28,14 +33,18 @@ class ParallelContext:
     device: torch.device
     model_group: Any = None  # a ProcessGroup (None when world_size == 1)
     step_group: Any = None
+    custom_all_reduce: CustomAllReduce | None = None  # small messages on one host; NCCL/gloo when None
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum in place over the ranks (a no-op on one rank)."""
-        if self.world_size > 1:
+        """Sum in place over the ranks (a no-op on one rank). Every rank must pass the same shape and
+        dtype in the same order: the custom all-reduce's choice of algorithm depends on them."""
+        if self.world_size == 1:
+            return tensor
+        if self.custom_all_reduce is None or not self.custom_all_reduce.reduce_(tensor):
             dist.all_reduce(tensor, group=self.model_group)
         return tensor
 
@@ -66,9 +75,16 @@ def single_rank(device: torch.device) -> ParallelContext:
 
 
 def init_parallel(
-    rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float,
+    custom_all_reduce_max_bytes: int = 0,
 ) -> ParallelContext:
-    """Join the replica's process groups (every rank calls this, in the same order)."""
+    """Join the replica's process groups (every rank calls this, in the same order). On CUDA with
+    custom_all_reduce_max_bytes > 0, all-reduces up to that size take the custom all-reduce where the
+    ranks allow it (one host, P2P between every pair)."""
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -86,7 +102,16 @@ def init_parallel(
     warm = torch.ones(1, device=device)
     ctx.all_reduce(warm)
     assert int(warm.item()) == world_size, "tensor-parallel all-reduce check failed"
+    if device.type == "cuda" and world_size > 1 and custom_all_reduce_max_bytes > 0:
+        from pagedserve.services.engine.parallel.custom_all_reduce import setup_custom_all_reduce
+
+        ctx.custom_all_reduce = setup_custom_all_reduce(ctx, custom_all_reduce_max_bytes)
     return ctx
+
+
+def custom_all_reduce_bytes(parallel: ParallelConfig) -> int:
+    """init_parallel's custom_all_reduce_max_bytes from the configuration (0: off)."""
+    return 0 if parallel.disable_custom_all_reduce else parallel.custom_all_reduce_max_bytes
 
 
 def shutdown_parallel() -> None:

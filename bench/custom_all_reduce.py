@@ -1,0 +1,208 @@
+"""The custom all-reduce against NCCL on one host's GPUs: correctness, then latency per message size.
+
+    python -m bench.custom_all_reduce                     # 2 GPUs, own spawn
+    torchrun --nproc-per-node 2 bench/custom_all_reduce.py
+    python -m bench.custom_all_reduce --check-only        # correctness only (tests/engine/..._gpu.py)
+
+Correctness: for each size and dtype (bf16, fp32), ParallelContext.all_reduce (the plan's choice) equals
+NCCL's all-reduce and is the same on every rank, eagerly and replayed from a CUDA graph.
+Latency: each algorithm forced, 20 all-reduces captured in one CUDA graph (as decode graphs run them),
+the graph replayed; microseconds per all-reduce. Columns: NCCL; one-shot (copy kernel + one-shot kernel,
+what the engine runs); one-shot with torch's in-kernel copy (one launch; not used, see
+custom_all_reduce.SymmMemTransport); two-shot (copy + two-shot kernel). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set before init).
+Writes custom_all_reduce_<gpu>.json under $OUT if set, else --out-dir (bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedserve.services.engine.parallel.all_reduce_plan import AllReducePlan
+from pagedserve.services.engine.parallel.custom_all_reduce import SymmMemTransport
+from pagedserve.services.engine.parallel.state import ParallelContext, init_parallel
+
+SIZES = [2 << 10, 8 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
+DEFAULT_MAX_BYTES = 8 << 20  # the engine's --custom-all-reduce-max-bytes default
+CALLS_PER_GRAPH = 20
+
+
+def check(ctx: ParallelContext, sizes: list[int]) -> list[dict[str, Any]]:
+    """The plan's all-reduce and each forced algorithm against NCCL's, eager and replayed from a CUDA
+    graph, on every rank; raises on a mismatch."""
+    assert ctx.custom_all_reduce is not None
+    transport = ctx.custom_all_reduce.transport
+    paths: dict[str, Any] = {"plan": ctx.all_reduce, "one_shot": transport.one_shot_}
+    if ctx.world_size in (2, 4, 8):
+        paths["two_shot"] = transport.two_shot_
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for nbytes in sizes:
+            numel = nbytes // dtype.itemsize
+            gen = torch.Generator(device=ctx.device).manual_seed(1000 * ctx.rank + nbytes)
+            x = torch.randn(numel // 64, 64, device=ctx.device, dtype=dtype, generator=gen)
+            expected = x.clone()
+            dist.all_reduce(expected, group=ctx.model_group)
+            for path, reduce_ in paths.items():
+                eager = x.clone()
+                reduce_(eager)
+                static = torch.zeros_like(x)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    reduce_(static)
+                static.copy_(x)
+                graph.replay()
+                everyone = [torch.empty_like(eager) for _ in range(ctx.world_size)]
+                dist.all_gather(everyone, eager, group=ctx.model_group)
+                torch.cuda.synchronize()
+                row = {
+                    "bytes": nbytes,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "path": path,
+                    "plan_chose": ctx.custom_all_reduce.plan.choose_for(x).value,
+                    "equals_nccl_bitwise": bool(torch.equal(eager, expected)),
+                    "graph_equals_eager": bool(torch.equal(static, eager)),
+                    "same_on_every_rank": all(torch.equal(everyone[0], e) for e in everyone[1:]),
+                }
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                close = torch.allclose(eager.float(), expected.float(), rtol=tol, atol=tol)
+                assert close and row["graph_equals_eager"] and row["same_on_every_rank"], row
+                rows.append(row)
+    return rows
+
+
+def time_graph(ctx: ParallelContext, run: Any, numel: int, iters: int) -> float:
+    """Microseconds per all-reduce: CALLS_PER_GRAPH calls captured in one graph, replayed `iters` times."""
+    x = torch.randn(numel, device=ctx.device, dtype=torch.bfloat16)
+    for _ in range(3):
+        run(x)  # warm: NCCL's and the kernels' first launches happen outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            run(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.step_group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (iters * CALLS_PER_GRAPH)
+
+
+def latency(ctx: ParallelContext, transport: SymmMemTransport, sizes: list[int], iters: int) -> list[dict[str, Any]]:
+    ops = torch.ops.symm_mem
+
+    def nccl(x: torch.Tensor) -> None:
+        dist.all_reduce(x, group=ctx.model_group)
+
+    def one_shot_in_kernel_copy(x: torch.Tensor) -> None:
+        ops.one_shot_all_reduce_copy_out(transport._slot(x), x, "sum", transport.group_name, x)
+
+    runs: dict[str, Any] = {
+        "nccl_us": nccl,
+        "one_shot_us": transport.one_shot_,
+        "one_shot_in_kernel_copy_us": one_shot_in_kernel_copy,
+    }
+    if ctx.world_size in (2, 4, 8):
+        runs["two_shot_us"] = transport.two_shot_
+    default_plan = AllReducePlan.for_world(ctx.world_size, DEFAULT_MAX_BYTES)
+    rows = []
+    for nbytes in sizes:
+        numel = nbytes // 2
+        row: dict[str, Any] = {"bytes": nbytes, "default_plan": default_plan.choose(nbytes, torch.bfloat16, 0).value}
+        for name, run in runs.items():
+            row[name] = round(time_graph(ctx, run, numel, iters), 2)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = [c for c in rows[0] if c.endswith("_us")]
+    lines = ["| bytes | default plan | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for r in rows:
+        lines.append(f"| {r['bytes']} | {r['default_plan']} | " + " | ".join(str(r[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def rank_main(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
+    ctx = init_parallel(rank, world_size, init_method, torch.device("cuda"), 120.0, args.buffer_bytes)
+    if ctx.custom_all_reduce is None:
+        sys.exit("custom all-reduce did not start (see the warning above)")
+    result: dict[str, Any] = {"check": check(ctx, [s for s in SIZES if s <= args.buffer_bytes])}
+    if not args.check_only:
+        transport = ctx.custom_all_reduce.transport
+        assert isinstance(transport, SymmMemTransport)
+        result["latency"] = latency(ctx, transport, [s for s in SIZES if s <= args.buffer_bytes], args.iters)
+    if rank == 0:
+        bitwise = sum(r["equals_nccl_bitwise"] for r in result["check"])
+        print(
+            f"check: {len(result['check'])} size/dtype/path cases match NCCL (graph = eager, the same on every"
+            f" rank); {bitwise} of them bit for bit"
+        )
+        if "latency" in result:
+            print(table(result["latency"]))
+        write(result, args, world_size)
+    dist.barrier(group=ctx.step_group)
+    sys.stdout.flush()
+    os._exit(0)  # no NCCL teardown (see parallel/state.shutdown_parallel)
+
+
+def write(result: dict[str, Any], args: argparse.Namespace, world_size: int) -> None:
+    device = torch.cuda.get_device_name(0)
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "device": device,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "calls_per_graph": CALLS_PER_GRAPH,
+        **result,
+    }
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"custom_all_reduce_{device.replace(' ', '_')}_tp{world_size}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+def _spawned(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
+    rank_main(rank, world_size, init_method, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--world-size", type=int, default=2, help="own spawn only (torchrun sets it)")
+    parser.add_argument("--buffer-bytes", type=int, default=32 << 20, help="symmetric buffer (largest size run)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # torchrun
+        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.world_size, f"tcp://127.0.0.1:{port}", args), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
