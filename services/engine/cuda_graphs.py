@@ -43,7 +43,8 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, hidden out
+        # size -> graph, hidden out, and the aux hidden states the model keeps (EAGLE-3; static outputs too)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
 
     @property
     def max_size(self) -> int:
@@ -56,8 +57,9 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def replay(self, size: int) -> torch.Tensor:  # [size, hidden_size], valid until the next replay
-        graph, hidden = self._graphs[size]
+        graph, hidden, aux = self._graphs[size]
         graph.replay()
+        self.model.aux_hidden_states = aux
         return hidden
 
     @torch.inference_mode()
@@ -72,7 +74,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._forward(size)
             pool = graph.pool()
-            self._graphs[size] = (graph, hidden)
+            self._graphs[size] = (graph, hidden, list(getattr(self.model, "aux_hidden_states", [])))
         torch.cuda.synchronize(self.buffers.device)
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
