@@ -19,7 +19,11 @@ from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.spec_decode.eagle3 import Eagle3Proposer
-from pagedserve.services.engine.spec_decode.eagle3_head import default_aux_layer_ids, load_eagle3_head, read_eagle3_config
+from pagedserve.services.engine.spec_decode.eagle3_head import (
+    default_aux_layer_ids,
+    load_eagle3_head,
+    read_eagle3_config,
+)
 from pagedserve.shared.config import Config, parse_speculative_config
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, DRAFT_VOCAB, LAYERS = 64, 4, 2, 16, 256, 160, 8
@@ -181,7 +185,9 @@ def reference_head(t: dict[str, torch.Tensor], embeds: torch.Tensor, hidden: tor
     """Pre-norm outputs of every entry (causal), entry j at position j."""
     n = embeds.shape[0]
     positions = torch.arange(n)
-    x = torch.cat([_rms(embeds, t["midlayer.input_layernorm.weight"]), _rms(hidden, t["midlayer.hidden_norm.weight"])], -1)
+    x = torch.cat(
+        [_rms(embeds, t["midlayer.input_layernorm.weight"]), _rms(hidden, t["midlayer.hidden_norm.weight"])], -1
+    )
     q = _rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), positions)
     k = _rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), positions)
     v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
@@ -252,9 +258,7 @@ def test_config_names_the_method_and_its_model() -> None:
     assert default_aux_layer_ids(32) == (2, 16, 29)  # Llama-3.1-8B's, as vLLM picks them
 
 
-def test_greedy_output_equals_plain_decoding(
-    target: CausalLM, target_dir: Path, head_dir: Path, plain: list
-) -> None:
+def test_greedy_output_equals_plain_decoding(target: CausalLM, target_dir: Path, head_dir: Path, plain: list) -> None:
     engine = _engine(target_dir, target, _spec(head_dir))
     assert isinstance(engine.speculative and engine.speculative.proposer, Eagle3Proposer)
     assert target.aux_hidden_layers == frozenset({2, 4, 5})  # vLLM's default for 8 layers
@@ -289,7 +293,9 @@ def test_drafts_equal_the_reference_head(
     """Every draft the engine's head makes (batched, paged, caught up step by step over accepted and rejected
     drafts) equals the reference's from scratch; explicit aux layers, names under `model.layers.0.`."""
     layer_ids = [1, 3, 6]
-    head = write_head(tmp_path / "head", head_tensors, "model.", eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids})
+    head = write_head(
+        tmp_path / "head", head_tensors, "model.", eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids}
+    )
     engine = _engine(target_dir, target, _spec(head, k=3), enable_prefix_caching=False)
     assert engine.speculative is not None and isinstance(engine.speculative.proposer, Eagle3Proposer)
     oracle = RecordingOracle(engine.speculative.proposer, {tuple(p): o[0] for p, o in zip(PROMPTS, plain)})

@@ -135,11 +135,12 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config, max_position: int, own_embeddings: bool) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embeddings else None
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embeddings else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.layer = Eagle3Layer(cfg, max_position)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
 
     def forward(
@@ -213,9 +214,8 @@ def load_eagle3_head(
             for name, shard_id in _param_names(ckpt_name):
                 if name not in params:
                     raise HeadConfigError(f"unexpected tensor {ckpt_name!r} in {path}")
-                module_name, _, param_name = name.rpartition(".")
                 if shard_id is not None:
-                    module = head.get_submodule(module_name)
+                    module = head.get_submodule(name.rpartition(".")[0])
                     assert isinstance(module, ShardedLinear)
                     start, size = module.shard_offsets[shard_id]
                     target = params[name][start : start + size]
