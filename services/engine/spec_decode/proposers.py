@@ -38,6 +38,8 @@ def make_proposer(spec: SpeculativeConfig, config: Config, target: ModelRunner, 
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "eagle3":
+        if config.parallel.tensor_parallel_size > 1:  # the head would call the sharded embedding on rank 0 alone
+            raise ValueError("speculative_config.method: eagle3 does not run with tensor parallelism yet")
         return make_eagle3_proposer(spec, target, kv_cache)
     assert spec.model is not None  # parse_speculative_config checked it
     try:
