@@ -214,7 +214,8 @@ class RunnerConfig:
         None,
         'speculative decoding, as JSON (vLLM\'s form): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
-        '"num_speculative_tokens": 4}; steps then run without overlap (no async scheduling)',
+        '"num_speculative_tokens": 4} or {"method": "eagle3", "model": EAGLE3_HEAD_DIR, "num_speculative_tokens": 3}; '
+        "steps then run without overlap (no async scheduling)",
     )
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ class RunnerConfig:
         return None if self.speculative_config is None else parse_speculative_config(self.speculative_config)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +250,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the context
     prompt_lookup_min: int = 1  # ngram: the shortest (vLLM's default when only max is given)
-    model: str | None = None  # draft_model: its checkpoint (it must share the target's tokenizer)
+    model: str | None = None  # draft_model: its checkpoint (sharing the target's tokenizer); eagle3: the head's
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -283,8 +284,8 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig("ngram", data["num_speculative_tokens"], lookup_max, lookup_min)
     model = data.get("model")
     if not isinstance(model, str) or not model:
-        raise ValueError("speculative_config.model: draft_model needs the draft checkpoint's path")
-    return SpeculativeConfig("draft_model", data["num_speculative_tokens"], model=model)
+        raise ValueError(f"speculative_config.model: {method} needs the draft checkpoint's path")
+    return SpeculativeConfig(method, data["num_speculative_tokens"], model=model)
 
 
 @dataclass(slots=True)

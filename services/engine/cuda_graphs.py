@@ -110,7 +110,8 @@ class StepGraphs:
         # per kind, its shapes' token counts (sorted) for the search in `choose`
         self._by_kind = {kind: [i for i, s in enumerate(self.shapes) if s.kind == kind] for kind in QueryKind}
         self._tokens_by_kind = {kind: [self.shapes[i].num_tokens for i in ids] for kind, ids in self._by_kind.items()}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # shape index -> graph, hidden
+        # shape index -> graph, hidden out, and the aux hidden states the model keeps (EAGLE-3; static outputs too)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
 
     def choose(self, batch: HostBatch) -> int | None:
         """The graph (an index of `shapes`) to run the step with: the fewest tokens, then the fewest
@@ -132,8 +133,9 @@ class StepGraphs:
         return pad_mixed_batch(batch, shape.num_tokens, shape.num_seqs)
 
     def replay(self, graph_id: int) -> torch.Tensor:  # [num_tokens, hidden_size], valid until the next replay
-        graph, hidden = self._graphs[graph_id]
+        graph, hidden, aux = self._graphs[graph_id]
         graph.replay()
+        self.model.aux_hidden_states = aux
         return hidden
 
     @torch.inference_mode()
@@ -150,7 +152,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._forward(shape)
             pool = graph.pool()
-            self._graphs[graph_id] = (graph, hidden)
+            self._graphs[graph_id] = (graph, hidden, list(getattr(self.model, "aux_hidden_states", [])))
         torch.cuda.synchronize(self.buffers.device)
         decode = [s.num_seqs for s in self.shapes if s.kind == QueryKind.DECODE]
         mixed = [s.num_tokens for s in self.shapes if s.kind != QueryKind.DECODE]

@@ -96,7 +96,9 @@ class Engine:
             self.max_model_len,
             config.scheduler.scheduling_policy,
         )
-        self.speculative = make_speculative_decoding(config, self.runner)  # None without --speculative-config
+        self.speculative = make_speculative_decoding(
+            config, self.runner, self.kv_cache
+        )  # None without --speculative-config
         self.is_async = is_async_scheduling(config) and self.speculative is None  # a verify step cannot overlap
         self._requests: dict[str, list[Request]] = {}  # request id -> its choices, until all finish
         self._pending: list[RequestOutput] = []  # outputs made between steps (aborts), sent by step()

@@ -154,6 +154,22 @@ class KVCacheManager:
             self._publish_full_blocks(request, block_ids, num_tokens)
         return new_block_ids
 
+    def reserve_slots(self, request: Request, num_slots: int) -> bool:
+        """Hold blocks for the sequence's first `num_slots` slots, past its tokens too (an EAGLE-3 head writes
+        its drafts' K/V there before the step that verifies them). Published only once they hold tokens, by
+        `allocate`. False, with nothing taken, when the pool has too few free blocks."""
+        block_ids = self._blocks.get(request.seq_id)
+        if not block_ids:
+            return False
+        num_new = self.num_blocks_for(num_slots) - len(block_ids)
+        if num_new <= 0:
+            return True
+        new_block_ids = self.pool.take(num_new)
+        if new_block_ids is None:
+            return False
+        block_ids.extend(new_block_ids)
+        return True
+
     def _load_from_host(self, host_hits: list[bytes], block_ids: list[int]) -> None:
         """Queue the host copies into the first new blocks, which then hold those prefixes (published now,
         as blocks scheduled to be filled are: the copies run before any query of the step)."""

@@ -150,6 +150,8 @@ class ModelRunner:
         self.lora = lora
         self.buffers: InputBuffers | None = None
         self.graphs: StepGraphs | None = None
+        # EAGLE-3: takes the step's aux hidden states (model.aux_hidden_layers), rows in schedule order
+        self.on_aux_hidden: Callable[[Sequence[ScheduledRequest], list[torch.Tensor]], None] | None = None
         if device.type == "cuda":
             self.buffers = InputBuffers(
                 max(max_num_tokens, max_num_seqs), max_num_seqs, -(-max_model_len // block_size), device
@@ -209,6 +211,8 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_id)  # [the graph's num_tokens, hidden]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.on_aux_hidden is not None:
+            self.on_aux_hidden(scheduled, self.model.aux_hidden_states)
         prompt_chunks = (
             prompt_logprobs.compute_chunks(self.model, hidden, scheduled)
             if prompt_logprobs.wants_prompt_logprobs(scheduled)

@@ -222,7 +222,7 @@ class EagerGraphs(StepGraphs):
         hidden_size = self.model.spec.hidden_size
         for graph_id, shape in enumerate(self.shapes):
             graph = EagerGraph(self, shape, torch.empty(shape.num_tokens, hidden_size))
-            self._graphs[graph_id] = (graph, graph.out)  # type: ignore[assignment]
+            self._graphs[graph_id] = (graph, graph.out, [])  # type: ignore[assignment]
 
     def _forward(self, shape: GraphShape) -> torch.Tensor:
         """The graph's inputs (padding sequences included) but only the real tokens, with the step's longest

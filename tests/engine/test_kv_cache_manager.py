@@ -26,6 +26,23 @@ def test_allocate_returns_none_without_room_and_changes_nothing() -> None:
     kv.check_invariants()
 
 
+def test_reserved_draft_slots_are_held_but_never_published() -> None:
+    """EAGLE-3's chained drafts write K/V past the last token: blocks held for them, not offered to the cache."""
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
+    a = make_request(list(range(8)))
+    assert not kv.reserve_slots(a, 12)  # a sequence with no blocks yet reserves nothing
+    kv.allocate(a, 7)  # 2 blocks
+    assert kv.reserve_slots(a, 12) and len(kv.block_ids(a)) == 3 and kv.num_free_blocks == 1
+    assert kv.reserve_slots(a, 9)  # already held
+    assert not kv.reserve_slots(a, 24) and len(kv.block_ids(a)) == 3  # too few free: nothing taken
+    assert kv.get_computed_blocks(make_request([*range(8), 99, 99, 99, 99, 5]))[1] == 4  # the 2nd block: unfilled
+    kv.allocate(a, 8)  # the step that computes the last token publishes the 2nd block, not the reserved 3rd
+    assert kv.get_computed_blocks(make_request([*range(8), 99, 99, 99, 99, 5]))[1] == 8
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    kv.check_invariants()
+
+
 def test_full_prompt_hit_still_computes_last_token() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     prompt = list(range(8))  # exactly 2 full blocks

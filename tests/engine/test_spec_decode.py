@@ -69,7 +69,7 @@ def plain(tiny_model: CausalLM, tiny_model_dir: Path) -> list:
 def test_ngram_greedy_equals_plain_decoding(tiny_model: CausalLM, tiny_model_dir: Path, plain: list) -> None:
     engine = _engine(tiny_model_dir, tiny_model, NGRAM)
     assert isinstance(engine.speculative and engine.speculative.proposer, NgramProposer)
-    assert not engine.is_async and make_speculative_decoding(Config.of(), engine.runner) is None
+    assert not engine.is_async and make_speculative_decoding(Config.of(), engine.runner, engine.kv_cache) is None
     assert _outputs(engine, GREEDY) == plain
     stats = engine.stats()
     assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens > 0  # both paths ran: accept and reject

@@ -31,6 +31,11 @@ class CausalLM(nn.Module):
     # False for families whose layers parallel/sharding.py does not know (it would leave them whole).
     supports_tensor_parallel = True
     loads_mxfp4 = False  # MXFP4 tensors (`*_blocks`/`*_scales`) are read by families that say so
+    # EAGLE-3 (spec_decode/eagle3.py) reads the residual stream entering these layers; the forward leaves them,
+    # ascending by layer, in `aux_hidden_states` ([num_tokens, hidden_size] each). Empty: nothing is kept.
+    supports_aux_hidden_states = False  # families whose forward fills them
+    aux_hidden_layers: frozenset[int] = frozenset()
+    aux_hidden_states: list[torch.Tensor]
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -72,6 +77,7 @@ class DecoderStack(nn.Module):
 
 
 class DecoderLM(CausalLM):
+    supports_aux_hidden_states = True
     # Tensor parallelism (parallel/sharding.py): joins the ranks' vocabulary slices of the logits.
     logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -90,7 +96,10 @@ class DecoderLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        aux_layers, self.aux_hidden_states = self.aux_hidden_layers, []
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if i in aux_layers:
+                self.aux_hidden_states.append(x)
             x = layer(positions, x, kv_cache, meta)
         out: torch.Tensor = self.model.norm(x)
         return out

@@ -116,6 +116,7 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaForCausalLM(DecoderLM):
     supports_tensor_parallel = False  # GemmaAttention is not the shared Attention that sharding rewrites
+    supports_aux_hidden_states = False  # its own forward keeps none (EAGLE-3 heads are for Llama-like targets)
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         types = layer_types(cfg)

@@ -210,6 +210,7 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssForCausalLM(DecoderLM):
     supports_tensor_parallel = False  # mixture-of-experts and its own attention class: not sharded yet
     loads_mxfp4 = True  # the experts' blocks/scales: kept packed or dequantised (see the module docstring)
+    supports_aux_hidden_states = False  # its own forward keeps none
 
     def __init__(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         rotary = RotaryEmbedding(rope_params_from_config(cfg, spec.head_dim, _DEFAULT_ROPE_THETA), spec.max_model_len)

@@ -106,8 +106,11 @@ class LlamaForCausalLM(DecoderLM):
         x = self.model.embed_tokens(input_ids)
         # Fused path: the residual travels beside x, so every add is part of the next norm's kernel.
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        aux_layers, self.aux_hidden_states = self.aux_hidden_layers, []
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             assert isinstance(layer, LlamaDecoderLayer)
+            if i in aux_layers:  # the stream entering layer i; a copy, as the fused norms update theirs in place
+                self.aux_hidden_states.append(x.clone() if residual is None else x + residual)
             x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta)
         norm = self.model.norm
         assert isinstance(norm, RMSNorm)
