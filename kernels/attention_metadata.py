@@ -6,7 +6,7 @@ It lives in kernels/ (the bottom layer) so the Triton backend needs nothing from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,3 +21,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
+    # A hybrid KV cache (services/engine/kv_cache_groups.py): the layers of each sliding window have blocks
+    # of their own, so their own slot mapping and block tables (the rest as here). Empty: one group.
+    by_window: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding window (None: global) reads."""
+        return self.by_window.get(window, self) if window is not None else self

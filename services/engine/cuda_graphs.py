@@ -91,6 +91,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,  # read by no CUDA kernel: a graph serves every length
         )
+        meta.by_window = {g.window: g.meta_for_graph(meta, size) for g in self.buffers.groups}
         return self.model(ids["input_ids"][:size], ids["positions"][:size], self.kv_caches, meta)
 
     def _fill_dummy_decode(self, size: int) -> None:
@@ -99,5 +100,7 @@ class DecodeGraphs:
         ids["input_ids"][:size].zero_()
         ids["positions"][:size].zero_()
         ids["slot_mapping"][:size].fill_(-1)
+        for group in self.buffers.groups:
+            group.slot_mapping[:size].fill_(-1)
         ids["query_start_loc"][: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
         ids["seq_lens"][:size].fill_(1)

@@ -12,7 +12,9 @@ When every layer attends within a sliding window (Mistral v0.1, Phi-3-mini: `win
 hands back the blocks wholly before its window (one spare block kept) as it advances, so it holds ~window
 tokens of blocks however long it runs. Their ids stay at the front of its block table: attention never reads
 them (the window masks or skips those positions), and a block released with a cached prefix stays reusable.
-Models that mix global layers in (Gemma, gpt-oss) keep every block: one block table serves all layers.
+Models that mix global layers in (Gemma, gpt-oss) have one manager per KV cache group (kv_cache_groups.py,
+hybrid_kv_cache.py): a sliding group's manager hands back its blocks the same way, the full group's keeps all.
+A sliding group's prefix hit skips the blocks before its window: `FILLER_BLOCK` stands in for them in the table.
 
 With a host tier (kv_offload.py), a cached block the pool evicts is saved to host memory, and a prefix
 lookup goes on in the host tier where the device cache ends: those hits take new device blocks, which the
@@ -27,6 +29,8 @@ from pagedserve.services.engine.block_pool import BlockPool
 from pagedserve.services.engine.kv_offload import HostKVTier, KVTransfers
 from pagedserve.services.engine.request import Request
 from pagedserve.shared import kv_blocks
+
+FILLER_BLOCK = 0  # table entry of a block out of the window that a hit never had: never read, never written
 
 
 def root_hash(request: Request) -> bytes:
@@ -58,6 +62,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def frees_out_of_window(self) -> bool:
+        """Whether running sequences hand back blocks behind their window (`release_out_of_window`)."""
+        return self.window is not None
 
     @property
     def num_free_blocks(self) -> int:
@@ -124,12 +133,15 @@ class KVCacheManager:
             hits.append(block_hash)
         return hits
 
-    def allocate(self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> list[int] | None:
+    def allocate(
+        self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = (), num_skipped: int = 0
+    ) -> list[int] | None:
         """Make room for the K/V of the request's first `num_tokens` tokens.
 
         `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (new sequences only); its host
-        hits come next, in the first new blocks. Returns the newly taken block ids, or None when there is no
-        room (nothing changes then)."""
+        hits come next, in the first new blocks. A sliding group's hit starts `num_skipped` blocks in (`window_hit`):
+        those are out of the window, held as released. Returns the newly taken block ids, or None when there is
+        no room (nothing changes then)."""
         seq_id = request.seq_id
         host_hits = self._host_hits.pop(seq_id, [])
         block_ids = self._blocks.get(seq_id, [])
@@ -139,20 +151,53 @@ class KVCacheManager:
                 self._publish_full_blocks(request, block_ids, num_tokens)
             return []
         assert not computed_block_ids or not block_ids, "cache hits only for a sequence with no blocks"
-        num_new = self.num_blocks_for(num_tokens) - len(block_ids) - len(computed_block_ids)
-        num_revived = sum(1 for b in computed_block_ids if self.pool.is_free(b))
-        if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
+        if self.blocks_short(request, num_tokens, computed_block_ids, num_skipped) > 0:
             return None
+        num_new = self.num_blocks_for(num_tokens) - len(block_ids) - num_skipped - len(computed_block_ids)
         self.pool.touch(computed_block_ids)
         new_block_ids = self.pool.take(max(num_new, 0))
         assert new_block_ids is not None  # checked above
-        block_ids = [*block_ids, *computed_block_ids, *new_block_ids]
+        block_ids = [*block_ids, *[FILLER_BLOCK] * num_skipped, *computed_block_ids, *new_block_ids]
         self._blocks[seq_id] = block_ids
+        if num_skipped:
+            self._num_released[seq_id] = self._num_published[seq_id] = num_skipped
         if host_hits:
             self._load_from_host(host_hits, new_block_ids)
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, block_ids, num_tokens)
         return new_block_ids
+
+    def blocks_short(
+        self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = (), num_skipped: int = 0
+    ) -> int:
+        """How many more free blocks `allocate` with these arguments would need than the pool has (<= 0: fits)."""
+        num_held = len(self._blocks.get(request.seq_id, ()))
+        num_new = self.num_blocks_for(num_tokens) - num_held - num_skipped - len(computed_block_ids)
+        num_revived = sum(1 for b in computed_block_ids if self.pool.is_free(b))
+        return max(num_new, 0) + num_revived - self.pool.num_free_blocks
+
+    def window_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> tuple[int, int, list[int]]:
+        """The longest prefix of at most `max_blocks` blocks this sliding group can serve from its cache: the
+        blocks the first query after it still sees must all be cached, those before the window need not be.
+        Returns (blocks of the prefix, leading blocks skipped as out of the window, the cached ids after them)."""
+        assert self.window is not None
+        run: list[int] = []  # cached ids from block `index` on, in reverse
+        for index in range(max_blocks - 1, -1, -1):
+            block_id = self.pool.lookup(block_hashes[index])
+            if block_id is None:
+                run = []
+                continue
+            run.append(block_id)
+            end = index + len(run)
+            if index <= self.first_block_in_window(end * self.block_size):
+                return end, index, run[::-1]
+        return 0, 0, []
+
+    def first_block_in_window(self, position: int) -> int:
+        """The first block holding a key the query at `position` sees (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, (position - self.window + 1) // self.block_size)
 
     def _load_from_host(self, host_hits: list[bytes], block_ids: list[int]) -> None:
         """Queue the host copies into the first new blocks, which then hold those prefixes (published now,
@@ -181,6 +226,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return the sequence's blocks (idempotent). Cached ones stay reusable until evicted."""
+        self._host_hits.pop(request.seq_id, None)
         block_ids = self._blocks.pop(request.seq_id, None)
         self._num_published.pop(request.seq_id, None)
         released = self._num_released.pop(request.seq_id, 0)

@@ -30,6 +30,7 @@ from pagedserve.services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
+from pagedserve.services.engine.kv_cache_groups import KVCacheGroup, first_group_blocks
 from pagedserve.services.engine.kv_offload import HostKVCaches, KVTransfers, num_host_slots
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
@@ -96,6 +97,7 @@ class ModelRunner:
         profile: StepProfile | None = None,
         step_sender: StepSender | None = None,
         lora: LoRAManager | None = None,
+        kv_groups: Sequence[KVCacheGroup] = (),
     ) -> ModelRunner:
         """The runner an engine (or a tensor-parallel rank) builds: one construction path for both."""
         return cls(
@@ -113,6 +115,7 @@ class ModelRunner:
             step_sender=step_sender,
             lora=lora,
             kv_offload_gb=config.cache.kv_offload_gb if config.cache.enable_prefix_caching else 0.0,
+            kv_groups=kv_groups,
         )
 
     def __init__(
@@ -132,6 +135,7 @@ class ModelRunner:
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
         lora: LoRAManager | None = None,  # adapters wrapped around the model's projections (--enable-lora)
         kv_offload_gb: float = 0.0,  # host memory for evicted prefix blocks (kv_offload.py); 0: none
+        kv_groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache's groups (the first has `num_blocks`)
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -139,7 +143,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len = max_model_len or self.spec.max_model_len  # the served context limit
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
+        self.kv_groups = list(kv_groups) or [KVCacheGroup(None, tuple(range(self.spec.num_layers)), num_blocks)]
+        assert self.kv_groups[0].num_blocks == num_blocks
+        # The sliding groups' windows (empty with one group): each reads its own block tables
+        self.group_windows = [g.window for g in self.kv_groups[1:] if g.window is not None]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype, self.kv_groups)
+        assert not self.group_windows or kv_offload_gb == 0, "no host KV tier with a hybrid KV cache"
         num_slots = num_host_slots(kv_offload_gb, self.kv_caches) if kv_offload_gb > 0 else 0
         self.host_kv = HostKVCaches(num_slots, self.kv_caches) if num_slots > 0 else None
         self.sampler = Sampler(device, seed)
@@ -151,7 +160,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
             self.buffers = InputBuffers(
-                max(max_num_tokens, max_num_seqs), max_num_seqs, -(-max_model_len // block_size), device
+                max(max_num_tokens, max_num_seqs),
+                max_num_seqs,
+                -(-max_model_len // block_size),
+                device,
+                self.group_windows,
             )
             # Graphs need kernels that read no host-side lengths: the Triton backend's.
             if cuda_graph_max_batch > 0 and attention.backend_name() == "triton":
@@ -162,9 +175,14 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture()
 
-    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]]) -> StepResult:
+    def execute(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_tables: Sequence[Sequence[int]],
+        group_tables: Sequence[Sequence[Sequence[int]]] = (),
+    ) -> StepResult:
         """Run a step and wait for its results."""
-        return self.launch(scheduled, block_tables).result()
+        return self.launch(scheduled, block_tables, group_tables=group_tables).result()
 
     @torch.inference_mode()
     def launch(
@@ -175,12 +193,16 @@ class ModelRunner:
         previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
         before_sampling: Callable[[], None] | None = None,  # host work after the forward is enqueued
         kv_transfers: KVTransfers | None = None,  # host-tier copies to run before the forward pass
+        group_tables: Sequence[Sequence[Sequence[int]]] = (),  # per sliding group, its block tables (hybrid)
     ) -> StepHandle:
         """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
         profile = self.profile
         if kv_transfers and self.host_kv is not None:
             self.host_kv.apply(kv_transfers, self.kv_caches)
-        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows)
+        assert len(group_tables) == len(self.group_windows), "one block table per sequence and sliding group"
+        batch = build_host_batch(
+            scheduled, block_tables, self.block_size, pending_rows, list(zip(self.group_windows, group_tables))
+        )
         num_tokens = batch.num_tokens
         graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
         if graph_size is not None:
@@ -294,22 +316,44 @@ def _unpack(host: torch.Tensor, num_logprobs: list[int | None], width: int) -> S
 
 
 def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype | None = None
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache: each layer gets its group's block count
 ) -> list[torch.Tensor]:
     spec = model.spec
-    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
+    layer_blocks = [num_blocks] * spec.num_layers
+    for group in groups:
+        for layer in group.layers:
+            layer_blocks[layer] = group.num_blocks
+    return [
+        torch.zeros((2, n, block_size, spec.num_kv_heads, spec.head_dim), dtype=dtype or spec.dtype, device=device)
+        for n in layer_blocks
+    ]
 
 
-def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int) -> int:
-    """KV blocks to allocate: the configured count, a fixed budget on CPU, or what fits on the GPU."""
+def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int, groups: Sequence[KVCacheGroup] = ()) -> int:
+    """KV blocks to allocate (of the first group, with a hybrid KV cache: its sliding groups take their bound
+    out of the budget first, kv_cache_groups.py): the configured count, a fixed budget on CPU, or what fits
+    on the GPU."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    bytes_per_block = model.spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) * config.cache.block_size
+    spec, block_size = model.spec, config.cache.block_size
+    layer_block_bytes = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) // spec.num_layers * block_size
+    groups = groups or [KVCacheGroup(None, tuple(range(spec.num_layers)))]
+    scheduler = config.scheduler
     if torch_device(config).type != "cuda":
-        return max(1, config.cache.cpu_kv_cache_bytes // bytes_per_block)
+        budget = config.cache.cpu_kv_cache_bytes
+        num_blocks = first_group_blocks(
+            budget, layer_block_bytes, groups, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        )
+        return max(1, num_blocks)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)
-    num_blocks = budget // bytes_per_block
+    num_blocks = first_group_blocks(
+        budget, layer_block_bytes, groups, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    )
     if num_blocks < 1:
         raise RuntimeError(
             f"no GPU memory left for the KV cache (budget {budget} bytes); "

@@ -21,8 +21,9 @@ import time
 import torch
 
 from pagedserve.services.engine import attention
-from pagedserve.services.engine.config import model_dir, torch_device
+from pagedserve.services.engine.config import kv_cache_torch_dtype, model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
+from pagedserve.services.engine.kv_cache_groups import capacity_line, is_hybrid, kv_cache_groups, with_block_counts
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
@@ -59,20 +60,47 @@ class Worker:
 
     def build_runner(self, profile: StepProfile | None = None, step_sender: StepSender | None = None) -> ModelRunner:
         """Size the KV cache (the smallest of all ranks), fit the context limit to it, build the runner."""
-        num_blocks = num_kv_blocks_for(self.model, self.config, self.model.spec.max_model_len)
+        spec, config = self.model.spec, self.config
+        groups = kv_cache_groups(spec.layer_windows, spec.num_layers)
+        if is_hybrid(groups) and not use_hybrid_kv_cache(config):
+            groups = kv_cache_groups(spec.layer_windows, spec.num_layers, hybrid=False)
+        num_blocks = num_kv_blocks_for(self.model, config, spec.max_model_len, groups)
         if self.ctx is not None:
             num_blocks = self.ctx.agree_min(num_blocks)
-        spec = self.model.spec
-        max_model_len = fit_max_model_len(self.config, spec.max_model_len, num_blocks, spec.window_of_every_layer)
+        block_size, scheduler = config.cache.block_size, config.scheduler
+        groups = with_block_counts(
+            groups, num_blocks, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        )
+        if is_hybrid(groups):
+            layer_block_bytes = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) // spec.num_layers * block_size
+            log.info("%s", capacity_line(groups, block_size, layer_block_bytes))
+        max_model_len = fit_max_model_len(config, spec.max_model_len, num_blocks, groups[0].window)
         return ModelRunner.from_config(
             self.model,
-            self.config,
+            config,
             num_blocks,
             max_model_len,
             profile=profile,
             step_sender=step_sender,
             lora=self.lora,
+            kv_groups=groups,
         )
+
+
+def use_hybrid_kv_cache(config: Config) -> bool:
+    """Whether the sliding layers of a model that mixes them with global ones get KV blocks of their own
+    (freed once out of the window; kv_cache_groups.py). Not with a host KV tier: it keeps one copy of a prefix
+    block for every layer, so every layer keeps every block (said once at start)."""
+    cache = config.cache
+    if cache.disable_hybrid_kv_cache_manager:
+        return False
+    if cache.kv_offload_gb > 0 and cache.enable_prefix_caching:
+        log.warning(
+            "kv_offload_gb: the host KV tier keeps every layer's blocks; sliding-window layers will not free "
+            "blocks out of their window (hybrid KV cache off)"
+        )
+        return False
+    return True
 
 
 def load_rank_model(config: Config, ctx: ParallelContext | None) -> CausalLM:

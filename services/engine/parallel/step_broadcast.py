@@ -1,9 +1,10 @@
 """Rank 0 -> the other ranks: each step's host batch as one packed int64 tensor (gloo, host memory).
 
     header  [HEADER_LEN] int64: kind, num_tokens, num_seqs, num_table_rows, num_table_cols,
-            num_logits_rows, num_patches, max_query_len, max_seq_len, graph_size (-1: eager)
+            num_logits_rows, num_patches, max_query_len, max_seq_len, graph_size (-1: eager), num_groups
     payload [sum of the sizes] int64: input_ids | positions | slot_mapping | query_start_loc |
-            seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src
+            seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src |
+            then per sliding group of a hybrid KV cache: window | slot_mapping | block_tables
 
 Two broadcasts per step: the fixed header (so receivers know the payload's size), then the payload.
 No pickling. Placeholder tokens of overlapped steps live only on rank 0's device; after patching
@@ -18,10 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedserve.services.engine.input_batch import HostBatch
+from pagedserve.services.engine.input_batch import GroupBatch, HostBatch
 from pagedserve.services.engine.parallel.state import ParallelContext
 
-HEADER_LEN = 10
+HEADER_LEN = 11
 KIND_STOP, KIND_STEP = 0, 1
 
 
@@ -45,6 +46,7 @@ def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.
             batch.max_query_len,
             batch.max_seq_len,
             -1 if graph_size is None else graph_size,
+            len(batch.groups),
         ],
         dtype=torch.int64,
     )
@@ -59,17 +61,21 @@ def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.
         batch.patch_rows,
         batch.patch_src,
     ]
+    for group in batch.groups:
+        parts += [np.array([group.window]), group.slot_mapping, group.block_tables.reshape(-1)]
     payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
     return header, torch.from_numpy(payload)
 
 
 def payload_len(header: list[int]) -> int:
     _, num_tokens, num_seqs, rows, cols, num_logits, num_patches = header[:7]
-    return 3 * num_tokens + 2 * num_seqs + 1 + rows * cols + num_logits + 2 * num_patches
+    num_groups = header[10]
+    group_len = 1 + num_tokens + rows * cols
+    return 3 * num_tokens + 2 * num_seqs + 1 + rows * cols + num_logits + 2 * num_patches + num_groups * group_len
 
 
 def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
-    _, num_tokens, num_seqs, rows, cols, num_logits, num_patches, max_query_len, max_seq_len, graph = header
+    _, num_tokens, num_seqs, rows, cols, num_logits, num_patches, max_query_len, max_seq_len, graph, num_groups = header
     sizes = [
         num_tokens,
         num_tokens,
@@ -80,8 +86,13 @@ def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
         num_logits,
         num_patches,
         num_patches,
+        *[1, num_tokens, rows * cols] * num_groups,
     ]
     arrays = np.split(payload, np.cumsum(sizes)[:-1])
+    groups = tuple(
+        GroupBatch(int(arrays[i][0]), arrays[i + 1], arrays[i + 2].astype(np.int32).reshape(rows, cols))
+        for i in range(9, 9 + 3 * num_groups, 3)
+    )
     batch = HostBatch(
         input_ids=arrays[0],
         positions=arrays[1],
@@ -94,6 +105,7 @@ def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
         patch_src=arrays[8],
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        groups=groups,
     )
     return StepMessage(batch, None if graph < 0 else graph)
 
