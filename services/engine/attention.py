@@ -146,7 +146,6 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (gpt-oss): extra softmax mass, no value
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Store this step's K/V in the paged cache, then attend over each sequence's context (or window)."""
-    meta = meta.for_window(window)  # a hybrid KV cache: this layer's group's slots and block tables
     _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
     if window is None and softcap is None and sinks is None:
         return _attend(query, kv_cache, meta, scale, k_scale, v_scale)

@@ -91,7 +91,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,  # read by no CUDA kernel: a graph serves every length
         )
-        meta.by_window = {g.window: g.meta_for_graph(meta, size) for g in self.buffers.groups}
+        meta.with_groups([g.for_graph(size) for g in self.buffers.groups], self.buffers.layer_groups)
         return self.model(ids["input_ids"][:size], ids["positions"][:size], self.kv_caches, meta)
 
     def _fill_dummy_decode(self, size: int) -> None:

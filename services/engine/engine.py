@@ -87,7 +87,11 @@ class Engine:
         self.kv_cache: KnownTokensKVCacheManager
         if is_hybrid(groups):  # global and sliding layers: blocks of their own for each (kv_cache_groups.py)
             self.kv_cache = HybridKVCacheManager(
-                groups, config.cache.block_size, config.cache.enable_prefix_caching, self.placeholders.num_known_tokens
+                groups,
+                num_blocks,
+                config.cache.block_size,
+                config.cache.enable_prefix_caching,
+                self.placeholders.num_known_tokens,
             )
         else:
             self.kv_cache = KnownTokensKVCacheManager(
@@ -577,7 +581,7 @@ class Engine:
         return outputs
 
     def _group_tables(self, requests: list[Request]) -> list[list[list[int]]]:
-        """Per sliding group of a hybrid KV cache, the requests' block tables (none otherwise)."""
+        """Per group after the first of a hybrid KV cache, the requests' block tables (none otherwise)."""
         kv_cache = self.kv_cache
         return kv_cache.group_block_tables(requests) if isinstance(kv_cache, HybridKVCacheManager) else []
 

@@ -34,9 +34,8 @@ PLACEHOLDER_TOKEN_ID = -1  # a token the GPU sampled but the host has not seen y
 
 @dataclass(slots=True)
 class GroupBatch:
-    """A sliding group's own slots and block tables (its layers have blocks of their own)."""
+    """A hybrid KV cache group's own slots and block tables (kv_cache_groups.py: groups after the first)."""
 
-    window: int
     slot_mapping: np.ndarray  # [num_tokens] int64
     block_tables: np.ndarray  # [num_seqs, num_table_blocks] int32 (the same columns as the full group's)
 
@@ -54,7 +53,7 @@ class HostBatch:
     patch_src: np.ndarray  # [num_patched] int64: that token's row in the previous step's samples
     max_query_len: int
     max_seq_len: int
-    groups: tuple[GroupBatch, ...] = ()  # a hybrid KV cache's sliding groups (kv_cache_groups.py)
+    groups: tuple[GroupBatch, ...] = ()  # a hybrid KV cache's groups after the first (kv_cache_groups.py)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +79,7 @@ def build_host_batch(
     block_tables: Sequence[Sequence[int]],  # per scheduled sequence, its block ids
     block_size: int,
     pending_rows: Mapping[Request, int] | None = None,  # last token a placeholder -> its sample row
-    group_tables: Sequence[tuple[int, Sequence[Sequence[int]]]] = (),  # sliding groups: (window, block tables)
+    group_tables: Sequence[Sequence[Sequence[int]]] = (),  # a hybrid cache's other groups: their block tables
 ) -> HostBatch:
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -113,10 +112,10 @@ def build_host_batch(
     tables = _block_table_array(block_tables, num_seqs, num_table_blocks)
     slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     groups = []
-    for window, group_block_tables in group_tables:
+    for group_block_tables in group_tables:
         group = _block_table_array(group_block_tables, num_seqs, num_table_blocks)
         slots = group[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        groups.append(GroupBatch(window, slots, group))
+        groups.append(GroupBatch(slots, group))
 
     sampling = np.fromiter((s.is_sampling for s in scheduled), dtype=bool, count=num_seqs)
     logits_rows = query_start_loc[1:][sampling] - 1
@@ -206,8 +205,8 @@ def pad_eager_batch(batch: HostBatch, num_tokens: int) -> HostBatch:
     )
 
 
-def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
-    """Fresh tensors (the CPU path, where a copy is a no-op)."""
+def to_model_input(batch: HostBatch, device: torch.device, layer_groups: list[int] | None = None) -> ModelInput:
+    """Fresh tensors (the CPU path, where a copy is a no-op). `layer_groups`: each layer's group, with groups."""
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -221,10 +220,9 @@ def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
         batch.max_query_len,
         batch.max_seq_len,
     )
-    meta.by_window = {
-        g.window: replace(meta, slot_mapping=tensor(g.slot_mapping), block_tables=tensor(g.block_tables))
-        for g in batch.groups
-    }
+    if batch.groups:
+        assert layer_groups is not None
+        meta.with_groups([(tensor(g.slot_mapping), tensor(g.block_tables)) for g in batch.groups], layer_groups)
     return ModelInput(
         input_ids=tensor(batch.input_ids),
         positions=tensor(batch.positions),
@@ -251,7 +249,7 @@ class InputBuffers:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
-        group_windows: Sequence[int] = (),  # a hybrid KV cache's sliding groups: each its own slots and tables
+        layer_groups: Sequence[int] = (),  # a hybrid KV cache: each layer's group (the others' slots and tables)
     ) -> None:
         self.device = device
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
@@ -292,8 +290,10 @@ class InputBuffers:
             for _ in range(2)
         ]
         self._turn = 0
+        self.layer_groups = list(layer_groups)
         self.groups = [
-            GroupBuffers(window, max_num_tokens, max_num_seqs, max_blocks_per_seq, device) for window in group_windows
+            GroupBuffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device)
+            for _ in range(max(self.layer_groups, default=0))
         ]
 
     def _stage(
@@ -344,7 +344,7 @@ class InputBuffers:
         )
         assert len(batch.groups) == len(self.groups)
         turn = self._turn ^ 1  # the staging set this call used
-        meta.by_window = {g.window: g.load(group, meta, turn) for g, group in zip(self.groups, batch.groups)}
+        meta.with_groups([g.load(group, turn) for g, group in zip(self.groups, batch.groups)], self.layer_groups)
         return ModelInput(
             input_ids=views["input_ids"],
             positions=views["positions"],
@@ -356,12 +356,9 @@ class InputBuffers:
 
 
 class GroupBuffers:
-    """A sliding group's persistent slot mapping and block tables, with their two pinned staging sets."""
+    """A hybrid KV cache group's persistent slot mapping and block tables, with their two pinned staging sets."""
 
-    def __init__(
-        self, window: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device
-    ) -> None:
-        self.window = window
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -373,9 +370,8 @@ class GroupBuffers:
             for _ in range(2)
         ]
 
-    def load(self, group: GroupBatch, meta: AttentionMetadata, turn: int) -> AttentionMetadata:
-        """Copy the group's slots and tables in; `meta` with them in place of the full group's."""
-        assert group.window == self.window
+    def load(self, group: GroupBatch, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the group's slots and tables in (staging set `turn`); views of them (slots, tables)."""
         staging_slots, staging_tables = self._staging[turn]
         num_tokens = group.slot_mapping.shape[0]
         staging_slots.numpy()[:num_tokens] = group.slot_mapping
@@ -384,8 +380,8 @@ class GroupBuffers:
         staged_tables = staging_tables[: num_seqs * num_cols].view(num_seqs, num_cols)
         staged_tables.numpy()[:] = group.block_tables
         self.block_tables[:num_seqs, :num_cols].copy_(staged_tables, non_blocking=True)
-        return replace(meta, slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs])
+        return self.slot_mapping[:num_tokens], self.block_tables[:num_seqs]
 
-    def meta_for_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
-        """`meta` (a captured decode graph's) reading this group's persistent slots and tables."""
-        return replace(meta, slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size])
+    def for_graph(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots and full-width tables a captured decode graph of `size` sequences reads."""
+        return self.slot_mapping[:size], self.block_tables[:size]

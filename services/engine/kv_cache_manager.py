@@ -46,12 +46,15 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         host: HostKVTier | None = None,
         window: int | None = None,
+        pool: BlockPool | None = None,  # a hybrid KV cache's groups share one (hybrid_kv_cache.py)
+        key_suffix: bytes = b"",  # appended to its prefix-cache keys: a shared pool's groups cache apart
     ) -> None:
         self.block_size = block_size
+        self._key_suffix = key_suffix
         self.window = window  # every layer's sliding window (the largest), None if any layer is global
         self._num_released: dict[str, int] = {}  # seq_id -> leading blocks handed back (out of the window)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
         self._blocks: dict[str, list[int]] = {}  # seq_id -> block ids, in position order
         self._num_published: dict[str, int] = {}  # seq_id -> leading blocks offered to the cache
         self.host = host if enable_prefix_caching else None
@@ -103,7 +106,7 @@ class KVCacheManager:
         hashes = request.block_hashes[:max_hit_blocks]
         hit_block_ids = []
         for block_hash in hashes:
-            block_id = self.pool.lookup(block_hash)
+            block_id = self.pool.lookup(block_hash + self._key_suffix)
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
@@ -151,7 +154,7 @@ class KVCacheManager:
                 self._publish_full_blocks(request, block_ids, num_tokens)
             return []
         assert not computed_block_ids or not block_ids, "cache hits only for a sequence with no blocks"
-        if self.blocks_short(request, num_tokens, computed_block_ids, num_skipped) > 0:
+        if self.blocks_needed(request, num_tokens, computed_block_ids, num_skipped) > self.pool.num_free_blocks:
             return None
         num_new = self.num_blocks_for(num_tokens) - len(block_ids) - num_skipped - len(computed_block_ids)
         self.pool.touch(computed_block_ids)
@@ -167,14 +170,28 @@ class KVCacheManager:
             self._publish_full_blocks(request, block_ids, num_tokens)
         return new_block_ids
 
-    def blocks_short(
+    def blocks_needed(
         self, request: Request, num_tokens: int, computed_block_ids: Sequence[int] = (), num_skipped: int = 0
     ) -> int:
-        """How many more free blocks `allocate` with these arguments would need than the pool has (<= 0: fits)."""
+        """Free blocks `allocate` with these arguments takes from the pool (new ones and revived cached ones)."""
         num_held = len(self._blocks.get(request.seq_id, ()))
         num_new = self.num_blocks_for(num_tokens) - num_held - num_skipped - len(computed_block_ids)
         num_revived = sum(1 for b in computed_block_ids if self.pool.is_free(b))
-        return max(num_new, 0) + num_revived - self.pool.num_free_blocks
+        return max(num_new, 0) + num_revived
+
+    def longest_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> tuple[int, int, list[int]]:
+        """The longest prefix of at most `max_blocks` blocks this group can serve from its cache: (its blocks,
+        leading ones skipped as out of the window, the cached ids after them). A full-attention group needs
+        every block cached, a sliding one only those inside the window before the next query (`window_hit`)."""
+        if self.window is not None:
+            return self.window_hit(block_hashes, max_blocks)
+        ids = []
+        for block_hash in block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash + self._key_suffix)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        return len(ids), 0, ids
 
     def window_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> tuple[int, int, list[int]]:
         """The longest prefix of at most `max_blocks` blocks this sliding group can serve from its cache: the
@@ -183,7 +200,7 @@ class KVCacheManager:
         assert self.window is not None
         run: list[int] = []  # cached ids from block `index` on, in reverse
         for index in range(max_blocks - 1, -1, -1):
-            block_id = self.pool.lookup(block_hashes[index])
+            block_id = self.pool.lookup(block_hashes[index] + self._key_suffix)
             if block_id is None:
                 run = []
                 continue
@@ -245,12 +262,16 @@ class KVCacheManager:
         """Assert that every reference on a block belongs to exactly one sequence holding it."""
         self.pool.check_invariants()
         holders = [0] * self.num_blocks
+        self.count_holders(holders)
+        assert holders == self.pool.ref_counts, "ref counts differ from the sequences holding blocks"
+
+    def count_holders(self, holders: list[int]) -> None:
+        """Add one per sequence holding each block (its table less the released entries)."""
         for seq_id, block_ids in self._blocks.items():
             held = block_ids[self._num_released.get(seq_id, 0) :]
             assert len(set(held)) == len(held), "a sequence holds a block twice"
             for block_id in held:
                 holders[block_id] += 1
-        assert holders == self.pool.ref_counts, "ref counts differ from the sequences holding blocks"
 
     def _extend_hashes(self, request: Request) -> None:
         """Hash every full block of the request's known tokens not hashed yet."""
@@ -267,5 +288,6 @@ class KVCacheManager:
             return
         self._extend_hashes(request)
         for block_index in range(start, num_full):
-            self.pool.register(block_ids[block_index], request.block_hashes[block_index])
+            key = request.block_hashes[block_index] + self._key_suffix
+            self.pool.register(block_ids[block_index], key, report=not self._key_suffix)
         self._num_published[request.seq_id] = num_full

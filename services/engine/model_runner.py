@@ -30,7 +30,7 @@ from pagedserve.services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
-from pagedserve.services.engine.kv_cache_groups import KVCacheGroup, first_group_blocks
+from pagedserve.services.engine.kv_cache_groups import KVCacheGroup, layer_groups, layer_slots, num_cache_tensors
 from pagedserve.services.engine.kv_offload import HostKVCaches, KVTransfers, num_host_slots
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
@@ -135,7 +135,7 @@ class ModelRunner:
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
         lora: LoRAManager | None = None,  # adapters wrapped around the model's projections (--enable-lora)
         kv_offload_gb: float = 0.0,  # host memory for evicted prefix blocks (kv_offload.py); 0: none
-        kv_groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache's groups (the first has `num_blocks`)
+        kv_groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache's groups, sharing the `num_blocks` pool
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -143,12 +143,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len = max_model_len or self.spec.max_model_len  # the served context limit
-        self.kv_groups = list(kv_groups) or [KVCacheGroup(None, tuple(range(self.spec.num_layers)), num_blocks)]
-        assert self.kv_groups[0].num_blocks == num_blocks
-        # The sliding groups' windows (empty with one group): each reads its own block tables
-        self.group_windows = [g.window for g in self.kv_groups[1:] if g.window is not None]
+        self.kv_groups = list(kv_groups) or [KVCacheGroup(None, tuple(range(self.spec.num_layers)))]
+        # Each layer's group (whose block tables it reads), with several groups; None: one group
+        self.layer_groups = layer_groups(self.kv_groups, self.spec.num_layers) if len(self.kv_groups) > 1 else None
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype, self.kv_groups)
-        assert not self.group_windows or kv_offload_gb == 0, "no host KV tier with a hybrid KV cache"
+        assert self.layer_groups is None or kv_offload_gb == 0, "no host KV tier with a hybrid KV cache"
         num_slots = num_host_slots(kv_offload_gb, self.kv_caches) if kv_offload_gb > 0 else 0
         self.host_kv = HostKVCaches(num_slots, self.kv_caches) if num_slots > 0 else None
         self.sampler = Sampler(device, seed)
@@ -164,7 +163,7 @@ class ModelRunner:
                 max_num_seqs,
                 -(-max_model_len // block_size),
                 device,
-                self.group_windows,
+                self.layer_groups or (),
             )
             # Graphs need kernels that read no host-side lengths: the Triton backend's.
             if cuda_graph_max_batch > 0 and attention.backend_name() == "triton":
@@ -199,10 +198,8 @@ class ModelRunner:
         profile = self.profile
         if kv_transfers and self.host_kv is not None:
             self.host_kv.apply(kv_transfers, self.kv_caches)
-        assert len(group_tables) == len(self.group_windows), "one block table per sequence and sliding group"
-        batch = build_host_batch(
-            scheduled, block_tables, self.block_size, pending_rows, list(zip(self.group_windows, group_tables))
-        )
+        assert len(group_tables) == len(self.kv_groups) - 1, "block tables for every group"
+        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows, group_tables)
         num_tokens = batch.num_tokens
         graph_size = self.graphs.size_for(batch.num_seqs, batch.max_query_len) if self.graphs else None
         if graph_size is not None:
@@ -213,7 +210,10 @@ class ModelRunner:
             self.step_sender.send(batch, graph_size)
         if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
             self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_size is not None)
-        inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
+        if self.buffers is None:
+            inputs = to_model_input(batch, self.device, self.layer_groups)
+        else:
+            inputs = self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:
             marks.start.record()
@@ -321,39 +321,31 @@ def allocate_kv_caches(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype | None = None,
-    groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache: each layer gets its group's block count
+    groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache: layer j of every group shares cache tensor j
 ) -> list[torch.Tensor]:
+    """Each layer's cache tensor; with several groups, layers at the same position in their groups share one
+    (they never hold the same block: kv_cache_groups.py)."""
     spec = model.spec
-    layer_blocks = [num_blocks] * spec.num_layers
-    for group in groups:
-        for layer in group.layers:
-            layer_blocks[layer] = group.num_blocks
-    return [
-        torch.zeros((2, n, block_size, spec.num_kv_heads, spec.head_dim), dtype=dtype or spec.dtype, device=device)
-        for n in layer_blocks
-    ]
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    if len(groups) <= 1:
+        return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
+    tensors = [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(num_cache_tensors(groups))]
+    return [tensors[slot] for slot in layer_slots(groups, spec.num_layers)]
 
 
 def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int, groups: Sequence[KVCacheGroup] = ()) -> int:
-    """KV blocks to allocate (of the first group, with a hybrid KV cache: its sliding groups take their bound
-    out of the budget first, kv_cache_groups.py): the configured count, a fixed budget on CPU, or what fits
-    on the GPU."""
+    """KV blocks to allocate (with a hybrid KV cache, a block spans one group's layers: kv_cache_groups.py): the
+    configured count, a fixed budget on CPU, or what fits on the GPU."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    spec, block_size = model.spec, config.cache.block_size
-    layer_block_bytes = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) // spec.num_layers * block_size
-    groups = groups or [KVCacheGroup(None, tuple(range(spec.num_layers)))]
-    scheduler = config.scheduler
+    spec = model.spec
+    bytes_per_block = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) * config.cache.block_size
+    if len(groups) > 1:  # one block: a block of each cache tensor
+        bytes_per_block = bytes_per_block // spec.num_layers * num_cache_tensors(groups)
     if torch_device(config).type != "cuda":
-        budget = config.cache.cpu_kv_cache_bytes
-        num_blocks = first_group_blocks(
-            budget, layer_block_bytes, groups, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-        )
-        return max(1, num_blocks)
+        return max(1, config.cache.cpu_kv_cache_bytes // bytes_per_block)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)
-    num_blocks = first_group_blocks(
-        budget, layer_block_bytes, groups, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-    )
+    num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise RuntimeError(
             f"no GPU memory left for the KV cache (budget {budget} bytes); "

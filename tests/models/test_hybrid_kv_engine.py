@@ -14,13 +14,13 @@ import torch
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.hybrid_kv_cache import HybridKVCacheManager
-from pagedserve.services.engine.kv_cache_groups import blocks_per_sliding_sequence, sliding_pool_bound
+from pagedserve.services.engine.kv_cache_groups import blocks_per_sliding_sequence, max_context
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.tiny_models import build_tiny_model, hf_greedy, hf_ignores_the_config
 
 HYBRID_CASES = ["gemma2-window8-softcaps", "gpt_oss-sinks-window8-yarn-clamped-experts"]
-BLOCK, WINDOW, CHUNK, NUM_BLOCKS, MAX_SEQS = 4, 8, 16, 24, 2
+BLOCK, WINDOW, CHUNK, NUM_BLOCKS, MAX_SEQS = 4, 8, 16, 48, 2
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,7 @@ def run_holding(engine: Engine, prompts: list[list[int]], num_new: int) -> tuple
     while engine.has_unfinished():
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
-        held.append(max(max(kv.num_held_sliding_blocks(r)) for r in requests))
+        held.append(max(max(kv.num_held_group_blocks(r)[1:]) for r in requests))
         kv.check_invariants()
     return [tokens[f"r{i}"] for i in range(len(prompts))], held
 
@@ -75,13 +75,17 @@ def prompts_for(seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", HYBRID_CASES)
 def test_sliding_layers_hold_a_window_of_blocks_and_tokens_equal_hf(case: str, tmp_path: Path) -> None:
-    """A 30-token prompt (chunks of at most 16) beside a 13-token one, 40 new tokens each: 70 tokens of context
-    in the full group's 24 blocks (18 + 13), while each holds at most a window's worth of sliding blocks."""
+    """A 30-token prompt (chunks of at most 16) beside a 13-token one, 40 new tokens each: 70 + 53 tokens of
+    context, 32 blocks in the full group, while each holds at most a window's worth of sliding blocks (all 48
+    blocks would hold only 24 + 14 without freeing)."""
     hf = tiny_hf(case, tmp_path)
     engine = hybrid_engine(tmp_path)
-    bound = sliding_pool_bound(WINDOW, BLOCK, MAX_SEQS, CHUNK)
-    assert [(g.window, g.num_blocks) for g in engine.runner.kv_groups] == [(None, NUM_BLOCKS), (WINDOW, bound)]
-    assert engine.runner.kv_caches[1].shape[1] == NUM_BLOCKS and engine.runner.kv_caches[0].shape[1] == bound
+    groups = engine.runner.kv_groups
+    # Gemma 2 (local, global): one group each; gpt-oss (local, global, local): each local layer a group of its own
+    assert [g.window for g in groups] == [None] + [WINDOW] * (len(groups) - 1) and len(groups) in (2, 3)
+    caches = engine.runner.kv_caches
+    assert all(caches[g.layers[0]] is caches[0] for g in groups)  # layer 0 of each group: one tensor
+    assert engine.max_model_len == max_context(groups, NUM_BLOCKS, BLOCK, CHUNK)
     prompts = prompts_for(4)
     outputs, held = run_holding(engine, prompts, 40)
     assert max(held) <= blocks_per_sliding_sequence(WINDOW, BLOCK, CHUNK)
@@ -95,6 +99,7 @@ def test_a_prefix_hit_serves_every_group_and_tokens_equal_hf(case: str, tmp_path
     group can serve from its window's 2 cached blocks (the 3 before are fillers)."""
     hf = tiny_hf(case, tmp_path)
     engine = hybrid_engine(tmp_path)
+    assert engine.scheduler.max_model_len > 29 + 24
     gen = torch.Generator().manual_seed(5)
     first = torch.randint(3, 256, (30,), generator=gen).tolist()
     second = first[:20] + torch.randint(3, 256, (9,), generator=gen).tolist()
@@ -130,3 +135,16 @@ def test_hybrid_groups_on_the_triton_backend_with_graphs(case: str, tmp_path: Pa
     outputs, held = run_holding(engine, prompts, 40)
     assert max(held[3:]) <= -(-(WINDOW + 1) // BLOCK) + 3
     assert outputs == [hf_greedy(hf, p, 40) for p in prompts]
+
+
+def test_hybrid_groups_on_the_triton_kernel_interpreted(tmp_path: Path) -> None:
+    """The Triton paged kernel (interpreted on CPU) reads each layer's group's block tables and slots: a prompt
+    past the window in two chunks, then decodes past the point where sliding blocks went back."""
+    pytest.importorskip("triton")
+    hf = tiny_hf("gpt_oss-sinks-window8-yarn-clamped-experts", tmp_path)
+    engine = hybrid_engine(tmp_path)
+    attention.use_backend("triton")  # the engine picked torch on CPU; its runner reads the backend per step
+    prompt = prompts_for(4)[0][:20]
+    outputs, held = run_holding(engine, [prompt], 12)
+    assert max(held[2:]) <= -(-(WINDOW + 1) // BLOCK) + 3
+    assert outputs == [hf_greedy(hf, prompt, 12)]

@@ -17,13 +17,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pagedserve.services.engine import attention
-from pagedserve.services.engine.config import kv_cache_torch_dtype, model_dir, torch_device
+from pagedserve.services.engine.config import model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
-from pagedserve.services.engine.kv_cache_groups import capacity_line, is_hybrid, kv_cache_groups, with_block_counts
+from pagedserve.services.engine.kv_cache_groups import (
+    KVCacheGroup,
+    capacity_line,
+    is_hybrid,
+    kv_cache_groups,
+    max_context,
+)
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
@@ -67,14 +74,10 @@ class Worker:
         num_blocks = num_kv_blocks_for(self.model, config, spec.max_model_len, groups)
         if self.ctx is not None:
             num_blocks = self.ctx.agree_min(num_blocks)
-        block_size, scheduler = config.cache.block_size, config.scheduler
-        groups = with_block_counts(
-            groups, num_blocks, block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-        )
         if is_hybrid(groups):
-            layer_block_bytes = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) // spec.num_layers * block_size
-            log.info("%s", capacity_line(groups, block_size, layer_block_bytes))
-        max_model_len = fit_max_model_len(config, spec.max_model_len, num_blocks, groups[0].window)
+            chunk = config.scheduler.max_num_batched_tokens
+            log.info("%s", capacity_line(groups, num_blocks, config.cache.block_size, chunk))
+        max_model_len = fit_max_model_len(config, spec.max_model_len, num_blocks, groups)
         return ModelRunner.from_config(
             self.model,
             config,
@@ -118,15 +121,19 @@ def load_rank_model(config: Config, ctx: ParallelContext | None) -> CausalLM:
     )
 
 
-def fit_max_model_len(config: Config, model_max_len: int, num_blocks: int, window: int | None = None) -> int:
+def fit_max_model_len(
+    config: Config, model_max_len: int, num_blocks: int, groups: Sequence[KVCacheGroup] | None = None
+) -> int:
     """The context limit: the model's, but never more than the KV cache holds (a lone sequence must fit). When
-    every layer slides (`window`), a sequence holds at most its window and a prefill chunk of blocks (it hands
-    back older ones: kv_cache_manager.py), so any length fits where that does."""
+    every layer slides (one group with a window), a sequence holds at most its window and a prefill chunk of
+    blocks (it hands back older ones: kv_cache_manager.py), so any length fits where that does; with a hybrid
+    cache, its sliding groups hold that much and the full groups the whole context (kv_cache_groups.py)."""
     block_size = config.cache.block_size
     chunk = config.scheduler.max_num_batched_tokens
+    window = groups[0].window if groups and not is_hybrid(groups) else None
     if window is not None and -(-(window + chunk) // block_size) + 2 <= num_blocks:
         return config.model.max_model_len or model_max_len
-    capacity = num_blocks * block_size
+    capacity = max_context(groups, num_blocks, block_size, chunk) if groups else num_blocks * block_size
     if config.model.max_model_len is not None and config.model.max_model_len > capacity:
         raise ValueError(
             f"max_model_len: {config.model.max_model_len} exceeds the KV cache ({num_blocks} blocks of "
@@ -161,7 +168,10 @@ def follow_step(runner: ModelRunner, ctx: ParallelContext, message: StepMessage)
     """Run rank 0's step on this rank's shard: the same inputs, the same collectives, no sampling."""
     batch = message.batch
     assert batch is not None
-    inputs = to_model_input(batch, runner.device) if runner.buffers is None else runner.buffers.load(batch)
+    if runner.buffers is None:
+        inputs = to_model_input(batch, runner.device, runner.layer_groups)
+    else:
+        inputs = runner.buffers.load(batch)
     if batch.patch_rows.shape[0] > 0:
         ctx.broadcast_from_driver(inputs.input_ids)  # rank 0's ids with the placeholders filled in
     if message.graph_size is not None:

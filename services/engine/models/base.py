@@ -1,6 +1,6 @@
 """`CausalLM`, the typed interface callers see, and `DecoderLM`, the stack every family builds.
 
-    DecoderLM.model.embed_tokens -> model.layers[i](positions, x, kv_caches[i], meta) -> model.norm
+    DecoderLM.model.embed_tokens -> model.layers[i](positions, x, kv_caches[i], meta.for_layer(i)) -> model.norm
     compute_logits: lm_head, or embed_tokens.weight when embeddings are tied
 
 Families differ only in their layers, their config keys and their checkpoint names, which they
@@ -90,8 +90,8 @@ class DecoderLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x = layer(positions, x, kv_cache, meta.for_layer(i))
         out: torch.Tensor = self.model.norm(x)
         return out
 

@@ -98,7 +98,6 @@ def rotary_and_attend(
     from pagedserve.kernels.rotary_kv_write import rotary_write_kv_cache
 
     cos, sin = rotary.caches_for(q)
-    meta = meta.for_window(window)  # a hybrid KV cache: this layer's group's slots and block tables
     rotary_write_kv_cache(positions, q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
     # k (rotated in place) and v still hold this step's keys/values unquantised: a prefill reads them there.
     return triton_backend.attend(q, kv_cache, meta, scale, k_scale, v_scale, key=k, value=v, window=window)

@@ -106,9 +106,9 @@ class LlamaForCausalLM(DecoderLM):
         x = self.model.embed_tokens(input_ids)
         # Fused path: the residual travels beside x, so every add is part of the next norm's kernel.
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             assert isinstance(layer, LlamaDecoderLayer)
-            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta)
+            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta.for_layer(i))
         norm = self.model.norm
         assert isinstance(norm, RMSNorm)
         out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)

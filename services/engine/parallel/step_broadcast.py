@@ -4,7 +4,7 @@
             num_logits_rows, num_patches, max_query_len, max_seq_len, graph_size (-1: eager), num_groups
     payload [sum of the sizes] int64: input_ids | positions | slot_mapping | query_start_loc |
             seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src |
-            then per sliding group of a hybrid KV cache: window | slot_mapping | block_tables
+            then per group after the first of a hybrid KV cache: slot_mapping | block_tables
 
 Two broadcasts per step: the fixed header (so receivers know the payload's size), then the payload.
 No pickling. Placeholder tokens of overlapped steps live only on rank 0's device; after patching
@@ -62,7 +62,7 @@ def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.
         batch.patch_src,
     ]
     for group in batch.groups:
-        parts += [np.array([group.window]), group.slot_mapping, group.block_tables.reshape(-1)]
+        parts += [group.slot_mapping, group.block_tables.reshape(-1)]
     payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
     return header, torch.from_numpy(payload)
 
@@ -70,7 +70,7 @@ def pack(batch: HostBatch, graph_size: int | None) -> tuple[torch.Tensor, torch.
 def payload_len(header: list[int]) -> int:
     _, num_tokens, num_seqs, rows, cols, num_logits, num_patches = header[:7]
     num_groups = header[10]
-    group_len = 1 + num_tokens + rows * cols
+    group_len = num_tokens + rows * cols
     return 3 * num_tokens + 2 * num_seqs + 1 + rows * cols + num_logits + 2 * num_patches + num_groups * group_len
 
 
@@ -86,12 +86,12 @@ def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
         num_logits,
         num_patches,
         num_patches,
-        *[1, num_tokens, rows * cols] * num_groups,
+        *[num_tokens, rows * cols] * num_groups,
     ]
     arrays = np.split(payload, np.cumsum(sizes)[:-1])
     groups = tuple(
-        GroupBatch(int(arrays[i][0]), arrays[i + 1], arrays[i + 2].astype(np.int32).reshape(rows, cols))
-        for i in range(9, 9 + 3 * num_groups, 3)
+        GroupBatch(arrays[i], arrays[i + 1].astype(np.int32).reshape(rows, cols))
+        for i in range(9, 9 + 2 * num_groups, 2)
     )
     batch = HostBatch(
         input_ids=arrays[0],
