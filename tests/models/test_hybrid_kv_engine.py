@@ -14,9 +14,11 @@ import torch
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.hybrid_kv_cache import HybridKVCacheManager
+from pagedserve.services.engine.input_batch import InputBuffers
 from pagedserve.services.engine.kv_cache_groups import blocks_per_sliding_sequence, max_context
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.engine.test_async_steps import EagerGraph, EagerGraphs
 from tests.models.tiny_models import build_tiny_model, hf_greedy, hf_ignores_the_config
 
 HYBRID_CASES = ["gemma2-window8-softcaps", "gpt_oss-sinks-window8-yarn-clamped-experts"]
@@ -148,3 +150,22 @@ def test_hybrid_groups_on_the_triton_kernel_interpreted(tmp_path: Path) -> None:
     outputs, held = run_holding(engine, [prompt], 12)
     assert max(held[2:]) <= -(-(WINDOW + 1) // BLOCK) + 3
     assert outputs == [hf_greedy(hf, prompt, 12)]
+
+
+def test_persistent_buffers_and_graph_batches_carry_every_groups_tables(tmp_path: Path) -> None:
+    """The CUDA input path on the CPU (pinned-style staging, persistent group buffers, overlapped steps, decode
+    batches padded to a captured size replayed eagerly): gpt-oss's three groups, tokens still HF's."""
+    hf = tiny_hf("gpt_oss-sinks-window8-yarn-clamped-experts", tmp_path)
+    engine = hybrid_engine(tmp_path, async_scheduling=True)
+    runner = engine.runner
+    assert runner.layer_groups == [1, 0, 2]
+    max_blocks = -(-engine.max_model_len // BLOCK)
+    runner.buffers = InputBuffers(CHUNK, MAX_SEQS, max_blocks, torch.device("cpu"), runner.layer_groups)
+    runner.graphs = EagerGraphs(runner.model, runner.kv_caches, runner.buffers, [1, 2], engine.max_model_len)
+    runner.capture_graphs()
+    replays = EagerGraph.num_replays
+    prompts = prompts_for(4)
+    outputs, held = run_holding(engine, prompts, 40)
+    assert EagerGraph.num_replays > replays + 20
+    assert max(held[3:]) <= -(-(WINDOW + 1) // BLOCK) + 3
+    assert outputs == [hf_greedy(hf, p, 40) for p in prompts]
