@@ -12,9 +12,10 @@ When every layer attends within a sliding window (Mistral v0.1, Phi-3-mini: `win
 hands back the blocks wholly before its window (one spare block kept) as it advances, so it holds ~window
 tokens of blocks however long it runs. Their ids stay at the front of its block table: attention never reads
 them (the window masks or skips those positions), and a block released with a cached prefix stays reusable.
-Models that mix global layers in (Gemma, gpt-oss) have one manager per KV cache group (kv_cache_groups.py,
-hybrid_kv_cache.py): a sliding group's manager hands back its blocks the same way, the full group's keeps all.
-A sliding group's prefix hit skips the blocks before its window: `FILLER_BLOCK` stands in for them in the table.
+Models that mix global layers in (Gemma, gpt-oss) have one manager per KV cache group, all on one shared pool
+(`pool`, prefix keys set apart by `key_suffix`; kv_cache_groups.py, hybrid_kv_cache.py): a sliding group's
+manager hands back its blocks the same way, a full group's keeps all. A sliding group's prefix hit skips the
+blocks before its window (`window_hit`): `FILLER_BLOCK` stands in for them in the table.
 
 With a host tier (kv_offload.py), a cached block the pool evicts is saved to host memory, and a prefix
 lookup goes on in the host tier where the device cache ends: those hits take new device blocks, which the
