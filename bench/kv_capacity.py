@@ -63,7 +63,7 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
 
 def rows(kv_gib: float, block_size: int, chunk: int) -> list[tuple[str, ...]]:
     budget = int(kv_gib * 2**30)
-    table = []
+    table: list[tuple[str, ...]] = []
     for name, cfg in CONFIGS.items():
         windows = layer_windows(cfg)
         num_layers = len(windows)
