@@ -6,7 +6,7 @@ It lives in kernels/ (the bottom layer) so the Triton backend needs nothing from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,3 +21,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
+    # A hybrid KV cache (services/engine/kv_cache_groups.py): each layer's group's metadata (its own slot
+    # mapping and block tables, the rest as here), by layer. Empty: one group, every layer reads this.
+    by_layer: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with."""
+        return self.by_layer[layer] if self.by_layer else self
+
+    def with_groups(self, group_tables: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int]) -> None:
+        """Give each layer its group's metadata: group 0 is this one, group g >= 1 has `group_tables[g - 1]`
+        (slot mapping, block tables)."""
+        if not group_tables:
+            return
+        metas = [self] + [
+            AttentionMetadata(slots, self.query_start_loc, self.seq_lens, tables, self.max_query_len, self.max_seq_len)
+            for slots, tables in group_tables
+        ]
+        self.by_layer = [metas[g] for g in layer_groups]

@@ -163,6 +163,11 @@ class CacheConfig:
         "copied back on a later hit instead of recomputed (0: off)",
         aliases=("--kv-offloading-size",),  # vLLM's name (GiB)
     )
+    disable_hybrid_kv_cache_manager: bool = opt(
+        False,
+        "one block table for every layer of a model with global and sliding-window layers (Gemma, gpt-oss), "
+        "instead of blocks of their own for the sliding layers, freed once out of the window (as vLLM)",
+    )
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = _pick("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

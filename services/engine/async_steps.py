@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.services.engine.block_pool import BlockPool
 from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID
 from pagedserve.services.engine.kv_cache_manager import KVCacheManager, root_hash
 from pagedserve.services.engine.kv_offload import HostKVTier
@@ -111,8 +112,10 @@ class KnownTokensKVCacheManager(KVCacheManager):
         num_known_tokens: Callable[[Request], int],
         host: HostKVTier | None = None,
         window: int | None = None,
+        pool: BlockPool | None = None,
+        key_suffix: bytes = b"",
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, host, window)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, host, window, pool, key_suffix)
         self._num_known_tokens = num_known_tokens
 
     def publish_known(self, request: Request) -> None:

@@ -35,6 +35,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # block hash -> block id (used or free)
         self.event_log: KVEventLog | None = None  # set by whoever publishes KV events
         self.on_evict: Callable[[int, bytes], None] | None = None  # a cached block is about to be reused
+        self._unreported: set[bytes] = set()  # keys no KV event names (a hybrid cache's group-own keys)
 
     def drain_events(self) -> tuple[list[bytes], list[bytes], bool]:
         """(stored, removed, reset) since the last call, as the state now: a block stored and evicted
@@ -50,7 +51,7 @@ class BlockPool:
 
     def cached_hashes(self) -> list[bytes]:
         """Every prefix block the cache holds now (a KV-event snapshot)."""
-        return list(self._cached)
+        return [h for h in self._cached if h not in self._unreported]
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,20 +100,24 @@ class BlockPool:
                 if self.block_hashes[block_id] is None:
                     self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
 
-    def register(self, block_id: int, block_hash: bytes) -> bool:
-        """Publish a used, full block under its hash; False if that prefix already has a block."""
+    def register(self, block_id: int, block_hash: bytes, report: bool = True) -> bool:
+        """Publish a used, full block under its hash; False if that prefix already has a block. Without `report`
+        no KV event names it (a key only its group of a hybrid cache looks up)."""
         assert self.ref_counts[block_id] > 0
         if block_hash in self._cached or self.block_hashes[block_id] is not None:
             return False
         self._cached[block_hash] = block_id
         self.block_hashes[block_id] = block_hash
-        if self.event_log is not None:
+        if not report:
+            self._unreported.add(block_hash)
+        elif self.event_log is not None:
             self.event_log.stored.append(block_hash)
         return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after the weights change); used blocks stay used."""
         self._cached.clear()
+        self._unreported.clear()
         self.block_hashes = [None] * self.num_blocks
         if self.event_log is not None:
             self.event_log.stored.clear()
@@ -134,5 +139,7 @@ class BlockPool:
                 self.on_evict(block_id, block_hash)
             del self._cached[block_hash]
             self.block_hashes[block_id] = None
-            if self.event_log is not None:
+            if block_hash in self._unreported:
+                self._unreported.remove(block_hash)
+            elif self.event_log is not None:
                 self.event_log.removed.append(block_hash)

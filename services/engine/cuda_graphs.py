@@ -176,6 +176,7 @@ class StepGraphs:
             max_query_len=shape.kind.max_query_len,
             max_seq_len=self.max_model_len,  # read by no CUDA kernel: a graph serves every length
         )
+        meta.with_groups([g.for_graph(num_tokens, num_seqs) for g in self.buffers.groups], self.buffers.layer_groups)
         return self.model(ids["input_ids"][:num_tokens], ids["positions"][:num_tokens], self.kv_caches, meta)
 
     def _fill_dummy(self, shape: GraphShape) -> None:
@@ -186,6 +187,8 @@ class StepGraphs:
         ids["input_ids"][:num_tokens].zero_()
         ids["positions"][:num_tokens].zero_()
         ids["slot_mapping"][:num_tokens].fill_(-1)
+        for group in self.buffers.groups:
+            group.slot_mapping[:num_tokens].fill_(-1)
         if shape.kind == QueryKind.DECODE:
             ids["query_start_loc"][: num_seqs + 1].copy_(torch.arange(num_seqs + 1, dtype=torch.int32))
             ids["seq_lens"][:num_seqs].fill_(1)

@@ -37,7 +37,9 @@ from pagedserve.services.engine.async_steps import (
 )
 from pagedserve.services.engine.config import is_async_scheduling, model_dir, torch_device
 from pagedserve.services.engine.executor import make_executor
+from pagedserve.services.engine.hybrid_kv_cache import HybridKVCacheManager
 from pagedserve.services.engine.input_batch import eager_token_bucket
+from pagedserve.services.engine.kv_cache_groups import is_hybrid
 from pagedserve.services.engine.kv_offload import HostKVTier
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.model_runner import StepResult
@@ -81,14 +83,25 @@ class Engine:
         self.pooling: PoolingParams | None = resolve_pooling(config.model, self.model_dir)
         self.placeholders = Placeholders()
         host_kv = self.runner.host_kv  # None without --kv-offload-gb
-        self.kv_cache = KnownTokensKVCacheManager(
-            num_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
-            self.placeholders.num_known_tokens,
-            HostKVTier(host_kv.num_slots) if host_kv is not None else None,
-            spec.window_of_every_layer,
-        )
+        groups = self.runner.kv_groups
+        self.kv_cache: KnownTokensKVCacheManager
+        if is_hybrid(groups):  # global and sliding layers: blocks of their own for each (kv_cache_groups.py)
+            self.kv_cache = HybridKVCacheManager(
+                groups,
+                num_blocks,
+                config.cache.block_size,
+                config.cache.enable_prefix_caching,
+                self.placeholders.num_known_tokens,
+            )
+        else:
+            self.kv_cache = KnownTokensKVCacheManager(
+                num_blocks,
+                config.cache.block_size,
+                config.cache.enable_prefix_caching,
+                self.placeholders.num_known_tokens,
+                HostKVTier(host_kv.num_slots) if host_kv is not None else None,
+                groups[0].window,
+            )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.scheduler.max_num_seqs,
@@ -365,7 +378,8 @@ class Engine:
     def _launch(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> InflightStep:
         """Enqueue a step on the device, then tell the scheduler its sampling sequences got a
         (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
-        block_tables = self.kv_cache.block_tables(s.request for s in scheduled.scheduled)
+        requests = [s.request for s in scheduled.scheduled]
+        block_tables = self.kv_cache.block_tables(requests)
         before_sampling = None
         if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
 
@@ -380,6 +394,7 @@ class Engine:
                 previous.handle if previous is not None else None,
                 before_sampling=before_sampling,
                 kv_transfers=self.kv_cache.drain_transfers(),
+                group_tables=self._group_tables(requests),
             )
         except BaseException:
             # Blocks published for this step were never filled: their cache entries would be wrong.
@@ -470,10 +485,12 @@ class Engine:
             profile.end_call("eager")
             return outputs
         try:
+            requests = [s.request for s in scheduled.scheduled]
             handle = self.runner.launch(
                 scheduled.scheduled,
-                self.kv_cache.block_tables(s.request for s in scheduled.scheduled),
+                self.kv_cache.block_tables(requests),
                 kv_transfers=self.kv_cache.drain_transfers(),
+                group_tables=self._group_tables(requests),
             )
             result = handle.result()
         except BaseException:
@@ -564,6 +581,11 @@ class Engine:
             outputs.append(_output(request, [], None))
             self._forget_if_done(request.request_id)
         return outputs
+
+    def _group_tables(self, requests: list[Request]) -> list[list[list[int]]]:
+        """Per group after the first of a hybrid KV cache, the requests' block tables (none otherwise)."""
+        kv_cache = self.kv_cache
+        return kv_cache.group_block_tables(requests) if isinstance(kv_cache, HybridKVCacheManager) else []
 
     def has_room(self) -> bool:
         """Whether to take more work (see `num_wanted`)."""

@@ -33,6 +33,14 @@ PLACEHOLDER_TOKEN_ID = -1  # a token the GPU sampled but the host has not seen y
 
 
 @dataclass(slots=True)
+class GroupBatch:
+    """A hybrid KV cache group's own slots and block tables (kv_cache_groups.py: groups after the first)."""
+
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, num_table_blocks] int32 (the same columns as the full group's)
+
+
+@dataclass(slots=True)
 class HostBatch:
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
@@ -45,6 +53,7 @@ class HostBatch:
     patch_src: np.ndarray  # [num_patched] int64: that token's row in the previous step's samples
     max_query_len: int
     max_seq_len: int
+    groups: tuple[GroupBatch, ...] = ()  # a hybrid KV cache's groups after the first (kv_cache_groups.py)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +79,7 @@ def build_host_batch(
     block_tables: Sequence[Sequence[int]],  # per scheduled sequence, its block ids
     block_size: int,
     pending_rows: Mapping[Request, int] | None = None,  # last token a placeholder -> its sample row
+    group_tables: Sequence[Sequence[Sequence[int]]] = (),  # a hybrid cache's other groups: their block tables
 ) -> HostBatch:
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -101,6 +111,11 @@ def build_host_batch(
     num_table_blocks = int(-(-seq_lens.max() // block_size))
     tables = _block_table_array(block_tables, num_seqs, num_table_blocks)
     slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    groups = []
+    for group_block_tables in group_tables:
+        group = _block_table_array(group_block_tables, num_seqs, num_table_blocks)
+        slots = group[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        groups.append(GroupBatch(slots, group))
 
     sampling = np.fromiter((s.is_sampling for s in scheduled), dtype=bool, count=num_seqs)
     logits_rows = query_start_loc[1:][sampling] - 1
@@ -120,6 +135,7 @@ def build_host_batch(
         patch_src=patch_src,
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
+        groups=tuple(groups),
     )
 
 
@@ -185,6 +201,7 @@ def pad_eager_batch(batch: HostBatch, num_tokens: int) -> HostBatch:
         input_ids=np.concatenate([batch.input_ids, zeros]),
         positions=np.concatenate([batch.positions, zeros]),
         slot_mapping=np.concatenate([batch.slot_mapping, zeros - 1]),
+        groups=tuple(replace(g, slot_mapping=np.concatenate([g.slot_mapping, zeros - 1])) for g in batch.groups),
     )
 
 
@@ -204,27 +221,35 @@ def pad_mixed_batch(batch: HostBatch, num_tokens: int, num_seqs: int) -> HostBat
         query_start_loc=np.concatenate([batch.query_start_loc, np.full(num_pad, end, dtype=np.int32)]),
         seq_lens=np.concatenate([batch.seq_lens, np.zeros(num_pad, dtype=np.int32)]),
         block_tables=np.concatenate([tables, np.zeros((num_pad, tables.shape[1]), dtype=np.int32)]),
+        groups=tuple(
+            replace(g, block_tables=np.concatenate([g.block_tables, np.zeros((num_pad, tables.shape[1]), np.int32)]))
+            for g in padded.groups
+        ),
     )
 
 
-def to_model_input(batch: HostBatch, device: torch.device) -> ModelInput:
-    """Fresh tensors (the CPU path, where a copy is a no-op)."""
+def to_model_input(batch: HostBatch, device: torch.device, layer_groups: list[int] | None = None) -> ModelInput:
+    """Fresh tensors (the CPU path, where a copy is a no-op). `layer_groups`: each layer's group, with groups."""
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
     has_patches = batch.patch_rows.shape[0] > 0
+    meta = AttentionMetadata(
+        tensor(batch.slot_mapping),
+        tensor(batch.query_start_loc),
+        tensor(batch.seq_lens),
+        tensor(batch.block_tables),
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
+    if batch.groups:
+        assert layer_groups is not None
+        meta.with_groups([(tensor(g.slot_mapping), tensor(g.block_tables)) for g in batch.groups], layer_groups)
     return ModelInput(
         input_ids=tensor(batch.input_ids),
         positions=tensor(batch.positions),
-        meta=AttentionMetadata(
-            tensor(batch.slot_mapping),
-            tensor(batch.query_start_loc),
-            tensor(batch.seq_lens),
-            tensor(batch.block_tables),
-            batch.max_query_len,
-            batch.max_seq_len,
-        ),
+        meta=meta,
         logits_rows=tensor(batch.logits_rows),
         patch_rows=tensor(batch.patch_rows) if has_patches else None,
         patch_src=tensor(batch.patch_src) if has_patches else None,
@@ -241,7 +266,14 @@ class InputBuffers:
     """Persistent device inputs, filled from pinned staging arrays with asynchronous copies: one per
     dtype and one for the block tables, three per step."""
 
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        layer_groups: Sequence[int] = (),  # a hybrid KV cache: each layer's group (the others' slots and tables)
+    ) -> None:
         self.device = device
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         lengths = {
@@ -281,6 +313,11 @@ class InputBuffers:
             for _ in range(2)
         ]
         self._turn = 0
+        self.layer_groups = list(layer_groups)
+        self.groups = [
+            GroupBuffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device)
+            for _ in range(max(self.layer_groups, default=0))
+        ]
 
     def _stage(
         self,
@@ -319,19 +356,55 @@ class InputBuffers:
         staged_tables.numpy()[:] = batch.block_tables
         self.block_tables[:num_seqs, :num_cols].copy_(staged_tables, non_blocking=True)
         has_patches = batch.patch_rows.shape[0] > 0
+        # Full-width table rows: the shape a captured graph saw (kernels read only the used columns).
+        meta = AttentionMetadata(
+            views["slot_mapping"],
+            views["query_start_loc"],
+            views["seq_lens"],
+            self.block_tables[:num_seqs],
+            batch.max_query_len,
+            batch.max_seq_len,
+        )
+        assert len(batch.groups) == len(self.groups)
+        turn = self._turn ^ 1  # the staging set this call used
+        meta.with_groups([g.load(group, turn) for g, group in zip(self.groups, batch.groups)], self.layer_groups)
         return ModelInput(
             input_ids=views["input_ids"],
             positions=views["positions"],
-            # Full-width table rows: the shape a captured graph saw (kernels read only the used columns).
-            meta=AttentionMetadata(
-                views["slot_mapping"],
-                views["query_start_loc"],
-                views["seq_lens"],
-                self.block_tables[:num_seqs],
-                batch.max_query_len,
-                batch.max_seq_len,
-            ),
+            meta=meta,
             logits_rows=views["logits_rows"],
             patch_rows=views["patch_rows"] if has_patches else None,
             patch_src=views["patch_src"] if has_patches else None,
         )
+
+
+class GroupBuffers:
+    """A hybrid KV cache group's persistent slot mapping and block tables, with their two pinned staging sets."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._staging = [
+            (
+                torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+
+    def load(self, group: GroupBatch, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the group's slots and tables in (staging set `turn`); views of them (slots, tables)."""
+        staging_slots, staging_tables = self._staging[turn]
+        num_tokens = group.slot_mapping.shape[0]
+        staging_slots.numpy()[:num_tokens] = group.slot_mapping
+        self.slot_mapping[:num_tokens].copy_(staging_slots[:num_tokens], non_blocking=True)
+        num_seqs, num_cols = group.block_tables.shape
+        staged_tables = staging_tables[: num_seqs * num_cols].view(num_seqs, num_cols)
+        staged_tables.numpy()[:] = group.block_tables
+        self.block_tables[:num_seqs, :num_cols].copy_(staged_tables, non_blocking=True)
+        return self.slot_mapping[:num_tokens], self.block_tables[:num_seqs]
+
+    def for_graph(self, num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots and full-width tables a captured graph of that shape reads."""
+        return self.slot_mapping[:num_tokens], self.block_tables[:num_seqs]

@@ -29,6 +29,7 @@ from pagedserve.services.engine.input_batch import (
     pad_eager_batch,
     to_model_input,
 )
+from pagedserve.services.engine.kv_cache_groups import KVCacheGroup, layer_groups, layer_slots, num_cache_tensors
 from pagedserve.services.engine.kv_offload import HostKVCaches, KVTransfers, num_host_slots
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
@@ -95,6 +96,7 @@ class ModelRunner:
         profile: StepProfile | None = None,
         step_sender: StepSender | None = None,
         lora: LoRAManager | None = None,
+        kv_groups: Sequence[KVCacheGroup] = (),
     ) -> ModelRunner:
         """The runner an engine (or a tensor-parallel rank) builds: one construction path for both."""
         return cls(
@@ -113,6 +115,7 @@ class ModelRunner:
             step_sender=step_sender,
             lora=lora,
             kv_offload_gb=config.cache.kv_offload_gb if config.cache.enable_prefix_caching else 0.0,
+            kv_groups=kv_groups,
         )
 
     def __init__(
@@ -133,6 +136,7 @@ class ModelRunner:
         step_sender: StepSender | None = None,  # tensor parallel: rank 0 sends each step to the others
         lora: LoRAManager | None = None,  # adapters wrapped around the model's projections (--enable-lora)
         kv_offload_gb: float = 0.0,  # host memory for evicted prefix blocks (kv_offload.py); 0: none
+        kv_groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache's groups, sharing the `num_blocks` pool
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -140,7 +144,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len = max_model_len or self.spec.max_model_len  # the served context limit
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype)
+        self.kv_groups = list(kv_groups) or [KVCacheGroup(None, tuple(range(self.spec.num_layers)))]
+        # Each layer's group (whose block tables it reads), with several groups; None: one group
+        self.layer_groups = layer_groups(self.kv_groups, self.spec.num_layers) if len(self.kv_groups) > 1 else None
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, kv_cache_dtype, self.kv_groups)
+        assert self.layer_groups is None or kv_offload_gb == 0, "no host KV tier with a hybrid KV cache"
         num_slots = num_host_slots(kv_offload_gb, self.kv_caches) if kv_offload_gb > 0 else 0
         self.host_kv = HostKVCaches(num_slots, self.kv_caches) if num_slots > 0 else None
         self.sampler = Sampler(device, seed)
@@ -154,7 +162,11 @@ class ModelRunner:
         self.on_aux_hidden: Callable[[Sequence[ScheduledRequest], list[torch.Tensor]], None] | None = None
         if device.type == "cuda":
             self.buffers = InputBuffers(
-                max(max_num_tokens, max_num_seqs), max_num_seqs, -(-max_model_len // block_size), device
+                max(max_num_tokens, max_num_seqs),
+                max_num_seqs,
+                -(-max_model_len // block_size),
+                device,
+                self.layer_groups or (),
             )
             # Graphs need kernels that read no host-side lengths: the Triton backend's.
             shapes = graph_shapes(
@@ -167,9 +179,14 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture()
 
-    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: Sequence[Sequence[int]]) -> StepResult:
+    def execute(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_tables: Sequence[Sequence[int]],
+        group_tables: Sequence[Sequence[Sequence[int]]] = (),
+    ) -> StepResult:
         """Run a step and wait for its results."""
-        return self.launch(scheduled, block_tables).result()
+        return self.launch(scheduled, block_tables, group_tables=group_tables).result()
 
     @torch.inference_mode()
     def launch(
@@ -180,12 +197,14 @@ class ModelRunner:
         previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
         before_sampling: Callable[[], None] | None = None,  # host work after the forward is enqueued
         kv_transfers: KVTransfers | None = None,  # host-tier copies to run before the forward pass
+        group_tables: Sequence[Sequence[Sequence[int]]] = (),  # per sliding group, its block tables (hybrid)
     ) -> StepHandle:
         """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
         profile = self.profile
         if kv_transfers and self.host_kv is not None:
             self.host_kv.apply(kv_transfers, self.kv_caches)
-        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows)
+        assert len(group_tables) == len(self.kv_groups) - 1, "block tables for every group"
+        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows, group_tables)
         num_tokens = batch.num_tokens
         graph_id = self.graphs.choose(batch) if self.graphs else None
         if graph_id is not None and self.graphs is not None:
@@ -196,7 +215,10 @@ class ModelRunner:
             self.step_sender.send(batch, graph_id)
         if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
             self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_id is not None)
-        inputs = to_model_input(batch, self.device) if self.buffers is None else self.buffers.load(batch)
+        if self.buffers is None:
+            inputs = to_model_input(batch, self.device, self.layer_groups)
+        else:
+            inputs = self.buffers.load(batch)
         marks = GpuMarks.create() if profile.enabled and self.device.type == "cuda" else None
         if marks is not None:
             marks.start.record()
@@ -301,18 +323,32 @@ def _unpack(host: torch.Tensor, num_logprobs: list[int | None], width: int) -> S
 
 
 def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype | None = None
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    groups: Sequence[KVCacheGroup] = (),  # a hybrid KV cache: layer j of every group shares cache tensor j
 ) -> list[torch.Tensor]:
+    """Each layer's cache tensor; with several groups, layers at the same position in their groups share one
+    (they never hold the same block: kv_cache_groups.py)."""
     spec = model.spec
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
+    if len(groups) <= 1:
+        return [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(spec.num_layers)]
+    tensors = [torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for _ in range(num_cache_tensors(groups))]
+    return [tensors[slot] for slot in layer_slots(groups, spec.num_layers)]
 
 
-def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int) -> int:
-    """KV blocks to allocate: the configured count, a fixed budget on CPU, or what fits on the GPU."""
+def num_kv_blocks_for(model: CausalLM, config: Config, max_model_len: int, groups: Sequence[KVCacheGroup] = ()) -> int:
+    """KV blocks to allocate (with a hybrid KV cache, a block spans one group's layers: kv_cache_groups.py): the
+    configured count, a fixed budget on CPU, or what fits on the GPU."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    bytes_per_block = model.spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) * config.cache.block_size
+    spec = model.spec
+    bytes_per_block = spec.kv_bytes_per_token(kv_cache_torch_dtype(config)) * config.cache.block_size
+    if len(groups) > 1:  # one block: a block of each cache tensor
+        bytes_per_block = bytes_per_block // spec.num_layers * num_cache_tensors(groups)
     if torch_device(config).type != "cuda":
         return max(1, config.cache.cpu_kv_cache_bytes // bytes_per_block)
     budget = _cuda_kv_budget_bytes(model, config, max_model_len)

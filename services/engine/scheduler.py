@@ -95,7 +95,7 @@ class Scheduler:
         output = SchedulerOutput()
         scheduled, running, kv_cache = output.scheduled, self.running, self.kv_cache
         budget = self.max_num_batched_tokens
-        if kv_cache.window is not None:  # every layer slides: blocks behind every window go back to the pool
+        if kv_cache.frees_out_of_window:  # sliding layers' blocks behind their window go back to the pool
             for request in running:
                 kv_cache.release_out_of_window(request)
         index = 0

@@ -240,6 +240,8 @@ class EagerGraphs(StepGraphs):
             int((starts[1:] - starts[:-1]).max()),
             int(seq_lens.max()),
         )
+        groups = [g.for_graph(num_real, shape.num_seqs) for g in self.buffers.groups]  # a hybrid KV cache's
+        meta.with_groups(groups, self.buffers.layer_groups)
         hidden = self.model(ids["input_ids"][:num_real], ids["positions"][:num_real], self.kv_caches, meta)
         return torch.cat([hidden, hidden.new_zeros(shape.num_tokens - num_real, hidden.shape[1])])
 

@@ -12,6 +12,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.executor import make_executor
 from pagedserve.services.engine.executor.uniproc import UniprocExecutor
 from pagedserve.services.engine.executor.worker import fit_max_model_len
+from pagedserve.services.engine.kv_cache_groups import KVCacheGroup
 from pagedserve.services.engine.main import build_engine
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -44,8 +45,13 @@ def test_context_limit_never_exceeds_the_kv_cache() -> None:
     with pytest.raises(ValueError, match="max_model_len: 4096 exceeds the KV cache"):
         fit_max_model_len(Config.of(block_size=16, max_model_len=4096), 8192, num_blocks=100)
     # every layer slides: a window (4096) and a prefill chunk (2048) of blocks is all a sequence ever holds
-    assert fit_max_model_len(config, 32768, num_blocks=400, window=4096) == 32768
-    assert fit_max_model_len(config, 32768, num_blocks=300, window=4096) == 4800  # 386 needed: as before
+    sliding = [KVCacheGroup(4096, (0, 1))]
+    assert fit_max_model_len(config, 32768, num_blocks=400, groups=sliding) == 32768
+    assert fit_max_model_len(config, 32768, num_blocks=300, groups=sliding) == 4800  # 386 needed: as before
+    # hybrid: the full group holds the context, the sliding group a window and a chunk (387 blocks) of the pool
+    hybrid = [KVCacheGroup(None, (1,)), KVCacheGroup(4096, (0,))]
+    assert fit_max_model_len(config, 32768, num_blocks=1000, groups=hybrid) == (1000 - 387) * 16
+    assert fit_max_model_len(config, 8192, num_blocks=1000, groups=hybrid) == 8192
 
 
 def test_the_engine_service_builds_its_engine_from_the_config(tiny_model_dir: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from pagedserve.services.engine.input_batch import HostBatch
+from pagedserve.services.engine.input_batch import GroupBatch, HostBatch
 from pagedserve.services.engine.parallel.step_broadcast import HEADER_LEN, pack, payload_len, unpack
 
 
@@ -47,3 +49,21 @@ def test_a_packed_step_unpacks_to_the_same_batch() -> None:
             np.testing.assert_array_equal(getattr(got, name), getattr(batch, name), err_msg=name)
         assert (got.max_query_len, got.max_seq_len) == (3, 10)
         assert got.query_start_loc.dtype == np.int32 and got.block_tables.shape == (2, 3)
+
+
+def test_a_hybrid_caches_group_tables_travel_too() -> None:
+    """A hybrid KV cache's other groups: their own slots and block tables, in group order."""
+    groups = tuple(
+        GroupBatch(np.array([s, s + 1, s + 2, s + 9], np.int64), np.array([[s, 0, 0], [s, s + 1, 7]], np.int32))
+        for s in (20, 40)
+    )
+    batch = replace(_batch(), groups=groups)
+    header, payload = pack(batch, None)
+    assert payload_len(header.tolist()) == payload.shape[0]
+    got = unpack(header.tolist(), payload.numpy()).batch
+    assert got is not None and len(got.groups) == 2
+    for mine, theirs in zip(groups, got.groups):
+        np.testing.assert_array_equal(theirs.slot_mapping, mine.slot_mapping)
+        np.testing.assert_array_equal(theirs.block_tables, mine.block_tables)
+        assert theirs.block_tables.dtype == np.int32
+    np.testing.assert_array_equal(got.patch_src, batch.patch_src)

@@ -17,12 +17,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.config import model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
+from pagedserve.services.engine.kv_cache_groups import (
+    KVCacheGroup,
+    capacity_line,
+    is_hybrid,
+    kv_cache_groups,
+    max_context,
+)
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
@@ -64,20 +72,43 @@ class Worker:
 
     def build_runner(self, profile: StepProfile | None = None, step_sender: StepSender | None = None) -> ModelRunner:
         """Size the KV cache (the smallest of all ranks), fit the context limit to it, build the runner."""
-        num_blocks = num_kv_blocks_for(self.model, self.config, self.model.spec.max_model_len)
+        spec, config = self.model.spec, self.config
+        groups = kv_cache_groups(spec.layer_windows, spec.num_layers)
+        if is_hybrid(groups) and not use_hybrid_kv_cache(config):
+            groups = kv_cache_groups(spec.layer_windows, spec.num_layers, hybrid=False)
+        num_blocks = num_kv_blocks_for(self.model, config, spec.max_model_len, groups)
         if self.ctx is not None:
             num_blocks = self.ctx.agree_min(num_blocks)
-        spec = self.model.spec
-        max_model_len = fit_max_model_len(self.config, spec.max_model_len, num_blocks, spec.window_of_every_layer)
+        if is_hybrid(groups):
+            chunk = config.scheduler.max_num_batched_tokens
+            log.info("%s", capacity_line(groups, num_blocks, config.cache.block_size, chunk))
+        max_model_len = fit_max_model_len(config, spec.max_model_len, num_blocks, groups)
         return ModelRunner.from_config(
             self.model,
-            self.config,
+            config,
             num_blocks,
             max_model_len,
             profile=profile,
             step_sender=step_sender,
             lora=self.lora,
+            kv_groups=groups,
         )
+
+
+def use_hybrid_kv_cache(config: Config) -> bool:
+    """Whether the sliding layers of a model that mixes them with global ones get KV blocks of their own
+    (freed once out of the window; kv_cache_groups.py). Not with a host KV tier: it keeps one copy of a prefix
+    block for every layer, so every layer keeps every block (said once at start)."""
+    cache = config.cache
+    if cache.disable_hybrid_kv_cache_manager:
+        return False
+    if cache.kv_offload_gb > 0 and cache.enable_prefix_caching:
+        log.warning(
+            "kv_offload_gb: the host KV tier keeps every layer's blocks; sliding-window layers will not free "
+            "blocks out of their window (hybrid KV cache off)"
+        )
+        return False
+    return True
 
 
 def load_rank_model(config: Config, ctx: ParallelContext | None) -> CausalLM:
@@ -95,15 +126,19 @@ def load_rank_model(config: Config, ctx: ParallelContext | None) -> CausalLM:
     )
 
 
-def fit_max_model_len(config: Config, model_max_len: int, num_blocks: int, window: int | None = None) -> int:
+def fit_max_model_len(
+    config: Config, model_max_len: int, num_blocks: int, groups: Sequence[KVCacheGroup] | None = None
+) -> int:
     """The context limit: the model's, but never more than the KV cache holds (a lone sequence must fit). When
-    every layer slides (`window`), a sequence holds at most its window and a prefill chunk of blocks (it hands
-    back older ones: kv_cache_manager.py), so any length fits where that does."""
+    every layer slides (one group with a window), a sequence holds at most its window and a prefill chunk of
+    blocks (it hands back older ones: kv_cache_manager.py), so any length fits where that does; with a hybrid
+    cache, its sliding groups hold that much and the full groups the whole context (kv_cache_groups.py)."""
     block_size = config.cache.block_size
     chunk = config.scheduler.max_num_batched_tokens
+    window = groups[0].window if groups and not is_hybrid(groups) else None
     if window is not None and -(-(window + chunk) // block_size) + 2 <= num_blocks:
         return config.model.max_model_len or model_max_len
-    capacity = num_blocks * block_size
+    capacity = max_context(groups, num_blocks, block_size, chunk) if groups else num_blocks * block_size
     if config.model.max_model_len is not None and config.model.max_model_len > capacity:
         raise ValueError(
             f"max_model_len: {config.model.max_model_len} exceeds the KV cache ({num_blocks} blocks of "
@@ -138,7 +173,10 @@ def follow_step(runner: ModelRunner, ctx: ParallelContext, message: StepMessage)
     """Run rank 0's step on this rank's shard: the same inputs, the same collectives, no sampling."""
     batch = message.batch
     assert batch is not None
-    inputs = to_model_input(batch, runner.device) if runner.buffers is None else runner.buffers.load(batch)
+    if runner.buffers is None:
+        inputs = to_model_input(batch, runner.device, runner.layer_groups)
+    else:
+        inputs = runner.buffers.load(batch)
     if batch.patch_rows.shape[0] > 0:
         ctx.broadcast_from_driver(inputs.input_ids)  # rank 0's ids with the placeholders filled in
     if message.graph_id is not None:

@@ -1,6 +1,6 @@
 """`CausalLM`, the typed interface callers see, and `DecoderLM`, the stack every family builds.
 
-    DecoderLM.model.embed_tokens -> model.layers[i](positions, x, kv_caches[i], meta) -> model.norm
+    DecoderLM.model.embed_tokens -> model.layers[i](positions, x, kv_caches[i], meta.for_layer(i)) -> model.norm
     compute_logits: lm_head, or embed_tokens.weight when embeddings are tied
 
 Families differ only in their layers, their config keys and their checkpoint names, which they
@@ -100,7 +100,7 @@ class DecoderLM(CausalLM):
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if i in aux_layers:
                 self.aux_hidden_states.append(x)
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(positions, x, kv_cache, meta.for_layer(i))
         out: torch.Tensor = self.model.norm(x)
         return out
 

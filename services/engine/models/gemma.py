@@ -149,8 +149,8 @@ class GemmaForCausalLM(DecoderLM):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as HF does
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x = layer(positions, x, kv_cache, meta.for_layer(i))
         out: torch.Tensor = self.model.norm(x)
         return out
 

@@ -111,7 +111,7 @@ class LlamaForCausalLM(DecoderLM):
             assert isinstance(layer, LlamaDecoderLayer)
             if i in aux_layers:  # the stream entering layer i; a copy, as the fused norms update theirs in place
                 self.aux_hidden_states.append(x.clone() if residual is None else x + residual)
-            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta)
+            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta.for_layer(i))
         norm = self.model.norm
         assert isinstance(norm, RMSNorm)
         out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)

@@ -27,8 +27,8 @@ class ModelSpec:
     # Sampling defaults the checkpoint ships in generation_config.json (temperature, top_p, top_k, ...).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # Per layer: the sliding window of a local layer, None for a global one (empty: all global). The
-    # attention type per layer (local/global) for the attention backends and, later, the KV cache: it
-    # still keeps every block of a local layer; freeing those out of the window is later work.
+    # attention type per layer for the attention backends and the KV cache groups (kv_cache_groups.py:
+    # local layers hold blocks of their own, freed once out of the window).
     layer_windows: tuple[int | None, ...] = ()
 
     @property

@@ -2,9 +2,10 @@
 
     header  [HEADER_LEN] int64: kind, num_tokens, num_seqs, num_table_rows, num_table_cols,
             num_logits_rows, num_patches, max_query_len, max_seq_len,
-            graph_id (an index of the captured graph shapes; -1: eager)
+            graph_id (an index of the captured graph shapes; -1: eager), num_groups
     payload [sum of the sizes] int64: input_ids | positions | slot_mapping | query_start_loc |
-            seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src
+            seq_lens | block_tables (row-major) | logits_rows | patch_rows | patch_src |
+            then per group after the first of a hybrid KV cache: slot_mapping | block_tables
 
 Two broadcasts per step: the fixed header (so receivers know the payload's size), then the payload.
 No pickling. Placeholder tokens of overlapped steps live only on rank 0's device; after patching
@@ -19,10 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedserve.services.engine.input_batch import HostBatch
+from pagedserve.services.engine.input_batch import GroupBatch, HostBatch
 from pagedserve.services.engine.parallel.state import ParallelContext
 
-HEADER_LEN = 10
+HEADER_LEN = 11
 KIND_STOP, KIND_STEP = 0, 1
 
 
@@ -46,6 +47,7 @@ def pack(batch: HostBatch, graph_id: int | None) -> tuple[torch.Tensor, torch.Te
             batch.max_query_len,
             batch.max_seq_len,
             -1 if graph_id is None else graph_id,
+            len(batch.groups),
         ],
         dtype=torch.int64,
     )
@@ -60,17 +62,21 @@ def pack(batch: HostBatch, graph_id: int | None) -> tuple[torch.Tensor, torch.Te
         batch.patch_rows,
         batch.patch_src,
     ]
+    for group in batch.groups:
+        parts += [group.slot_mapping, group.block_tables.reshape(-1)]
     payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
     return header, torch.from_numpy(payload)
 
 
 def payload_len(header: list[int]) -> int:
     _, num_tokens, num_seqs, rows, cols, num_logits, num_patches = header[:7]
-    return 3 * num_tokens + 2 * num_seqs + 1 + rows * cols + num_logits + 2 * num_patches
+    num_groups = header[10]
+    group_len = num_tokens + rows * cols
+    return 3 * num_tokens + 2 * num_seqs + 1 + rows * cols + num_logits + 2 * num_patches + num_groups * group_len
 
 
 def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
-    _, num_tokens, num_seqs, rows, cols, num_logits, num_patches, max_query_len, max_seq_len, graph = header
+    _, num_tokens, num_seqs, rows, cols, num_logits, num_patches, max_query_len, max_seq_len, graph, num_groups = header
     sizes = [
         num_tokens,
         num_tokens,
@@ -81,8 +87,13 @@ def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
         num_logits,
         num_patches,
         num_patches,
+        *[num_tokens, rows * cols] * num_groups,
     ]
     arrays = np.split(payload, np.cumsum(sizes)[:-1])
+    groups = tuple(
+        GroupBatch(arrays[i], arrays[i + 1].astype(np.int32).reshape(rows, cols))
+        for i in range(9, 9 + 2 * num_groups, 2)
+    )
     batch = HostBatch(
         input_ids=arrays[0],
         positions=arrays[1],
@@ -95,6 +106,7 @@ def unpack(header: list[int], payload: np.ndarray) -> StepMessage:
         patch_src=arrays[8],
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        groups=groups,
     )
     return StepMessage(batch, None if graph < 0 else graph)
 
