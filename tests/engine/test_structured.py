@@ -18,6 +18,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.sampling_metadata import build_sampling_metadata
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.bitmask import build_token_bitmask
 from pagedserve.services.engine.structured.compiler import compile_spec
 from pagedserve.shared.config import Config
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -140,14 +141,14 @@ def test_grammar_survives_preemption_and_async_steps(
     prompts = [[*prompt[:-5], 100 + seed, *prompt[-5:]] for seed in range(8)]
     launch, hooked = engine.runner.launch, []
 
-    def spy(*args: Any, before_sampling: Any = None, **kwargs: Any) -> Any:
-        hooked.append(before_sampling is not None)
-        return launch(*args, before_sampling=before_sampling, **kwargs)
+    def spy(*args: Any, **kwargs: Any) -> Any:  # args: scheduled, block_tables, pending_rows, previous handle
+        hooked.append(kwargs.get("grammar_masks") is not None and args[3] is not None)
+        return launch(*args, **kwargs)
 
     engine.runner.launch = spy  # type: ignore[method-assign]
     results = engine.generate(prompts, params)
     assert engine.stats().num_preemptions > 0
-    # Grammar steps still overlap: the next step launches first, its masks wait for the tokens.
+    # Grammar steps still overlap: the next step launches first, its masks wait for the tokens (on the worker).
     assert sum(hooked) > len(hooked) // 2
     for result in results:
         if result.finish_reason == "stop":
@@ -173,7 +174,8 @@ def test_plain_batches_never_touch_the_grammar_library(
 ) -> None:
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # any `import xgrammar` now raises ImportError
     requests = [make_request([1, 2, 3]), make_request([4, 5], SamplingParams(temperature=0.5, top_p=0.9))]
-    assert build_sampling_metadata(requests, 49152, torch.device("cpu")).token_bitmask is None
+    assert build_token_bitmask(requests, 49152, torch.device("cpu")) is None
+    build_sampling_metadata(requests, 49152, torch.device("cpu"))
     engine = make_engine(smollm2_dir, smol_model)
     result = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=0))
     assert len(result[0].token_ids) == 6 and engine.grammars._pool is None

@@ -1,9 +1,10 @@
 """One sequence's grammar: the compile it waits for, then a matcher that follows its output tokens.
 
-The matcher advances only with tokens that are final (the engine does not overlap steps of grammar
-sequences), so preemption, which recomputes the KV but keeps the tokens, leaves it valid; a
-continuation's tokens are replayed into it once the grammar is ready. Behind a reasoning gate the matcher
-starts only with the token after the reasoning's end marker (reasoning_gate.py).
+The matcher advances only with tokens that are final (a step's tokens, once they reached the host), so
+preemption, which recomputes the KV but keeps the tokens, leaves it valid; a continuation's tokens are
+replayed into it once the grammar is ready. Behind a reasoning gate the matcher starts only with the token
+after the reasoning's end marker (reasoning_gate.py). Under overlapped steps a worker thread advances it and
+fills its mask (mask_worker.py), never while the engine's thread touches it.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ class GrammarState:
         self.is_terminated = bool(self.matcher.is_terminated())
         return True
 
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is masked: the grammar applies (past any reasoning) and is not complete."""
+        return self.matcher is not None and not self.is_terminated and (self.gate is None or self.gate.is_open)
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Constrain the row (it stays all-allowed before the grammar applies)."""
-        if self.gate is not None and not self.gate.is_open:
-            return
-        if self.matcher is not None and not self.is_terminated:
+        if self.constrains_next:
             self.matcher.fill_next_token_bitmask(bitmask, row)
