@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _, seconds, summary = min(chunks, key=lambda c: c[0])
     if profiler:
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats(args.sort).print_stats(45)
+        pstats.Stats(profiler, stream=out).sort_stats(args.sort).print_stats(args.cprofile_top)
         args.cprofile.write_text(out.getvalue())
     return {
         "num_seqs": args.num_seqs,
@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--cprofile", type=Path, help="write cProfile's top functions here")
     parser.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
+    parser.add_argument("--cprofile-top", type=int, default=45, help="functions listed in --cprofile's file")
     args = parser.parse_args()
     if args.vocab_size is None:
         args.vocab_size = GRAMMAR_VOCAB if args.grammar_fraction else 512

@@ -61,15 +61,15 @@ TARGET_RATIO = 0.95
 
 
 class AcceptTimer:
-    """Wraps the engine's per-row grammar advance (matcher.accept_token), summing its host time."""
+    """Wraps the engine's advance of a step's grammar rows by their tokens, summing its host time."""
 
     def __init__(self) -> None:
-        self.real = engine_module._grammar_ends
+        self.real = engine_module._grammar_ends_of
         self.total_s = 0.0
 
-    def __call__(self, request: Any, token_id: int) -> bool:
+    def __call__(self, rows: Any, token_ids: list[int], num_rows: int) -> list[bool]:
         start = time.perf_counter()
-        ends = self.real(request, token_id)
+        ends = self.real(rows, token_ids, num_rows)
         self.total_s += time.perf_counter() - start
         return ends
 
@@ -185,12 +185,12 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
         timer, accept = WorkerTimer(), AcceptTimer()
         timer.install()
-        engine_module._grammar_ends = accept
+        engine_module._grammar_ends_of = accept
         try:
             row[label] = run(engine, prompts, args.output_len, num_json)
         finally:
             timer.remove()
-            engine_module._grammar_ends = accept.real
+            engine_module._grammar_ends_of = accept.real
         if timer.worker_ms:
             row[label]["worker_ms_per_step"] = _spread(timer.worker_ms)
             row[label]["join_ms_per_step"] = _spread(timer.join_ms)

@@ -20,6 +20,7 @@ which has launched the following step before waiting for them (see async_steps.p
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import logging
@@ -54,6 +55,7 @@ from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.services.engine.structured import bitmask
 from pagedserve.services.engine.structured.admission import GrammarAdmission
 from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
+from pagedserve.services.engine.structured.state import accept_all
 from pagedserve.services.engine.token_chars import TokenChars
 from pagedserve.shared.config import Config
 
@@ -483,10 +485,15 @@ class Engine:
                 self.grammars.wait(0.005)
             profile.end_call("eager")
             return outputs
+        grammar_masks = None
+        if self.grammars.is_used:  # a step without drafts samples as usual: its grammar rows' masks, filled here
+            sampling = [s.request for s in scheduled.scheduled if s.is_sampling]
+            grammar_masks = functools.partial(bitmask.build_token_bitmask, sampling, self.vocab_size, self.device)
         try:
             handle = self.runner.launch(
                 scheduled.scheduled,
                 self.kv_cache.block_tables(s.request for s in scheduled.scheduled),
+                grammar_masks=grammar_masks,
                 kv_transfers=self.kv_cache.drain_transfers(),
             )
             result = handle.result()
@@ -681,10 +688,15 @@ def _grammar_rows(step: InflightStep) -> list[tuple[int, Request]]:
 
 
 def _grammar_ends_of(rows: list[tuple[int, Request]], token_ids: list[int], num_rows: int) -> list[bool]:
-    """Advance each row's grammar by its token: per row of the step, whether it ended the sequence."""
+    """`_grammar_ends` for each of a step's rows with a grammar (one batched matcher call): per row of the step."""
     ends = [False] * num_rows
-    for row, request in rows:
-        ends[row] = _grammar_ends(request, token_ids[row])
+    grammars = [request.grammar for _, request in rows if request.grammar is not None]
+    assert len(grammars) == len(rows)
+    accepted = accept_all(grammars, [token_ids[row] for row, _ in rows])
+    for (row, request), grammar, ok in zip(rows, grammars, accepted):
+        if not ok:
+            log.error("request %s: %s", request.request_id, grammar.error)
+        ends[row] = not ok or grammar.is_terminated
     return ends
 
 

@@ -222,3 +222,30 @@ def test_a_reasoning_gate_holds_the_grammar_until_the_end_marker(
     assert not output_text(tokenizer, free[:2]).strip().isdigit()  # (so the grammar would have changed them)
     assert by_prompt.token_ids == by_grammar.token_ids  # a closed block in the prompt: the grammar from token 1
     assert output_text(tokenizer, by_grammar.token_ids).isdigit()
+
+
+def test_grammar_rows_beside_plain_rows_under_async_steps(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
+    """A batch mixing grammar and plain rows, masks filled on the worker thread while steps overlap: the grammar
+    rows give valid JSON, the same greedy tokens as the synchronous path, and the plain rows the same tokens as
+    a batch with no grammar at all."""
+    prompts = [[*prompt[:-5], 200 + i, *prompt[-5:]] for i in range(6)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=64, structured_output=GrammarSpec.json_schema(PERSON))
+    mixed = [constrained if i % 2 else plain for i in range(6)]
+
+    def run(params: list[SamplingParams], is_async: bool) -> list[list[int]]:
+        engine = make_engine(smollm2_dir, smol_model, async_scheduling=is_async)
+        assert engine.is_async == is_async
+        results = engine.generate(prompts[: len(params)], params)
+        for result, p in zip(results, params):
+            if p.structured_output is not None:
+                assert result.finish_reason == "stop"
+                jsonschema.validate(json.loads(output_text(tokenizer, result.token_ids)), PERSON)
+        return [r.token_ids for r in results]
+
+    overlapped = run(mixed, is_async=True)
+    assert overlapped[1::2] == run(mixed, is_async=False)[1::2]  # grammar rows: as without overlap
+    all_plain = run([plain] * 6, is_async=True)
+    assert overlapped[0::2] == all_plain[0::2]  # plain rows: untouched by their neighbours' masks
