@@ -8,10 +8,11 @@ of work (every sequence prompt_len in, output_len out):
              before output_len: both runs hold the same number of sequences for the same steps)
 Reported: the plain requests' throughput in each run (their output tokens over the time until the
 last of them finished, per plain request and in all), the ratio (target: within 5%), steps/s, and
-the grammar's per-step cost: host time advancing the matchers by the last tokens (`accept`) and
-filling the bitmask of the step's grammar rows (`fill`; both overlap the step's forward on the
-device, so they cost wall time only where the host is the bottleneck), and the device time of
-applying it to [256, vocab] logits (`apply`, timed alone with CUDA events).
+the grammar's per-step cost: the worker thread's time per grammar step (`worker`: waiting for the last
+step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
+bitmask of the step's grammar rows; all of it beside the engine thread's launch), the time the engine
+thread then still waits for it before sampling (`join`: the grammar work left on the critical path), and
+the device time of applying the mask to [256, vocab] logits (`apply`, timed alone with CUDA events).
 
     python -m bench.structured_throughput --tokenizer /path/to/SmolLM2-135M-Instruct
     python -m bench.structured_throughput --quick --models smollm2-135m --tokenizer ...
@@ -33,10 +34,10 @@ import torch
 
 from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_memory, make_prompts
 from pagedserve.services.engine import engine as engine_module
-from pagedserve.services.engine import sampling_metadata
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
+from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
 from pagedserve.shared.grammar_spec import GrammarSpec
 
 ROW = {
@@ -60,32 +61,49 @@ TARGET_RATIO = 0.95
 
 
 class AcceptTimer:
-    """Wraps the engine's per-row grammar advance (matcher.accept_token), summing its host time."""
+    """Wraps the engine's advance of a step's grammar rows by their tokens, summing its host time."""
 
     def __init__(self) -> None:
-        self.real = engine_module._grammar_ends
+        self.real = engine_module._grammar_ends_of
         self.total_s = 0.0
 
-    def __call__(self, request: Any, token_id: int) -> bool:
+    def __call__(self, rows: Any, token_ids: list[int], num_rows: int) -> list[bool]:
         start = time.perf_counter()
-        ends = self.real(request, token_id)
+        ends = self.real(rows, token_ids, num_rows)
         self.total_s += time.perf_counter() - start
         return ends
 
 
-class FillTimer:
-    """Wraps the bitmask builder the sampling metadata calls, timing its host work per step."""
+class WorkerTimer:
+    """Wraps the mask worker's task (on its thread) and the engine thread's join of it, timing both."""
 
     def __init__(self) -> None:
-        self.real = sampling_metadata.build_token_bitmask
-        self.times_ms: list[float] = []
+        self.real_run, self.real_join = MaskWorker._run, GrammarTask.join
+        self.worker_ms: list[float] = []
+        self.join_ms: list[float] = []
 
-    def __call__(self, requests: Any, vocab_size: int, device: torch.device) -> Any:
-        start = time.perf_counter()
-        mask = self.real(requests, vocab_size, device)
-        if mask is not None:
-            self.times_ms.append((time.perf_counter() - start) * 1e3)
-        return mask
+    def install(self) -> None:
+        timer = self
+
+        def run(worker: MaskWorker, *args: Any) -> Any:
+            start = time.perf_counter()
+            out = timer.real_run(worker, *args)
+            timer.worker_ms.append((time.perf_counter() - start) * 1e3)
+            return out
+
+        def join(task: GrammarTask) -> Any:
+            first, start = task._joined is None, time.perf_counter()
+            out = timer.real_join(task)
+            if first:
+                timer.join_ms.append((time.perf_counter() - start) * 1e3)
+            return out
+
+        MaskWorker._run = run  # type: ignore[method-assign,assignment]
+        GrammarTask.join = join  # type: ignore[method-assign,assignment]
+
+    def remove(self) -> None:
+        MaskWorker._run = self.real_run  # type: ignore[method-assign]
+        GrammarTask.join = self.real_join  # type: ignore[method-assign]
 
 
 def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int) -> dict[str, Any]:
@@ -165,21 +183,18 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer), model=ours)
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
-        timer, accept = FillTimer(), AcceptTimer()
-        sampling_metadata.build_token_bitmask = timer
-        engine_module._grammar_ends = accept
+        timer, accept = WorkerTimer(), AcceptTimer()
+        timer.install()
+        engine_module._grammar_ends_of = accept
         try:
             row[label] = run(engine, prompts, args.output_len, num_json)
         finally:
-            sampling_metadata.build_token_bitmask = timer.real
-            engine_module._grammar_ends = accept.real
-        if timer.times_ms:
-            row[label]["fill_ms_per_step"] = {
-                "median": round(statistics.median(timer.times_ms), 3),
-                "p90": round(sorted(timer.times_ms)[int(0.9 * len(timer.times_ms))], 3),
-                "steps": len(timer.times_ms),
-            }
-            row[label]["accept_ms_per_step"] = round(1e3 * accept.total_s / len(timer.times_ms), 3)
+            timer.remove()
+            engine_module._grammar_ends_of = accept.real
+        if timer.worker_ms:
+            row[label]["worker_ms_per_step"] = _spread(timer.worker_ms)
+            row[label]["join_ms_per_step"] = _spread(timer.join_ms)
+            row[label]["accept_ms_per_step"] = round(1e3 * accept.total_s / len(timer.worker_ms), 3)
         print(f"   {label}: {json.dumps({k: v for k, v in row[label].items() if k != 'profile_per_step'})}", flush=True)
         del engine
         free_memory()
@@ -194,20 +209,32 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def _spread(times_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(times_ms)
+    return {
+        "mean": round(statistics.mean(ordered), 3),
+        "median": round(statistics.median(ordered), 3),
+        "p90": round(ordered[int(0.9 * len(ordered))], 3),
+        "steps": len(ordered),
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | all-plain tok/s | mixed: plain tok/s (x2 for 50%) | plain per-request ratio | "
-        "step ms plain / mixed | accept + fill ms/step (median fill) | apply ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "step ms plain / mixed | worker ms/step (accept) | engine-thread join ms/step (mean) | apply ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        fill = r["mixed"].get("fill_ms_per_step", {}).get("median", float("nan"))
+        worker = r["mixed"].get("worker_ms_per_step", {}).get("median", float("nan"))
+        join = r["mixed"].get("join_ms_per_step", {}).get("mean", float("nan"))
         accept = r["mixed"].get("accept_ms_per_step", float("nan"))
         lines.append(
             f"| {r['model']} | {r['all_plain']['plain_tokens_per_s']:.0f} | "
             f"{r['mixed']['plain_tokens_per_s']:.0f} | {r['plain_per_request_ratio']:.3f} "
             f"({'ok' if r['plain_per_request_ratio'] >= TARGET_RATIO else 'MISS'} vs {TARGET_RATIO}) | "
-            f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {accept:.3f} + {fill:.3f} | "
+            f"{r['step_ms']['all_plain']:.2f} / {r['step_ms']['mixed']:.2f} | {worker:.3f} ({accept:.3f}) | "
+            f"{join:.3f} | "
             f"{r['apply_ms_per_step']:.4f} |"
         )
     return "\n".join(lines) + "\n"

@@ -10,8 +10,9 @@ row for that token is copied on the device from the sampled ids. When step N's t
 replace the placeholders (`apply_token`), and an EOS or stop token ends its sequence one step late:
 the token computed for it in N+1 is dropped. Steps that need the real output tokens before the next
 launch (repetition/presence/frequency penalties read them) do not overlap. Grammar sequences need
-step N's token only to mask step N+1's logits: N+1's forward is launched first, and the host waits
-for N's tokens and fills the masks while the device runs it (`before_sampling`).
+step N's token only to mask step N+1's logits: a worker thread waits for N's tokens, advances the grammars
+and fills N+1's masks while the engine thread prepares and launches N+1's forward; the engine joins it just
+before sampling (structured/mask_worker.py).
 
 Prefix caching must never hash a placeholder: `KnownTokensKVCacheManager` publishes a block only once
 all its tokens are known, and `publish_known` catches up when they are.
@@ -30,6 +31,7 @@ from pagedserve.services.engine.kv_offload import HostKVTier
 from pagedserve.services.engine.model_runner import StepHandle, StepResult
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.scheduler import SchedulerOutput
+from pagedserve.services.engine.structured.mask_worker import GrammarTask
 from pagedserve.shared import stop_rule
 from pagedserve.shared.kv_blocks import hash_block
 
@@ -46,6 +48,7 @@ class InflightStep:
     has_grammar_rows: bool
     result: StepResult | None = None  # once waited for
     grammar_ends: list[bool] | None = None  # per row, once its grammar rows took their tokens
+    grammar_task: GrammarTask | None = None  # the worker that takes its tokens into the grammars (join first)
 
     def pending_rows(self) -> dict[Request, int]:
         """Sequences whose last token is this step's placeholder -> its row in the sampled ids."""

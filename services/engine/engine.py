@@ -20,6 +20,7 @@ which has launched the following step before waiting for them (see async_steps.p
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import logging
@@ -53,7 +54,10 @@ from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.scheduler import Scheduler, SchedulerCounters, SchedulerOutput
 from pagedserve.services.engine.spec_decode.proposers import make_speculative_decoding
 from pagedserve.services.engine.step_profile import StepProfile
+from pagedserve.services.engine.structured import bitmask
 from pagedserve.services.engine.structured.admission import GrammarAdmission
+from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
+from pagedserve.services.engine.structured.state import accept_all
 from pagedserve.services.engine.token_chars import TokenChars
 from pagedserve.shared.config import Config
 
@@ -123,6 +127,7 @@ class Engine:
         self.grammars = GrammarAdmission(
             config.model.tokenizer or self.model_dir, self.vocab_size, sorted(self.eos_token_ids)
         )
+        self.mask_worker = MaskWorker(self.vocab_size, config.scheduler.max_num_seqs, self.device)
         self.token_chars = TokenChars(config.model.tokenizer or self.model_dir, self.vocab_size)
         if self.device.type == "cuda" and config.runner.warm_up:
             self._warm_up()
@@ -380,19 +385,14 @@ class Engine:
         (placeholder) token, so the next step can be scheduled before this one's tokens arrive."""
         requests = [s.request for s in scheduled.scheduled]
         block_tables = self.kv_cache.block_tables(requests)
-        before_sampling = None
-        if previous is not None and previous.has_grammar_rows:  # their masks need its tokens
-
-            def before_sampling() -> None:
-                self._advance_grammars(previous)
-
+        grammar_task = self._submit_grammar_work(scheduled, previous) if self.grammars.is_used else None
         try:
             handle = self.runner.launch(
                 scheduled.scheduled,
                 block_tables,
                 previous.pending_rows() if previous is not None else None,
                 previous.handle if previous is not None else None,
-                before_sampling=before_sampling,
+                grammar_masks=grammar_task.masks if grammar_task is not None else None,
                 kv_transfers=self.kv_cache.drain_transfers(),
                 group_tables=self._group_tables(requests),
             )
@@ -407,6 +407,24 @@ class Engine:
         needs_tokens = any(r.params.reads_output_tokens for r in updated)
         has_grammar_rows = any(r.grammar is not None for r in updated)
         return InflightStep(scheduled, handle, updated, positions, needs_tokens, has_grammar_rows)
+
+    def _submit_grammar_work(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> GrammarTask | None:
+        """Hand the launch's grammar work to the worker thread: advance the grammars by the previous step's
+        tokens (when it is still in flight), then fill the masks of this step's grammar rows. The rows to
+        advance are chosen here, as the engine thread sees them now."""
+        sampling = (s.request for s in scheduled.scheduled if s.is_sampling)
+        fill = [(row, r.grammar) for row, r in enumerate(sampling) if r.grammar is not None]
+        if previous is not None and previous.has_grammar_rows:
+            accept_rows = _grammar_rows(previous)
+            handle = previous.handle
+
+            def accept() -> tuple[StepResult, list[bool]]:
+                result = handle.result()  # waits (without the GIL) for the previous step's tokens
+                return result, _grammar_ends_of(accept_rows, result.sampled_token_ids, len(result.sampled_token_ids))
+
+            previous.grammar_task = self.mask_worker.submit(accept, fill)
+            return previous.grammar_task
+        return self.mask_worker.submit(None, fill) if fill else None
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a step's tokens, put them in place of its placeholders, apply stop tokens."""
@@ -484,11 +502,16 @@ class Engine:
                 self.grammars.wait(0.005)
             profile.end_call("eager")
             return outputs
+        grammar_masks = None
+        if self.grammars.is_used:  # a step without drafts samples as usual: its grammar rows' masks, filled here
+            sampling = [s.request for s in scheduled.scheduled if s.is_sampling]
+            grammar_masks = functools.partial(bitmask.build_token_bitmask, sampling, self.vocab_size, self.device)
         try:
             requests = [s.request for s in scheduled.scheduled]
             handle = self.runner.launch(
                 scheduled.scheduled,
                 self.kv_cache.block_tables(requests),
+                grammar_masks=grammar_masks,
                 kv_transfers=self.kv_cache.drain_transfers(),
                 group_tables=self._group_tables(requests),
             )
@@ -527,6 +550,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's worker ranks (no-op on one process); the engine is unusable after."""
+        self.mask_worker.shutdown()
         self.executor.shutdown()
 
     def is_admitted(self, request_id: str) -> bool:
@@ -535,28 +559,24 @@ class Engine:
         return choices is None or any(r.num_cached_tokens >= 0 for r in choices)
 
     def _result(self, step: InflightStep) -> StepResult:
-        """Wait for a step's results (once; the grammar hook may have waited already)."""
+        """Wait for a step's results (once; the grammar worker may have waited for them already)."""
         if step.result is None:
             try:
-                step.result = step.handle.result()
+                if step.grammar_task is not None:  # the worker took the tokens and advanced the grammars
+                    step.result, step.grammar_ends = step.grammar_task.join()[0]
+                else:
+                    step.result = step.handle.result()
             except BaseException:
                 self.kv_cache.reset_prefix_cache()
                 raise
         return step.result
 
     def _advance_grammars(self, step: InflightStep) -> list[bool]:
-        """Feed a step's tokens to its grammar rows (once), before the next step's masks are filled:
-        per row, whether the grammar ended the sequence."""
+        """Feed a step's tokens to its grammar rows (once, here unless the worker did), before the next
+        step's masks are filled: per row, whether the grammar ended the sequence."""
+        tokens = self._result(step).sampled_token_ids
         if step.grammar_ends is None:
-            tokens = self._result(step).sampled_token_ids
-            step.grammar_ends = [
-                _grammar_ends(request, token_id)
-                if request.grammar is not None
-                and request.finish_reason != "abort"
-                and position < len(request.all_token_ids)
-                else False  # dropped tokens never reach it
-                for request, position, token_id in zip(step.requests, step.positions, tokens, strict=True)
-            ]
+            step.grammar_ends = _grammar_ends_of(_grammar_rows(step), tokens, len(tokens))
         return step.grammar_ends
 
     def has_unfinished(self) -> bool:
@@ -648,6 +668,7 @@ class Engine:
         first requests run at full speed; then forget the warm-up's requests, cache and counters."""
         start = time.perf_counter()
         self.runner.capture_graphs()
+        bitmask.warm_up(self.vocab_size, self.device)
         longest = min(100, self.max_model_len - 3)
         # A prefill-sized and a short-query mix, and a long query among decodes (the paged kernel's prefill
         # tiles: the prefill kernel takes only steps of long queries on average). Offsets keep the prompts
@@ -679,6 +700,28 @@ class Engine:
         if choices is not None and all(r.status is RequestStatus.FINISHED for r in choices):
             del self._requests[request_id]
             self._unpin_adapters(choices)
+
+
+def _grammar_rows(step: InflightStep) -> list[tuple[int, Request]]:
+    """The step's rows whose token its grammar takes: not aborted, not dropped after an earlier stop."""
+    return [
+        (row, request)
+        for row, (request, position) in enumerate(zip(step.requests, step.positions))
+        if request.grammar is not None and request.finish_reason != "abort" and position < len(request.all_token_ids)
+    ]
+
+
+def _grammar_ends_of(rows: list[tuple[int, Request]], token_ids: list[int], num_rows: int) -> list[bool]:
+    """`_grammar_ends` for each of a step's rows with a grammar (one batched matcher call): per row of the step."""
+    ends = [False] * num_rows
+    grammars = [request.grammar for _, request in rows if request.grammar is not None]
+    assert len(grammars) == len(rows)
+    accepted = accept_all(grammars, [token_ids[row] for row, _ in rows])
+    for (row, request), grammar, ok in zip(rows, grammars, accepted):
+        if not ok:
+            log.error("request %s: %s", request.request_id, grammar.error)
+        ends[row] = not ok or grammar.is_terminated
+    return ends
 
 
 def _grammar_ends(request: Request, token_id: int) -> bool:

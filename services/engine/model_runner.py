@@ -41,6 +41,7 @@ from pagedserve.services.engine.sampling_metadata import SamplingMetadataCache
 from pagedserve.services.engine.scheduler import ScheduledRequest
 from pagedserve.services.engine.spec_decode.verify import VerifiedTokens, verify
 from pagedserve.services.engine.step_profile import GpuMarks, StepProfile
+from pagedserve.services.engine.structured.bitmask import TokenBitmask
 from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class ModelRunner:
         block_tables: Sequence[Sequence[int]],
         pending_rows: Mapping[Request, int] | None = None,  # placeholder last token -> row in previous
         previous: StepHandle | None = None,  # the step whose sampled ids fill those placeholders
-        before_sampling: Callable[[], None] | None = None,  # host work after the forward is enqueued
+        grammar_masks: Callable[[], TokenBitmask | None] | None = None,  # called once the forward is enqueued
         kv_transfers: KVTransfers | None = None,  # host-tier copies to run before the forward pass
         group_tables: Sequence[Sequence[Sequence[int]]] = (),  # per sliding group, its block tables (hybrid)
     ) -> StepHandle:
@@ -255,15 +256,15 @@ class ModelRunner:
             marks.forward_done.record()
         profile.mark("forward")
 
-        if before_sampling is not None:  # e.g. grammars take the previous step's tokens while this forward runs
-            before_sampling()
+        # The grammar rows' masks, filled on a worker thread while this step was prepared and launched.
+        token_bitmask = grammar_masks() if grammar_masks is not None else None
         drafts = [s.spec_token_ids for s in scheduled if s.is_sampling]
         if any(drafts):  # speculative decoding: logits at every draft position (spec_decode/verify.py)
             verified = verify(self.sampler, logits, sampling_requests, drafts, self.spec.vocab_size)
             profile.mark("sample")
             return StepHandle(kind, num_tokens, None, None, None, [], 0, marks, prompt_chunks, pooled_chunks, verified)
         meta = self.sampling_metadata.get(sampling_requests, self.spec.vocab_size, self.device)
-        output = self.sampler(logits, meta)
+        output = self.sampler(logits, meta, token_bitmask)
         num_logprobs = [r.params.logprobs for r in sampling_requests]
         packed = _pack(output)
         width = 0 if output.logprobs is None else output.logprobs.shape[1]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.services.engine.sampling_metadata import PenaltyInputs, SamplingMetadata
-from pagedserve.services.engine.structured.bitmask import apply_token_bitmask
+from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -34,11 +34,14 @@ class Sampler:
         self.generator = torch.Generator(device=device)  # rows without a seed of their own
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` [num_rows, vocab] (edited in place when fp32)."""
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, token_bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits` [num_rows, vocab] (edited in place when fp32); `token_bitmask`
+        holds the grammar rows' allowed tokens."""
         logits = logits.float()
-        if meta.token_bitmask is not None:  # grammar rows: disallowed tokens can neither be sampled nor listed
-            apply_token_bitmask(logits, meta.token_bitmask)
+        if token_bitmask is not None:  # grammar rows: disallowed tokens can neither be sampled nor listed
+            apply_token_bitmask(logits, token_bitmask)
         raw_logprobs = None
         if meta.logprob_row_ids is not None:
             raw_logprobs = torch.log_softmax(logits[meta.logprob_row_ids], dim=-1)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.services.engine.request import Request
-from pagedserve.services.engine.structured.bitmask import TokenBitmask, build_token_bitmask
 
 
 @dataclass(slots=True)
@@ -55,7 +54,6 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     logprob_row_ids: torch.Tensor | None  # [num_logprob_rows] int64
     max_num_logprobs: int  # top alternatives to return (0 = only the sampled token's)
-    token_bitmask: TokenBitmask | None = None  # rows with a grammar: their allowed tokens
 
 
 def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -79,7 +77,6 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
         generators=[r.generator for r in requests],
         logprob_row_ids=_ints(logprob_rows, device) if logprob_rows else None,
         max_num_logprobs=max((params[i].logprobs or 0 for i in logprob_rows), default=0),
-        token_bitmask=build_token_bitmask(requests, vocab_size, device),
     )
 
 
@@ -158,8 +155,9 @@ def _padded(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.T
 
 class SamplingMetadataCache:
     """Reuses the last step's metadata while the sampling batch is the same sequences in the same order
-    and nothing in it changes per step (no penalties, no pending min_tokens, no grammar): a steady decode batch
-    then costs one identity check instead of per-row lists, pinned copies and host-to-device copies."""
+    and nothing in it changes per step (no penalties, no pending min_tokens): a steady decode batch then costs
+    one identity check instead of per-row lists, pinned copies and host-to-device copies. Grammar masks, which
+    change with every token, are not part of it (the sampler takes them beside it)."""
 
     def __init__(self) -> None:
         self._requests: tuple[Request, ...] = ()
@@ -173,13 +171,9 @@ class SamplingMetadataCache:
         ):
             return self._meta
         meta = build_sampling_metadata(requests, vocab_size, device)
-        # banned: min_tokens still pending or a bad word's ban, which follows the output; a grammar's bitmask
-        # changes with every token.
+        # banned: min_tokens still pending or a bad word's ban, which follows the output.
         is_static = (
-            meta.penalties is None
-            and meta.banned is None
-            and meta.token_bitmask is None
-            and not any(r.params.bad_words_token_ids for r in requests)
+            meta.penalties is None and meta.banned is None and not any(r.params.bad_words_token_ids for r in requests)
         )
         self._requests, self._meta = (tuple(requests), meta) if is_static else ((), None)
         return meta

@@ -16,6 +16,8 @@ from tests.engine.engine_helpers import make_request
 class _Matcher:
     """Accepts tokens 1..4 in order, then terminates (xgrammar's GrammarMatcher surface)."""
 
+    stop_token_ids = (4,)  # the token that completes it
+
     def __init__(self, compiled: Any) -> None:
         self.next = 1
 

@@ -18,6 +18,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.sampling_metadata import build_sampling_metadata
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.bitmask import build_token_bitmask
 from pagedserve.services.engine.structured.compiler import compile_spec
 from pagedserve.shared.config import Config
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -140,14 +141,14 @@ def test_grammar_survives_preemption_and_async_steps(
     prompts = [[*prompt[:-5], 100 + seed, *prompt[-5:]] for seed in range(8)]
     launch, hooked = engine.runner.launch, []
 
-    def spy(*args: Any, before_sampling: Any = None, **kwargs: Any) -> Any:
-        hooked.append(before_sampling is not None)
-        return launch(*args, before_sampling=before_sampling, **kwargs)
+    def spy(*args: Any, **kwargs: Any) -> Any:  # args: scheduled, block_tables, pending_rows, previous handle
+        hooked.append(kwargs.get("grammar_masks") is not None and args[3] is not None)
+        return launch(*args, **kwargs)
 
     engine.runner.launch = spy  # type: ignore[method-assign]
     results = engine.generate(prompts, params)
     assert engine.stats().num_preemptions > 0
-    # Grammar steps still overlap: the next step launches first, its masks wait for the tokens.
+    # Grammar steps still overlap: the next step launches first, its masks wait for the tokens (on the worker).
     assert sum(hooked) > len(hooked) // 2
     for result in results:
         if result.finish_reason == "stop":
@@ -173,7 +174,8 @@ def test_plain_batches_never_touch_the_grammar_library(
 ) -> None:
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # any `import xgrammar` now raises ImportError
     requests = [make_request([1, 2, 3]), make_request([4, 5], SamplingParams(temperature=0.5, top_p=0.9))]
-    assert build_sampling_metadata(requests, 49152, torch.device("cpu")).token_bitmask is None
+    assert build_token_bitmask(requests, 49152, torch.device("cpu")) is None
+    build_sampling_metadata(requests, 49152, torch.device("cpu"))
     engine = make_engine(smollm2_dir, smol_model)
     result = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=0))
     assert len(result[0].token_ids) == 6 and engine.grammars._pool is None
@@ -220,3 +222,30 @@ def test_a_reasoning_gate_holds_the_grammar_until_the_end_marker(
     assert not output_text(tokenizer, free[:2]).strip().isdigit()  # (so the grammar would have changed them)
     assert by_prompt.token_ids == by_grammar.token_ids  # a closed block in the prompt: the grammar from token 1
     assert output_text(tokenizer, by_grammar.token_ids).isdigit()
+
+
+def test_grammar_rows_beside_plain_rows_under_async_steps(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any, prompt: list[int]
+) -> None:
+    """A batch mixing grammar and plain rows, masks filled on the worker thread while steps overlap: the grammar
+    rows give valid JSON, the same greedy tokens as the synchronous path, and the plain rows the same tokens as
+    a batch with no grammar at all."""
+    prompts = [[*prompt[:-5], 200 + i, *prompt[-5:]] for i in range(6)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=64, structured_output=GrammarSpec.json_schema(PERSON))
+    mixed = [constrained if i % 2 else plain for i in range(6)]
+
+    def run(params: list[SamplingParams], is_async: bool) -> list[list[int]]:
+        engine = make_engine(smollm2_dir, smol_model, async_scheduling=is_async)
+        assert engine.is_async == is_async
+        results = engine.generate(prompts[: len(params)], params)
+        for result, p in zip(results, params):
+            if p.structured_output is not None:
+                assert result.finish_reason == "stop"
+                jsonschema.validate(json.loads(output_text(tokenizer, result.token_ids)), PERSON)
+        return [r.token_ids for r in results]
+
+    overlapped = run(mixed, is_async=True)
+    assert overlapped[1::2] == run(mixed, is_async=False)[1::2]  # grammar rows: as without overlap
+    all_plain = run([plain] * 6, is_async=True)
+    assert overlapped[0::2] == all_plain[0::2]  # plain rows: untouched by their neighbours' masks

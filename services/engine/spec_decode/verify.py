@@ -19,7 +19,7 @@ from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.sampler import Sampler, apply_logit_edits, gather_logprobs, sampling_probs
 from pagedserve.services.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from pagedserve.services.engine.spec_decode.rejection_sampler import accept_drafts, num_accepted
-from pagedserve.services.engine.structured.bitmask import apply_token_bitmask
+from pagedserve.services.engine.structured.bitmask import apply_token_bitmask, build_token_bitmask
 
 
 @dataclass(slots=True)
@@ -53,10 +53,12 @@ def verify(
     vocab_size: int,
 ) -> VerifiedTokens:
     device = logits.device
-    meta = build_sampling_metadata(row_requests(requests, drafts), vocab_size, device)
+    rows = row_requests(requests, drafts)
+    meta = build_sampling_metadata(rows, vocab_size, device)
     logits = logits.float()
-    if meta.token_bitmask is not None:
-        apply_token_bitmask(logits, meta.token_bitmask)
+    token_bitmask = build_token_bitmask(rows, vocab_size, device)  # a grammar row never drafts: one row each
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
     raw_logprobs = None
     if meta.logprob_row_ids is not None:
         raw_logprobs = torch.log_softmax(logits[meta.logprob_row_ids], dim=-1)

@@ -32,6 +32,11 @@ class GrammarAdmission:
             self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
         return self._pool
 
+    @property
+    def is_used(self) -> bool:
+        """Whether a grammar request ever came (before that, steps skip every grammar check)."""
+        return self._pool is not None
+
     def attach(self, request: Request) -> None:
         """Start (or share) the compile of the request's grammar and hold the request until it is done."""
         spec = request.params.structured_output

@@ -1,14 +1,16 @@
 """One sequence's grammar: the compile it waits for, then a matcher that follows its output tokens.
 
-The matcher advances only with tokens that are final (the engine does not overlap steps of grammar
-sequences), so preemption, which recomputes the KV but keeps the tokens, leaves it valid; a
-continuation's tokens are replayed into it once the grammar is ready. Behind a reasoning gate the matcher
-starts only with the token after the reasoning's end marker (reasoning_gate.py).
+The matcher advances only with tokens that are final (a step's tokens, once they reached the host), so
+preemption, which recomputes the KV but keeps the tokens, leaves it valid; a continuation's tokens are
+replayed into it once the grammar is ready. Behind a reasoning gate the matcher starts only with the token
+after the reasoning's end marker (reasoning_gate.py). Under overlapped steps a worker thread advances it and
+fills its mask (mask_worker.py), never while the engine's thread touches it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,6 +24,7 @@ class GrammarState:
         self.matcher: Any = None
         self.error: str | None = None  # the compile failed, or a token was rejected
         self.is_terminated = False
+        self.stop_token_ids: frozenset[int] = frozenset()  # the matcher's: only these can complete it
 
     @property
     def is_ready(self) -> bool:
@@ -42,6 +45,7 @@ class GrammarState:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(self._compiled.result())
+        self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
         return True
 
     def replay(self, token_ids: list[int]) -> None:
@@ -63,9 +67,39 @@ class GrammarState:
         self.is_terminated = bool(self.matcher.is_terminated())
         return True
 
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is masked: the grammar applies (past any reasoning) and is not complete."""
+        return self.matcher is not None and not self.is_terminated and (self.gate is None or self.gate.is_open)
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Constrain the row (it stays all-allowed before the grammar applies)."""
-        if self.gate is not None and not self.gate.is_open:
-            return
-        if self.matcher is not None and not self.is_terminated:
+        if self.constrains_next:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def accept_all(grammars: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
+    """`GrammarState.accept` for many grammars, their matchers advanced in one xgrammar call that releases the
+    GIL (the mask worker then holds up the engine's thread only for the Python around it)."""
+    accepted = [True] * len(grammars)
+    batch: list[int] = []
+    for i, (grammar, token_id) in enumerate(zip(grammars, token_ids, strict=True)):
+        if grammar.matcher is None or grammar.is_terminated:
+            continue
+        if grammar.gate is not None and not grammar.gate.is_open:  # still reasoning: free text
+            grammar.gate.feed(token_id)
+            continue
+        batch.append(i)
+    if not batch:
+        return accepted
+    import xgrammar as xgr
+
+    matchers = [grammars[i].matcher for i in batch]
+    for i, ok in zip(batch, xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token_ids[i] for i in batch])):
+        grammar, token_id = grammars[i], token_ids[i]
+        if not ok:
+            grammar.error = f"the grammar rejected token {token_id}"
+            accepted[i] = False
+        elif token_id in grammar.stop_token_ids:  # (without a stop token the matcher does not terminate)
+            grammar.is_terminated = bool(grammar.matcher.is_terminated())
+    return accepted
