@@ -43,9 +43,9 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_dir: Path) -> None:
             assert engine.is_async and graphs is not None
             replay, num_replays = graphs.replay, [0]
 
-            def counting_replay(size: int) -> torch.Tensor:
+            def counting_replay(graph_id: int) -> torch.Tensor:
                 num_replays[0] += 1
-                return replay(size)
+                return replay(graph_id)
 
             graphs.replay = counting_replay  # type: ignore[method-assign]
             outputs = [r.token_ids for r in engine.generate(prompts, params)]
@@ -58,5 +58,5 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_dir: Path) -> None:
 
     one, _ = run(1)
     two, num_replays = run(2)
-    assert num_replays > 10  # decode steps ran as graphs (with their captured all-reduces)
+    assert num_replays > 10  # steps ran as graphs (with their captured all-reduces)
     assert two == one
