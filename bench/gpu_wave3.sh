@@ -4,7 +4,7 @@
 # and speculative-decoding benchmarks. Installs nothing from the network (carried wheels only).
 #
 #   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
-#   PARTS=tests,mxfp4,lora,oracle,ngram,graphs SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+#   PARTS=tests,mxfp4,lora,oracle,ngram,graphs,structured SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
 #   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
 # Logs and JSON go under $OUT; a short summary is printed last.
 set -uo pipefail
@@ -52,6 +52,11 @@ if has graphs; then  # mixed/prefill-step CUDA graphs on and off: TTFT, throughp
     --json "$OUT/step_graphs.json" > "$OUT/step_graphs.log" 2>&1
   summary+=("step graphs rc=$?")
 fi
+if has structured; then  # json_schema beside plain requests (issue 23): the grammar worker's cost
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.structured_throughput --tokenizer "${TOKENIZER:-build/smollm2-tokenizer}" \
+    --models smollm2-135m --max-num-batched-tokens 2048 --out-dir "$OUT" > "$OUT/structured.log" 2>&1
+  summary+=("structured rc=$?")
+fi
 if has ngram; then
   timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
     --out "$OUT/spec_ngram.json" > "$OUT/spec_ngram.log" 2>&1
@@ -59,7 +64,7 @@ if has ngram; then
 fi
 
 cat "$OUT/env.txt"
-for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs; do
+for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
 done
 printf '%s\n' "${summary[@]}"
