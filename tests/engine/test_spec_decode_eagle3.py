@@ -156,7 +156,7 @@ def _spec(head: Path, k: int = 3) -> dict:
 
 
 def _engine(model_dir: Path, model: CausalLM, spec: dict | None = None, **settings: object) -> Engine:
-    settings = {"num_kv_blocks": 128, "block_size": 4, **settings}
+    settings = {"num_kv_blocks": 128, "block_size": 4, "device": "cpu", **settings}  # the model is on the CPU
     if spec is not None:
         settings["speculative_config"] = json.dumps(spec)
     return Engine(Config.of(model=str(model_dir), **settings), model=model)
