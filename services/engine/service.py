@@ -538,21 +538,24 @@ class EngineService:
 
     async def _take(self, reader: streams.GroupReader, entries: list[streams.Entry]) -> None:
         read_at = time.time_ns()
-        # What the gateway gave up on while this replica was down or busy is dropped, not run for nobody.
-        requests = [e.message.request_id for e in entries if isinstance(e.message, GenerateRequest)]
-        given_up = await streams.aborted_ids(reader.redis, self.model, requests)
+        requests = []
         for entry in entries:
-            if isinstance(entry.message, GenerateRequest) and entry.message.request_id in given_up:
-                log.info("request %s was aborted before this engine took it; dropped", entry.message.request_id)
-                await self._ack(reader.redis, reader.group, entry)
-            elif isinstance(entry.message, GenerateRequest):
+            if isinstance(entry.message, GenerateRequest):
                 wait = telemetry.record_stream_wait(entry.stream, entry.entry_id, entry.message.traceparent, read_at)
                 if self.metrics is not None:
                     self.metrics.stream_wait.observe(wait)
                 self.inbox.put(_Generate((entry.stream, entry.entry_id), entry.message))
+                requests.append(entry.message.request_id)
             else:
                 log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)
                 await self._ack(reader.redis, reader.group, entry)
+        # What the gateway gave up on while this replica was down or busy is stopped, not run for nobody. Asked
+        # after the requests went in, not before: the round trip stays off their first token, and one that was
+        # given up on runs a step at most before the abort reaches the engine.
+        given_up = await streams.aborted_ids(reader.redis, self.model, requests)
+        if given_up:
+            log.info("requests %s were aborted before this engine took them; stopped", sorted(given_up))
+            self.inbox.put(Abort(sorted(given_up), reason="aborted before this engine took it"))
 
     async def _ack(self, redis: Any, group: str, entry: streams.Entry) -> None:
         pipe = redis.pipeline(transaction=False)

@@ -169,19 +169,19 @@ class TokenizerService:
         return streams.engine_stream(self.model, decision.engine_id)
 
     async def _handle_all(self, entries: list[streams.Entry]) -> None:
-        """Drop what the gateway already gave up on (it was down, or slow, when the abort went out), then
-        answer the rest concurrently."""
+        """Answer the entries concurrently, dropping what the gateway already gave up on (it was down, or slow,
+        when the abort went out). That check is one round trip for the batch, made while the prompts are
+        tokenized (each request waits for it only before it is published), not before: off the first token."""
         requests = [e.message.request_id for e in entries if isinstance(e.message, ChatRequest | CompletionRequest)]
-        given_up = await streams.aborted_ids(self.redis, self.model, requests)
-        for entry in entries:
-            if isinstance(entry.message, ChatRequest | CompletionRequest) and entry.message.request_id in given_up:
-                log.info("request %s was aborted before it was tokenized; dropped", entry.message.request_id)
-                await self.reader.ack(entry.entry_id)
-        await asyncio.gather(
-            *(self._handle(entry) for entry in entries if getattr(entry.message, "request_id", None) not in given_up)
-        )
+        given_up = asyncio.ensure_future(streams.aborted_ids(self.redis, self.model, requests))
+        try:
+            await asyncio.gather(*(self._handle(entry, given_up) for entry in entries))
+        finally:
+            if given_up.done() and not given_up.cancelled():
+                given_up.exception()  # retrieved: a failed check was raised to the requests that awaited it
+            given_up.cancel()  # done by now, unless a request failed first
 
-    async def _handle(self, entry: streams.Entry) -> None:
+    async def _handle(self, entry: streams.Entry, given_up: asyncio.Future[set[str]]) -> None:
         req = entry.message
         if not isinstance(req, ChatRequest | CompletionRequest):
             log.error("unexpected %s on the request stream; skipped", type(req).__name__)
@@ -196,19 +196,26 @@ class TokenizerService:
             attributes={**attributes, "pagedserve.request_id": req.request_id},
         ):
             started = time.perf_counter()
-            outcome = await self._process(req)
+            outcome = await self._process(req, given_up)
+        if outcome == "dropped":
+            log.info("request %s was aborted before it was tokenized; dropped", req.request_id)
+            await self.reader.ack(entry.entry_id)
+            return
         if self.metrics is not None:
             self.metrics.queue_lag.observe(lag)
             self.metrics.duration.observe(time.perf_counter() - started)
             self.metrics.count(outcome)
         await self.reader.ack(entry.entry_id)
 
-    async def _process(self, req: ChatRequest | CompletionRequest) -> str:
-        """Answer one request; returns the outcome ("accepted", "rejected" or "error") for the metrics."""
+    async def _process(self, req: ChatRequest | CompletionRequest, given_up: asyncio.Future[set[str]]) -> str:
+        """Answer one request; returns the outcome ("accepted", "rejected" or "error") for the metrics, or
+        "dropped" when the gateway gave up on it (`given_up`: those of the batch) and nothing was sent."""
         with telemetry.tracer(__name__).start_as_current_span("tokenizer.tokenize") as span:
             result = await self._tokenize(req)
             if not isinstance(result, RequestError):
                 span.set_attribute("gen_ai.usage.input_tokens", result[0].num_prompt_tokens)
+        if req.request_id in await asyncio.shield(given_up):
+            return "dropped"
         reply_stream = streams.response_stream(req.reply_to)
         maxlen = self.routing.stream_maxlen
         if isinstance(result, RequestError):

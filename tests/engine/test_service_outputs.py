@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.service import EngineService, _without_requests
+from pagedserve.shared import streams
 from pagedserve.shared.config import Config
 from pagedserve.shared.protocol import GenerateRequest, TokenDeltas
+
+if TYPE_CHECKING:
+    from pagedserve.shared.redis_server import PrivateRedis
 
 
 def deltas() -> TokenDeltas:
@@ -62,3 +70,42 @@ def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalL
     while engine.has_unfinished():  # the engine dropped the sequence and freed its blocks
         engine.step()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_a_request_given_up_before_the_engine_took_it_is_stopped(
+    tiny_model: CausalLM, tiny_model_dir: Path, redis_server: PrivateRedis
+) -> None:
+    """The abort record is looked up after the request went in (off its first token); a hit aborts it."""
+    engine = Engine(Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4), model=tiny_model)
+    service = EngineService(Config.of(engine_id="eng-take"), "m", engine, model_source=None)
+    params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
+    entries = [
+        streams.Entry(b"1-0", GenerateRequest("wanted", "gw1", "m", [5, 6, 7], params)),
+        streams.Entry(b"2-0", GenerateRequest("given-up", "gw1", "m", [5, 6, 8], params)),
+    ]
+
+    async def take() -> None:
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.set(streams.aborted_key("m", "given-up"), b"1")
+        await service._take(SimpleNamespace(redis=client, group="g"), entries)  # type: ignore[arg-type]
+        await client.aclose()
+
+    asyncio.run(take())
+    inbox = [service.inbox.get_nowait() for _ in range(service.inbox.qsize())]
+    assert [type(item).__name__ for item in inbox] == ["_Generate", "_Generate", "Abort"]
+    assert inbox[2].request_ids == ["given-up"]
+    for item in inbox:
+        service.inbox.put(item)
+    sent: list[Any] = []
+    service._send = sent.append  # type: ignore[method-assign,assignment]  # what the I/O thread publishes
+    service._drain_inbox(block=False)  # in, then stopped, before any step ran
+    service._publish_step(engine.step())
+    assert set(service.active) == {"wanted"}
+    given_up = [
+        (tokens, reason)
+        for message in sent
+        for deltas in message.by_gateway.values()
+        for rid, tokens, reason in zip(deltas.request_ids, deltas.token_ids, deltas.finish_reasons, strict=True)
+        if rid == "given-up"
+    ]
+    assert given_up == [([], "abort")]  # ended, with no token computed for it
