@@ -87,7 +87,7 @@ def test_a_request_given_up_before_the_engine_took_it_is_stopped(
     async def take() -> None:
         client = aioredis.Redis.from_url(redis_server.url)
         await client.set(streams.aborted_key("m", "given-up"), b"1")
-        await service._take(SimpleNamespace(redis=client, group="g"), entries)  # type: ignore[arg-type]
+        await service._take(SimpleNamespace(redis=client, group="g"), entries)
         await client.aclose()
 
     asyncio.run(take())
