@@ -82,7 +82,10 @@ def fused_experts(
             w2_bias=w2_bias,
             swiglu_alpha=swiglu_alpha,
             swiglu_limit=swiglu_limit,
-            **quant,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            w13_zeros=w13_zeros,
+            w2_zeros=w2_zeros,
         )
     return _experts_path(x)(
         x,

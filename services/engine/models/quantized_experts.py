@@ -90,6 +90,9 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class QuantizedExperts(Experts):
     """moe.Experts with quantized weights plus `{weight}_scale` (and int4's `{weight}_zeros`) parameters."""
 
+    gate_up_proj_scale: nn.Parameter
+    down_proj_scale: nn.Parameter
+
     def _quant(self) -> dict[str, torch.Tensor | None]:
         return dict(
             w13_scale=self.gate_up_proj_scale,
