@@ -15,6 +15,14 @@ for kernels/launch_config.py.
 = 2880, swigluoai with biases) with random MXFP4 weights (codes and scales drawn directly: no 4-bit rounding
 of a dense tensor to wait for), the kernel dequantising in registers against the same kernel on the
 dequantised bf16 weights; the floor counts the 4-bit bytes hit (codes + one scale byte per 32 + biases).
+
+`--fp8` / `--w4a16`: the Qwen3-30B-A3B layer with its experts quantized (kernels/expert_quant.py's layouts:
+fp8 e4m3 with a scale per output channel; int4 codes with a bf16 scale and a uint8 zero point per group of
+`--group-size` 128), bf16 activations, against the same kernel on the dequantised bf16 experts; the floor
+counts the quantized bytes hit (codes, scales, zero points) and %floor of the bf16 run counts its 16-bit bytes.
+
+    python -m bench moe_kernel --fp8 | --w4a16 [--sweep]                                    # CUDA
+    TRITON_INTERPRET=1 python -m bench moe_kernel --quick --w4a16 --json /tmp/moe_quick.json   # any CPU: tiny
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels import expert_quant
 from pagedserve.kernels.fused_moe import TRITON_ALIGN_MAX_ASSIGNMENTS, fused_experts
 from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
 from pagedserve.kernels.moe_align import moe_align_block_size
@@ -273,6 +282,129 @@ def run_mxfp4(args: argparse.Namespace, device: torch.device, bandwidth: float) 
     return {"variant": "mxfp4", "shapes": shapes, "dtype": str(dtype), "results": results}
 
 
+@dataclass
+class QuantLayer:
+    """One expert layer quantized (fp8 or int4) and the same weights dequantised to the activation dtype."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    quant: dict[str, torch.Tensor]  # w13_scale, w2_scale (and int4's w13_zeros, w2_zeros)
+    w13_dense: torch.Tensor
+    w2_dense: torch.Tensor
+
+    def bytes_per_expert(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (self.w13, self.w2, *self.quant.values()))
+
+
+def random_quant_layer(
+    fmt: str, shape: dict[str, int], dtype: torch.dtype, device: torch.device, group: int
+) -> QuantLayer:
+    """Random weights quantized one expert at a time (a whole-layer fp32 copy would be ~1.6 GB)."""
+    num_experts, hidden, intermediate = shape["num_experts"], shape["hidden"], shape["intermediate"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for _ in range(num_experts):
+        for name, (rows, cols) in (("w13", (2 * intermediate, hidden)), ("w2", (hidden, intermediate))):
+            w = (torch.randn(rows, cols, device=device, generator=gen) * cols**-0.5).to(dtype)
+            q = expert_quant.quantize_fp8(w) if fmt == "fp8" else expert_quant.quantize_int4(w, group)
+            keys = (name, f"{name}_scale", f"{name}_zeros")[: len(q)]
+            for key, t in zip(keys, q, strict=True):
+                parts.setdefault(key, []).append(t)
+    stacked = {key: torch.stack(ts) for key, ts in parts.items()}
+    w13, w2 = stacked.pop("w13"), stacked.pop("w2")
+    dense = [
+        expert_quant.dequantize(w, stacked[f"{n}_scale"], stacked.get(f"{n}_zeros"), dtype)
+        for n, w in (("w13", w13), ("w2", w2))
+    ]
+    return QuantLayer(w13, w2, stacked, *dense)
+
+
+def measure_quant(
+    fmt: str,
+    num_tokens: int,
+    shape: dict[str, int],
+    layer: QuantLayer,
+    device: torch.device,
+    bandwidth: float,
+    sweep: bool,
+) -> dict[str, object]:
+    num_experts, top_k, hidden, intermediate = (shape[k] for k in ("num_experts", "top_k", "hidden", "intermediate"))
+    dtype = layer.w13_dense.dtype
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
+    weights, ids = route(torch.randn(num_tokens, num_experts, device=device, generator=gen), top_k, "softmax", True)
+    cuda = device.type == "cuda"
+
+    def quantized(config: MoeConfig | None = None) -> torch.Tensor:
+        return fused_experts(x, layer.w13, layer.w2, weights, ids, **layer.quant, config=config)  # type: ignore[arg-type]
+
+    def dense() -> torch.Tensor:
+        return fused_experts(x, layer.w13_dense, layer.w2_dense, weights, ids)
+
+    out, out_dense = quantized(), dense()
+    rel_error = float((out.float() - out_dense.float()).abs().max() / out_dense.float().abs().max())
+    default = choose_moe_config(num_tokens=num_tokens, dtype=f"{str(dtype).removeprefix('torch.')}+{fmt}", **shape)
+    timed = {default: time_us(quantized, cuda)}
+    if sweep:
+        for config in sweep_candidates()[: 3 if device.type == "cpu" else None]:
+            try:
+                timed[config] = time_us(partial(quantized, config), cuda)
+            except Exception as exc:  # a tiling that does not fit this GPU
+                print(f"  skip {config}: {type(exc).__name__}")
+    best = min(timed, key=lambda c: timed[c])
+    hit = int(ids.unique().numel())
+    activation_bytes = (2 * num_tokens * hidden + 2 * num_tokens * top_k * (intermediate + hidden)) * x.element_size()
+    floor_us = (hit * layer.bytes_per_expert() + activation_bytes) / bandwidth * 1e6
+    dense_floor_us = (hit * 3 * hidden * intermediate * x.element_size() + activation_bytes) / bandwidth * 1e6
+    dense_us = time_us(dense, cuda)
+    return {
+        "num_tokens": num_tokens,
+        "experts_hit": hit,
+        "max_rel_error": rel_error,  # the same kernel on the exactly dequantised weights
+        "kernel_us": timed[default],
+        "default_config": list(astuple(default)),
+        "best_us": timed[best],
+        "best_config": list(astuple(best)),
+        "floor_us": floor_us,
+        "floor_fraction": floor_us / timed[default],
+        "dense_kernel_us": dense_us,
+        "dense_floor_fraction": dense_floor_us / dense_us,
+        "speedup_vs_dense": dense_us / timed[default],
+    }
+
+
+def run_quant(fmt: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> dict[str, object]:
+    shape, dtype = (QUICK, torch.float32) if args.quick else (QWEN3_30B_A3B, torch.bfloat16)
+    group = min(args.group_size, shape["intermediate"])
+    layer = random_quant_layer(fmt, shape, dtype, device, group)
+    print(
+        f"{'tokens':>6} {'hit':>4} {fmt:>9} {'floor':>8} {'%floor':>7} {'bf16':>9} {'%floor':>7} {'speedup':>7} "
+        f"{'err/bf16':>8}  best config"
+    )
+    results = []
+    for num_tokens in (int(t) for t in args.tokens.split(",")):
+        r = measure_quant(fmt, num_tokens, shape, layer, device, bandwidth, args.sweep)
+        results.append(r)
+        print(
+            f"{num_tokens:6d} {r['experts_hit']:4d} {r['kernel_us']:9.1f} {r['floor_us']:8.1f} "
+            f"{r['floor_fraction']:7.0%} "
+            f"{r['dense_kernel_us']:9.1f} {r['dense_floor_fraction']:7.0%} {r['speedup_vs_dense']:7.2f} "
+            f"{r['max_rel_error']:8.1e}  {r['best_config']} ({r['best_us']:.1f} µs)",
+            flush=True,
+        )
+    if args.sweep:
+        key = (*(shape[k] for k in ("num_experts", "top_k", "hidden", "intermediate")), f"{str(dtype)[6:]}+{fmt}")
+        entries = ", ".join(f"({r['num_tokens']}, MoeConfig(*{tuple(r['best_config'])}))" for r in results)  # type: ignore[arg-type]
+        print(f"MOE_TUNED[{key}] = ({entries},)")
+    return {
+        "variant": fmt,
+        "shape": shape,
+        "dtype": str(dtype),
+        "group_size": group if fmt == "int4" else None,
+        "results": results,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="default: bench/results/moe_kernel_<device>.json")
@@ -282,10 +414,16 @@ def main() -> None:
     parser.add_argument(
         "--mxfp4", action="store_true", help="gpt-oss-20b/120b expert layers with MXFP4 weights (kernel dequantises)"
     )
+    parser.add_argument("--fp8", action="store_true", help="Qwen3-30B-A3B experts in fp8 (per-channel scales)")
+    parser.add_argument("--w4a16", action="store_true", help="Qwen3-30B-A3B experts in int4 (group scales, zeros)")
+    parser.add_argument("--group-size", type=int, default=128, help="--w4a16's group size along K")
     args = parser.parse_args()
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     if args.mxfp4:
         main_mxfp4(args, device)
+        return
+    if args.fp8 or args.w4a16:
+        main_quant("fp8" if args.fp8 else "int4", args, device)
         return
     shape, dtype = (QUICK, torch.float32) if args.quick else (QWEN3_30B_A3B, torch.bfloat16)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
@@ -331,6 +469,24 @@ def main_mxfp4(args: argparse.Namespace, device: torch.device) -> None:
     print(f"{name}: MXFP4 experts; copy {bandwidth / 1e9:.0f} GB/s; µs per call; floor = bytes hit / copy rate")
     record = run_mxfp4(args, device, bandwidth)
     path = args.json or Path(f"bench/results/moe_kernel_mxfp4_{name.split()[-1].lower()}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "device": name,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench moe_kernel", *sys.argv[1:]]),
+        "copy_bytes_per_s": bandwidth,
+        **record,
+    }
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+def main_quant(fmt: str, args: argparse.Namespace, device: torch.device) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    bandwidth = copy_bandwidth(device)
+    print(f"{name}: {fmt} experts; copy {bandwidth / 1e9:.0f} GB/s; µs per call; floor = bytes hit / copy rate")
+    record = run_quant(fmt, args, device, bandwidth)
+    path = args.json or Path(f"bench/results/moe_kernel_{fmt}_{name.split()[-1].lower()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "device": name,

@@ -22,16 +22,26 @@ E8M0 byte per 32 values along K:
 
 Each program then loads a [BLOCK_N, BLOCK_K / 2] byte tile, dequantises it in registers to the
 activations' dtype and feeds the same tl.dot: a decode step reads ~4.25 bits a weight instead of 16.
+
+FP8 and int4 (W4A16: AWQ/GPTQ/compressed-tensors repacked at load) experts stay quantized the same way, in
+kernels/expert_quant.py's layouts; activations stay 16-bit (weight-only quantization):
+
+    fp8   w13 [E, 2I, hidden] float8_e4m3fn + w13_scale [E, 2I] fp32: the tile is cast to the activations'
+          dtype (exact), and the per-output-channel scale multiplies the fp32 accumulator once after the K loop
+    int4  w13 [E, 2I, hidden / 2] uint8 (low nibble first) + w13_scale [E, 2I, hidden / G] + w13_zeros (same,
+          uint8): (q - zero) * scale per tile in registers, like MXFP4's
 """
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.expert_quant import int4_group_size, weight_format
 from pagedserve.kernels.launch_config import MoeConfig, choose_moe_config
 from pagedserve.kernels.moe_align import moe_align_block_size
 from pagedserve.kernels.moe_align_triton import moe_align_block_size_triton
@@ -40,6 +50,8 @@ from pagedserve.kernels.moe_reference import check_activation
 # The GEMM's ACTIVATION constexpr: none (GEMM 2), or a gated one on GEMM 1's [gate | up] pair.
 _ACTIVATION_CODES = {"none": 0, "silu": 1, "swigluoai": 2}
 MXFP4_GROUP = 32  # values along K sharing one E8M0 scale (mxfp4.BLOCK; BLOCK_K must be a multiple)
+# The GEMM's QUANT constexpr: how b is stored (kernels/expert_quant.py)
+_QUANT_CODES = {"dense": 0, "mxfp4": 1, "fp8": 2, "int4": 3}
 
 
 @triton.jit
@@ -65,10 +77,35 @@ def _mxfp4_tile(packed_ptrs, scale_ptrs, k_left, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _int4_tile(
+    packed_ptrs,
+    scale_ptrs,
+    zero_ptrs,
+    k_left,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    """[BLOCK_K, BLOCK_N] weights in `dtype` from a [BLOCK_N, BLOCK_K / 2] tile of bytes (two 4-bit codes
+    each, the low nibble first along K) and the [BLOCK_N, BLOCK_K / SUB_K] scales and zero points of its
+    runs of SUB_K values (SUB_K = min(group size, BLOCK_K)); columns at or past `k_left` read as 0."""
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    sub_mask = (tl.arange(0, BLOCK_K // SUB_K) * SUB_K < k_left)[None, :]
+    packed = tl.load(packed_ptrs, mask=(offs_kb < k_left // 2)[None, :], other=0).to(tl.int32)
+    scale = tl.load(scale_ptrs, mask=sub_mask, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptrs, mask=sub_mask, other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K // SUB_K, SUB_K))
+    values = (codes - zero[:, :, None]).to(tl.float32) * scale[:, :, None]
+    return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(dtype))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: x (row = assignment // A_ROW_DIV) or GEMM 1's output (row = assignment)
-    b_ptr,  # [num_experts, (2 if GATED) * N, K]: w13 or w2, K contiguous (MXFP4: uint8, K / 2 bytes)
-    b_scale_ptr,  # [num_experts, (2 if GATED) * N, K / 32] uint8 (MXFP4)
+    b_ptr,  # [num_experts, (2 if GATED) * N, K]: w13 or w2, K contiguous (MXFP4, int4: uint8, K / 2 bytes)
+    b_scale_ptr,  # [num_experts, (2 if GATED) * N, K / 32] uint8 (MXFP4), [.., K / G] (int4), [E, 2N] fp32 (fp8)
+    b_zero_ptr,  # int4: like b_scale, uint8
     bias_ptr,  # [num_experts, (2 if GATED) * N] (HAS_BIAS)
     c_ptr,  # [num_assignments, N], row = assignment
     topk_weights_ptr,  # [num_assignments] float32 (MUL_ROUTED_WEIGHT)
@@ -86,13 +123,15 @@ def _grouped_gemm_kernel(
     stride_cm,
     stride_scale_e,
     stride_scale_n,
+    group_size,  # int4: values along K sharing a scale and zero point
     swiglu_alpha,
     swiglu_limit,
     A_ROW_DIV: tl.constexpr,  # top_k for GEMM 1 (x has one row per token), 1 for GEMM 2
     ACTIVATION: tl.constexpr,  # _ACTIVATION_CODES; > 0 means GATED (up tile at row offset N)
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    MXFP4: tl.constexpr,  # b is 4-bit codes + scales, dequantised per tile (see _mxfp4_tile)
+    QUANT: tl.constexpr,  # _QUANT_CODES: dense, MXFP4 / int4 (dequantised per tile), fp8 (scaled per column)
+    SUB_K: tl.constexpr,  # int4: min(group size, BLOCK_K), the values of a tile sharing one scale
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32 rounding), else unused
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -120,7 +159,7 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + (assignment // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MXFP4:
+    if QUANT == 1:
         # [BLOCK_N, BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] scales: rows as stored, K contiguous
         b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + tl.arange(0, BLOCK_K // 2)[None, :]
         s_ptrs = b_scale_ptr + expert * stride_scale_e + offs_n[:, None] * stride_scale_n
@@ -137,19 +176,42 @@ def _grouped_gemm_kernel(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
+    elif QUANT == 3:
+        b_ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + tl.arange(0, BLOCK_K // 2)[None, :]
+        # scales and zero points share one layout: [rows, K / G] per expert
+        sz_rows = expert * stride_scale_e + offs_n[:, None] * stride_scale_n
+        offs_sub = tl.arange(0, BLOCK_K // SUB_K) * SUB_K
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            sz_offs = sz_rows + ((k0 + offs_sub) // group_size)[None, :]  # the group of each run of SUB_K
+            s_ptrs, z_ptrs = b_scale_ptr + sz_offs, b_zero_ptr + sz_offs
+            b = _int4_tile(b_ptrs, s_ptrs, z_ptrs, K - k0, BLOCK_N, BLOCK_K, SUB_K, a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if ACTIVATION > 0:
+                up = N * stride_bn
+                sz_up = N * stride_scale_n
+                b_up = _int4_tile(b_ptrs + up, s_ptrs + sz_up, z_ptrs + sz_up, K - k0, BLOCK_N, BLOCK_K, SUB_K, a.dtype)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // 2
     else:
         b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         up_offset = N * stride_bn
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0).to(a.dtype)  # fp8: exact in 16 bits
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             if ACTIVATION > 0:
-                b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
+                b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0).to(a.dtype)
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if QUANT == 2:  # one scale per output channel: once per tile, not per K step
+            scale_row = b_scale_ptr + expert * stride_scale_e
+            acc = acc * tl.load(scale_row + offs_n)[None, :]
+            if ACTIVATION > 0:
+                acc_up = acc_up * tl.load(scale_row + N + offs_n)[None, :]
 
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias_e
@@ -173,7 +235,7 @@ def _grouped_gemm_kernel(
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor | None,  # MXFP4: b holds the codes
+    quant: tuple[str, torch.Tensor | None, torch.Tensor | None],  # (format, scale, zeros): expert_quant's layouts
     bias: torch.Tensor | None,
     c: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -184,16 +246,25 @@ def _grouped_gemm(
     swiglu: tuple[float, float],
 ) -> None:
     sorted_token_ids, expert_ids, num_tokens_post_padded = aligned
+    fmt, b_scale, b_zeros = quant
     n, k = c.shape[1], a.shape[1]
     assert a.stride(1) == 1 and b.stride(2) == 1 and c.stride(1) == 1, "K and output columns must be contiguous"
     assert bias is None or bias.stride(1) == 1
-    assert b_scale is None or (b_scale.stride(2) == 1 and config.block_k % MXFP4_GROUP == 0), (config, b_scale)
+    assert b_scale is None or b_scale.stride(-1) == 1
+    block_k, group_size = config.block_k, 0
+    if fmt == "mxfp4":
+        assert block_k % MXFP4_GROUP == 0, config
+    if fmt == "int4":
+        assert b_scale is not None and b_zeros is not None and b_zeros.stride() == b_scale.stride()
+        group_size = int4_group_size(b, b_scale)
+        block_k = _int4_block_k(block_k, group_size)
     num_padded_rows = sorted_token_ids.shape[0]
     grid = (triton.cdiv(num_padded_rows, config.block_m) * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
         b,
         b_scale if b_scale is not None else b,
+        b_zeros if b_zeros is not None else b,
         bias if bias is not None else b,
         c,
         topk_weights if topk_weights is not None else c,
@@ -211,21 +282,31 @@ def _grouped_gemm(
         c.stride(0),
         b_scale.stride(0) if b_scale is not None else 0,
         b_scale.stride(1) if b_scale is not None else 0,
+        group_size,
         swiglu[0],
         swiglu[1],
         A_ROW_DIV=a_row_div,
         ACTIVATION=_ACTIVATION_CODES[activation],
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        MXFP4=b_scale is not None,
+        QUANT=_QUANT_CODES[fmt],
+        SUB_K=min(group_size, block_k) if group_size else 1,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=block_k,
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _int4_block_k(block_k: int, group_size: int) -> int:
+    """A K tile that holds whole groups or lies inside one (per-channel groups of e.g. 96: gcd 32)."""
+    if block_k % group_size and group_size % block_k:
+        block_k = math.gcd(block_k, group_size)
+    assert block_k >= 16, f"int4 experts: group size {group_size} leaves a K tile of {block_k} (tl.dot needs 16)"
+    return block_k
 
 
 # The one-program Triton alignment beats torch's ~20 launches up to about this many (token, slot) pairs;
@@ -239,16 +320,18 @@ _config = cache(choose_moe_config)
 
 def fused_experts(
     x: torch.Tensor,  # [num_tokens, hidden]
-    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]  rows [ gate | up ]  (MXFP4: uint8, hidden / 2)
-    w2: torch.Tensor,  # [num_experts, hidden, intermediate]  (MXFP4: uint8, intermediate / 2)
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]  rows [ gate | up ]  (quantized: see the docstring)
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     *,
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
-    w13_scale: torch.Tensor | None = None,  # MXFP4: [num_experts, 2 * intermediate, hidden / 32] uint8
-    w2_scale: torch.Tensor | None = None,  # MXFP4: [num_experts, hidden, intermediate / 32] uint8
+    w13_scale: torch.Tensor | None = None,  # MXFP4, fp8, int4: kernels/expert_quant.py's layouts
+    w2_scale: torch.Tensor | None = None,
+    w13_zeros: torch.Tensor | None = None,  # int4 only
+    w2_zeros: torch.Tensor | None = None,
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
     config: MoeConfig | None = None,  # override the chosen tiles (benchmarks, tests)
@@ -257,11 +340,11 @@ def fused_experts(
     num_tokens, hidden = x.shape
     num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    is_mxfp4 = _check_weights(x, w13, w2, w13_scale, w2_scale)
+    fmt = _check_weights(x, w13, w2, (w13_scale, w2_scale), (w13_zeros, w2_zeros))
     if num_tokens == 0:
         return torch.empty_like(x)
     if config is None:
-        dtype = str(x.dtype).removeprefix("torch.") + ("+mxfp4" if is_mxfp4 else "")  # its own tuning key
+        dtype = str(x.dtype).removeprefix("torch.") + ("" if fmt == "dense" else f"+{fmt}")  # its own tuning key
         config = _config(
             num_experts=num_experts,
             top_k=top_k,
@@ -278,26 +361,40 @@ def fused_experts(
     swiglu = (float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
     x = x.contiguous()
     hidden_rows = x.new_empty((num_tokens * top_k, intermediate))
-    _grouped_gemm(x, w13, w13_scale, w13_bias, hidden_rows, None, aligned, top_k, activation, config, swiglu)
+    quant13, quant2 = (fmt, w13_scale, w13_zeros), (fmt, w2_scale, w2_zeros)
+    _grouped_gemm(x, w13, quant13, w13_bias, hidden_rows, None, aligned, top_k, activation, config, swiglu)
     down = x.new_empty((num_tokens * top_k, hidden))
-    _grouped_gemm(hidden_rows, w2, w2_scale, w2_bias, down, weights, aligned, 1, "none", config, swiglu)
+    _grouped_gemm(hidden_rows, w2, quant2, w2_bias, down, weights, aligned, 1, "none", config, swiglu)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def _check_weights(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None
-) -> bool:
-    """The expert weights' shapes against x's hidden size; whether they are MXFP4 (codes + scales)."""
-    hidden, (num_experts, rows, w13_cols) = x.shape[1], w13.shape
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
+    zeros: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> str:
+    """The expert weights' shapes against x's hidden size; their format (expert_quant.FORMATS)."""
+    hidden, (num_experts, rows, _) = x.shape[1], w13.shape
     intermediate = rows // 2
-    if w13_scale is None and w2_scale is None:
-        assert w13_cols == hidden and w2.shape == (num_experts, hidden, intermediate), (w13.shape, w2.shape)
-        return False
-    assert w13_scale is not None and w2_scale is not None, "MXFP4 experts need both w13_scale and w2_scale"
-    assert w13.dtype == w2.dtype == w13_scale.dtype == w2_scale.dtype == torch.uint8, "MXFP4 weights are uint8"
-    assert hidden % MXFP4_GROUP == 0 and intermediate % MXFP4_GROUP == 0, (hidden, intermediate)
-    assert w13.shape == (num_experts, rows, hidden // 2), (w13.shape, hidden)
-    assert w13_scale.shape == (num_experts, rows, hidden // MXFP4_GROUP), w13_scale.shape
-    assert w2.shape == (num_experts, hidden, intermediate // 2), w2.shape
-    assert w2_scale.shape == (num_experts, hidden, intermediate // MXFP4_GROUP), w2_scale.shape
-    return True
+    fmt = weight_format(w13, scales[0], zeros[0])
+    assert weight_format(w2, scales[1], zeros[1]) == fmt, "w13 and w2 must be in one format"
+    full = ((num_experts, rows, hidden), (num_experts, hidden, intermediate))  # [E, rows, K] of w13, w2
+    if fmt == "dense":
+        assert (w13.shape, w2.shape) == full, (w13.shape, w2.shape)
+        return fmt
+    for w, scale, zero, (e, n, k) in zip((w13, w2), scales, zeros, full, strict=True):
+        assert scale is not None
+        if fmt == "fp8":
+            assert w.shape == (e, n, k) and scale.shape == (e, n), (w.shape, scale.shape)
+            assert scale.dtype == torch.float32, scale.dtype
+            continue
+        assert w.dtype == torch.uint8 and w.shape == (e, n, k // 2), (fmt, w.dtype, w.shape, k)
+        if fmt == "mxfp4":
+            assert k % MXFP4_GROUP == 0 and scale.dtype == torch.uint8, (k, scale.dtype)
+            assert scale.shape == (e, n, k // MXFP4_GROUP), scale.shape
+        else:  # int4
+            assert zero is not None and zero.dtype == torch.uint8 and zero.shape == scale.shape, (zero, scale.shape)
+            assert scale.shape[:2] == (e, n) and k % scale.shape[2] == 0, (scale.shape, k)
+    return fmt

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.expert_quant import pack_int4
 from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
@@ -226,10 +227,39 @@ _PACKED = ("qweight", "qzeros", "scales")
 def dequantize_experts(
     tensors: Iterable[tuple[str, torch.Tensor]], fmt: str, group_size: int, zero_offset: int, act_order: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """4-bit MoE checkpoints (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) quantise the experts too; ours hold
-    full-precision experts (the fused-MoE kernel has no 4-bit path yet), so each expert linear's packed
+    """4-bit MoE checkpoints (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) quantise the experts too; where ours hold
+    them in full precision (off CUDA, or act order: see models/quantized_experts.py), each expert linear's packed
     tensors are dequantised to its `weight` [N, K] as they stream in, in any order. A GPTQ expert waits for its
     g_idx when the checkpoint is act-order (`desc_act`); otherwise its g_idx, plain k // G, is dropped."""
+
+    def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{linear}.weight", _dequantized_expert(linear, parts, fmt, group_size, zero_offset, act_order))]
+
+    return _each_expert_linear(tensors, fmt, act_order, convert)
+
+
+def repack_experts(
+    tensors: Iterable[tuple[str, torch.Tensor]], fmt: str, group_size: int, zero_offset: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each expert linear's packed tensors -> the fused-MoE kernel's int4 layout (kernels/expert_quant.py), as
+    models/quantized_experts.Int4Experts loads it: `weight` uint8 [N, K / 2] (codes along K, the low nibble
+    first), `weight_scale` [N, K / G], `weight_zeros` uint8 [N, K / G] (GPTQ v1's stored z - 1 plus one).
+    Exact: the same codes, zero points and scales. Act-order experts cannot be repacked (their g_idx is refused)."""
+
+    def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        return _repacked_expert(linear, parts, fmt, group_size, zero_offset)
+
+    return _each_expert_linear(tensors, fmt, False, convert)
+
+
+def _each_expert_linear(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    fmt: str,
+    act_order: bool,
+    convert: Callable[[str, dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gathers each expert linear's qweight/qzeros/scales (and act order's g_idx) in any order, then yields what
+    `convert` makes of them; other tensors pass through."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: set[str] = set()
     for name, tensor in tensors:
@@ -237,17 +267,39 @@ def dequantize_experts(
         if ".experts." not in name or part not in (*_PACKED, "g_idx"):
             yield name, tensor
             continue
-        if linear in done:  # a plain g_idx after its expert was dequantised
+        if linear in done:  # a plain g_idx after its expert was converted
             continue
         parts = pending.setdefault(linear, {})
         parts[part] = tensor
         if all(p in parts for p in _PACKED) and (fmt != "gptq" or not act_order or "g_idx" in parts):
             del pending[linear]
             done.add(linear)
-            yield f"{linear}.weight", _dequantized_expert(linear, parts, fmt, group_size, zero_offset, act_order)
+            yield from convert(linear, parts)
     if pending:
         missing = {linear: sorted(set(_PACKED) - set(parts)) or ["g_idx"] for linear, parts in pending.items()}
         raise ValueError(f"4-bit experts lack tensors: {dict(list(missing.items())[:4])}")
+
+
+def _repacked_expert(
+    linear: str, parts: dict[str, torch.Tensor], fmt: str, group_size: int, zero_offset: int
+) -> list[tuple[str, torch.Tensor]]:
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    q = unpack_columns(qweight, "awq") if fmt == "awq" else unpack_rows(qweight)  # [K, N]
+    num_inputs, groups = q.shape[0], q.shape[0] // (group_size or q.shape[0])
+    zeros = unpack_columns(qzeros, fmt) + zero_offset  # [K / G, N]
+    if zeros.shape != scales.shape or scales.shape != (groups, q.shape[1]) or num_inputs % (group_size or 1):
+        raise ValueError(
+            f"{linear}: its 4-bit tensors do not fit together (codes {tuple(q.shape)}, zeros {tuple(zeros.shape)}, "
+            f"scales {tuple(scales.shape)}, group size {group_size})"
+        )
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(num_inputs) // (num_inputs // groups)):
+        raise ValueError(f"{linear}.g_idx: act-order experts cannot stay 4-bit (load them dequantised)")
+    return [
+        (f"{linear}.weight", pack_int4(q.t())),
+        (f"{linear}.weight_scale", scales.t().contiguous()),
+        (f"{linear}.weight_zeros", zeros.t().to(torch.uint8).contiguous()),
+    ]
 
 
 def _dequantized_expert(

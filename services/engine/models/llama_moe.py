@@ -15,6 +15,7 @@ import torch
 from pagedserve.services.engine.models.base import ParamPiece
 from pagedserve.services.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.services.engine.models.moe import MoE
+from pagedserve.services.engine.models.quantized_experts import experts_class
 from pagedserve.services.engine.models.spec import ModelSpec, first_key
 
 # Per-expert checkpoint names -> (our 3-D parameter, part); Mixtral's w1/w3/w2 are gate/up/down.
@@ -26,7 +27,9 @@ _EXPERT_PARTS = {
     "down_proj": ("down_proj", "down"),
     "w2": ("down_proj", "down"),
 }
-_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+# weight, and quantized experts' weight_scale / weight_zeros (models/quantized_experts.py)
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight(_scale|_zeros)?$")
+_FUSED_EXPERTS = tuple(f".experts.{w}{suffix}" for w in ("gate_up_proj", "down_proj") for suffix in ("", "_scale"))
 
 
 def is_sparse_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
@@ -46,6 +49,7 @@ def build_moe(cfg: dict[str, Any], spec: ModelSpec) -> MoE:
         renormalize=True if is_mixtral else bool(cfg.get("norm_topk_prob", False)),
         scoring=str(cfg.get("scoring_func") or "softmax"),
         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        experts_class=experts_class(cfg),
     )
 
 
@@ -64,12 +68,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     def checkpoint_to_params(self, name: str, tensor: torch.Tensor) -> Iterator[ParamPiece]:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's Hub name for the MoE block
         if match := _PER_EXPERT.match(name):
-            prefix, expert, proj = match.groups()
+            prefix, expert, proj, suffix = match.groups()
             if proj in _EXPERT_PARTS:
                 ours, part = _EXPERT_PARTS[proj]
-                yield f"{prefix}.experts.{ours}", tensor, f"{part}:{expert}"
+                yield f"{prefix}.experts.{ours}{suffix or ''}", tensor, f"{part}:{expert}"
                 return
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # fused 3-D: ours already
+        if name.endswith(_FUSED_EXPERTS):  # fused 3-D: ours already
             yield name, tensor, None
             return
         yield from super().checkpoint_to_params(name, tensor)

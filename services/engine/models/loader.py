@@ -27,11 +27,17 @@ from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
-from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4
+from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4, repack_experts
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
 from pagedserve.services.engine.models.mxfp4 import PACKED_EXPERTS_KEY, checkpoint_is_mxfp4, keeps_experts_packed
 from pagedserve.services.engine.models.phi3 import Phi3ForCausalLM
+from pagedserve.services.engine.models.quantized_experts import (
+    INT4_METHODS,
+    QUANTIZED_EXPERTS_KEY,
+    experts_quantization,
+    int4_act_order,
+)
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
 from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
@@ -96,7 +102,6 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
 
 
 QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
-INT4_METHODS = ("awq", "gptq", "compressed-tensors")  # loaded into Int4Linear
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
@@ -135,15 +140,23 @@ def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any]) -> int:
 def _checkpoint_stream(
     tensors: Iterable[tuple[str, torch.Tensor]], method: str, cfg: dict[str, Any]
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as the model's modules take them."""
+    """The checkpoint's tensors as the model's modules take them: quantized experts (cfg's
+    QUANTIZED_EXPERTS_KEY) in their kernel layout, else dequantised to full precision as they stream in."""
+    keep_experts = cfg.get(QUANTIZED_EXPERTS_KEY) is not None
     if method == "fp8":
-        return dequantize_experts(skip_input_scales(tensors))
+        tensors = skip_input_scales(tensors)
+        return tensors if keep_experts else dequantize_experts(tensors)
     if method == "compressed-tensors" and (scheme := pack_quantized_format(cfg)) is not None:
-        return gptq_stream(tensors, scheme)
-    if method in ("awq", "gptq") and (int4 := int4_format(cfg)) is not None:
-        act_order = bool((cfg.get("quantization_config") or {}).get("desc_act"))
-        return dequantize_int4_experts(tensors, *int4, act_order=act_order)
-    return tensors
+        int4: tuple[str, int, int] | None = ("gptq", scheme.group_size, 0)  # converted to GPTQ's tensors
+        tensors = gptq_stream(tensors, scheme)
+    elif method in ("awq", "gptq"):
+        int4 = int4_format(cfg)
+    else:
+        return tensors
+    assert int4 is not None
+    if keep_experts:
+        return repack_experts(tensors, *int4)
+    return dequantize_int4_experts(tensors, *int4, act_order=int4_act_order(cfg))
 
 
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
@@ -175,6 +188,7 @@ def load_model(
     random_weights_seed: int | None = None,
     quantization: str | None = None,
     mxfp4_packed: bool | None = None,
+    quantized_experts: bool | None = None,
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
@@ -185,7 +199,9 @@ def load_model(
     the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
     loads the decoder layers' linears as FP8 (see models/fp8.py). MXFP4 checkpoints (gpt-oss): the experts
     stay 4-bit on the device if `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA when
-    the dequantised experts would not fit half the device (mxfp4.keeps_experts_packed)."""
+    the dequantised experts would not fit half the device (mxfp4.keeps_experts_packed). fp8 and 4-bit MoE experts
+    stay quantized in the fused-MoE kernel's layouts if `quantized_experts`, are dequantised at load if False;
+    None: quantized on CUDA (quantized_experts.experts_quantization)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -194,6 +210,9 @@ def load_model(
         cfg = {**cfg, "tie_word_embeddings": True}
     if checkpoint_is_mxfp4(cfg):  # the family builds packed or dense expert parameters from this
         cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed, cfg)}
+    method = resolve_quantization(quantization, cfg)
+    if (experts := experts_quantization(method, cfg, device, quantized_experts)) is not None:
+        cfg = {**cfg, QUANTIZED_EXPERTS_KEY: experts}  # MoE families build fp8 / int4 experts from this
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(spec.dtype)  # modules built on meta get the serving dtype, no fp32 detour
@@ -202,7 +221,6 @@ def load_model(
             model = cls.from_config(cfg, spec)
             if is_sharded := parallel is not None and parallel.world_size > 1:
                 shard_model(model, parallel)
-        method = resolve_quantization(quantization, cfg)
         is_fp8 = method == "fp8"
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")

@@ -9,7 +9,9 @@ which `Experts.load_shard` copies into expert i's slice (shard id "gate:i", "up:
 
 The experts run through `fused_experts`: the fused-MoE Triton kernel (kernels/fused_moe.py) where the
 layers fuse (CUDA with the Triton backend), the torch path of kernels/moe_reference.py elsewhere. MXFP4
-experts (gpt-oss kept packed) always take the kernel: the torch paths need dense weights.
+experts (gpt-oss kept packed) always take the kernel: the torch paths need dense weights. fp8 and int4 experts
+(models/quantized_experts.py) take the kernel on CUDA, and elsewhere the torch paths, which dequantise them
+one expert at a time.
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
-    w13_scale: torch.Tensor | None = None,  # MXFP4 (w13, w2 uint8 codes): see kernels/fused_moe.py
+    w13_scale: torch.Tensor | None = None,  # MXFP4, fp8, int4: see kernels/expert_quant.py
     w2_scale: torch.Tensor | None = None,
+    w13_zeros: torch.Tensor | None = None,  # int4
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]: sum over slots of weight x expert MLP
     """The experts as every MoE family calls them. Under tensor parallelism each rank passes its slice of
     the intermediate dim (w13's gate and up rows, w2's columns) and all-reduces the result."""
-    if w13_scale is not None or w2_scale is not None:
-        from pagedserve.kernels import fused_moe  # MXFP4: only the kernel reads packed weights
+    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
+    is_mxfp4 = w13_scale is not None and w13.dtype == torch.uint8 and w13_zeros is None
+    if is_mxfp4 or (w13_scale is not None and x.is_cuda):
+        from pagedserve.kernels import fused_moe  # MXFP4: only the kernel reads it; fp8/int4 on CUDA: no graph sync
 
         return fused_moe.fused_experts(
             x,
@@ -74,10 +80,12 @@ def fused_experts(
             activation=activation,
             w13_bias=w13_bias,
             w2_bias=w2_bias,
-            w13_scale=w13_scale,
-            w2_scale=w2_scale,
             swiglu_alpha=swiglu_alpha,
             swiglu_limit=swiglu_limit,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            w13_zeros=w13_zeros,
+            w2_zeros=w2_zeros,
         )
     return _experts_path(x)(
         x,
@@ -90,6 +98,7 @@ def fused_experts(
         w2_bias=w2_bias,
         swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit,
+        **quant,
     )
 
 
@@ -163,12 +172,13 @@ class MoE(nn.Module):
         renormalize: bool,
         scoring: str = "softmax",
         shared_intermediate_size: int = 0,
+        experts_class: Callable[[int, int, int, str], Experts] = Experts,  # quantized_experts.experts_class
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         route(torch.zeros(1, num_experts, device="cpu"), top_k, scoring, renormalize)  # refuse bad configs now
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, act)
+        self.experts = experts_class(num_experts, hidden_size, intermediate_size, act)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by parallel/sharding.py
