@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import expert_quant, moe_reference
+from pagedserve.services.engine.models.compressed_tensors import pack_quantized_format
+from pagedserve.services.engine.models.int4 import int4_format
 from pagedserve.services.engine.models.moe import Experts, fused_experts
 
 # The config key the loader sets: {"format": "fp8" | "int4", "group_size": G (int4; 0: per output channel)},
@@ -61,9 +63,6 @@ def int4_act_order(cfg: dict[str, Any]) -> bool:
 
 
 def int4_group_size(method: str, cfg: dict[str, Any]) -> int:
-    from pagedserve.services.engine.models.compressed_tensors import pack_quantized_format
-    from pagedserve.services.engine.models.int4 import int4_format
-
     if method == "compressed-tensors":
         scheme = pack_quantized_format(cfg)
         assert scheme is not None

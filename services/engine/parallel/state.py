@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce, setup_custom_all_reduce
+
 if TYPE_CHECKING:
-    from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce
     from pagedserve.shared.config import ParallelConfig
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -103,8 +104,6 @@ def init_parallel(
     ctx.all_reduce(warm)
     assert int(warm.item()) == world_size, "tensor-parallel all-reduce check failed"
     if device.type == "cuda" and world_size > 1 and custom_all_reduce_max_bytes > 0:
-        from pagedserve.services.engine.parallel.custom_all_reduce import setup_custom_all_reduce
-
         ctx.custom_all_reduce = setup_custom_all_reduce(ctx, custom_all_reduce_max_bytes)
     return ctx
 
