@@ -19,6 +19,13 @@ batch, or a per-sequence device TMA descriptor (KV_LOAD), so the GPU sweep can c
 
 Softmax runs in base 2 with the scale folded into one FMA; the output is stored row-masked, so a
 block that runs past its sequence never writes the next sequence's rows.
+
+Attention features, constexpr switches as in the paged kernel (same conventions, same torch oracle):
+- HAS_WINDOW (Mistral / Gemma / gpt-oss local layers): a query at position p sees keys (p - window, p].
+  Key tiles wholly before the block's first row's window are never loaded, cached-prefix and new-key tiles
+  alike; tiles the window cuts for some row take the mask; the rest run unmasked as without a window.
+- HAS_SINKS (gpt-oss): the head's learned logit seeds the running max/sum, a key whose value is zero.
+- SOFTCAP (Gemma 2): each scaled logit becomes cap * tanh(logit / cap) before the mask.
 """
 
 from __future__ import annotations
