@@ -1,6 +1,7 @@
 """Our attention kernels vs torch SDPA (contiguous K/V) on the same shapes.
 
     PYTHONPATH=. python3 bench/kernels.py [--sweep] [--only prefill] [--json bench/results/kernels-h100.json]
+        [--window 128] [--sinks] [--softcap 50]
 
 "ours" is what the engine runs for the shape (`pagedserve.kernels.triton_backend.attend` given the step's new K/V,
 as the fused rotary path calls it): the prefill kernel for prefill-heavy batches, the paged kernel
@@ -13,12 +14,18 @@ that rate over the measured device-to-device copy rate (bytes read + written). `
 alternative tilings of the kernel the engine uses for the shape (prefill kernel: tiles, GQA packing,
 pointer vs TMA loads, warp specialisation; a variant that fails to compile is recorded and skipped) and
 prints the best, which is how kernels/launch_config.py is tuned.
+
+`--window W`, `--sinks`, `--softcap C` time every kernel with those attention features on (a local layer
+of Mistral / Gemma / gpt-oss): the oracle is then the torch path, bytes and FLOPs count only the keys a
+window lets the step see, and SDPA stays plain causal attention over the whole context (it has none of
+them), for reference only.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -51,6 +58,7 @@ from pagedserve.kernels.paged_attention import paged_attention  # noqa: E402
 from pagedserve.kernels.paged_batch import PagedBatch, make_paged_batch, step_qkv  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from pagedserve.kernels.triton_backend import attend  # noqa: E402
+from pagedserve.services.engine.torch_attention import paged_attention_padded  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a CPU smoke run of the plumbing (interpreter) swaps this
@@ -93,13 +101,42 @@ SHAPES = [
 ]
 
 
-def traffic(shape: Shape, kv_dtype: torch.dtype | None = None) -> tuple[int, float]:
-    """(minimum bytes moved, attention FLOPs) of one call, with the shape's KV dtype unless given."""
+@dataclass(frozen=True)
+class Features:
+    """Attention features every timed call runs with (--window, --sinks, --softcap); none by default."""
+
+    window: int | None = None
+    sinks: bool = False
+    softcap: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.window is not None or self.sinks or self.softcap is not None
+
+    def label(self) -> str:
+        parts = [f"window {self.window}"] if self.window is not None else []
+        parts += ["sinks"] if self.sinks else []
+        parts += [f"softcap {self.softcap:g}"] if self.softcap is not None else []
+        return ", ".join(parts)
+
+    def kwargs(self, num_heads: int, device: str) -> dict[str, Any]:
+        """window / sinks / softcap as the kernels take them (sinks: one learned logit per head, bf16)."""
+        sinks = torch.linspace(-2.0, 3.0, num_heads, device=device).to(DTYPE) if self.sinks else None
+        return {"window": self.window, "sinks": sinks, "softcap": self.softcap}
+
+
+def traffic(shape: Shape, kv_dtype: torch.dtype | None = None, window: int | None = None) -> tuple[int, float]:
+    """(minimum bytes moved, attention FLOPs) of one call, with the shape's KV dtype unless given. With a window
+    a query at position p sees keys (p - window, p]: only those count."""
     elem = torch.tensor([], dtype=DTYPE).element_size()
     kv_elem = (kv_dtype or shape.kv_dtype).itemsize
-    kv = sum(shape.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * kv_elem
+    reach = math.inf if window is None else window - 1  # keys a step's first query sees before its own
+    kv_keys = sum(min(s, q + reach) for q, s in zip(shape.query_lens, shape.seq_lens))
+    kv = int(kv_keys) * shape.num_kv_heads * shape.head_dim * 2 * kv_elem
     qo = 2 * sum(shape.query_lens) * shape.num_heads * shape.head_dim * elem
-    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(shape.query_lens, shape.seq_lens))
+    if window is None:
+        pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(shape.query_lens, shape.seq_lens))
+    else:  # the query at position p sees min(p + 1, window) keys
+        pairs = sum(min(p + 1, window) for q, s in zip(shape.query_lens, shape.seq_lens) for p in range(s - q, s))
     return kv + qo, 4.0 * shape.num_heads * shape.head_dim * pairs
 
 
@@ -222,26 +259,38 @@ def step_inputs(batch: PagedBatch) -> StepInputs:
 Call = Callable[[], object]
 
 
-def engine_call(x: StepInputs) -> Call:
-    scale = x.query.shape[2] ** -0.5
-    return lambda: attend(x.query, x.batch.kv_cache, x.meta, scale, key=x.key, value=x.value)
+def engine_call(features: dict[str, Any]) -> Callable[[StepInputs], Call]:
+    def bind(x: StepInputs) -> Call:
+        scale = x.query.shape[2] ** -0.5
+        return lambda: attend(x.query, x.batch.kv_cache, x.meta, scale, key=x.key, value=x.value, **features)
+
+    return bind
 
 
-def paged_call(config: AttentionConfig) -> Callable[[StepInputs], Call]:
+def paged_call(config: AttentionConfig, features: dict[str, Any]) -> Callable[[StepInputs], Call]:
     def bind(x: StepInputs) -> Call:
         b, scale = x.batch, x.query.shape[2] ** -0.5
         return lambda: paged_attention(
-            x.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
+            x.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config, **features
         )
 
     return bind
 
 
-def prefill_call(config: PrefillConfig) -> Callable[[StepInputs], Call]:
+def prefill_call(config: PrefillConfig, features: dict[str, Any]) -> Callable[[StepInputs], Call]:
     def bind(x: StepInputs) -> Call:
         b, scale = x.batch, x.query.shape[2] ** -0.5
         return lambda: prefill_attention(
-            x.query, x.key, x.value, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale, config
+            x.query,
+            x.key,
+            x.value,
+            b.kv_cache,
+            b.query_start_loc,
+            b.seq_lens,
+            b.block_tables,
+            scale,
+            config,
+            **features,
         )
 
     return bind
@@ -355,8 +404,11 @@ def prefill_sweep(base: PrefillConfig) -> list[Callable[[PrefillConfig], list[Pr
     ]
 
 
-def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> dict[str, object]:
-    nbytes, flops = traffic(shape)
+def run_shape(
+    shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool, features: Features = Features()
+) -> dict[str, object]:
+    nbytes, flops = traffic(shape, window=features.window)
+    feats = features.kwargs(shape.num_heads, DEVICE)
     copies = num_copies(nbytes)
     inputs = [
         step_inputs(
@@ -377,7 +429,22 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     ]
     b0 = inputs[0].batch
     scale = shape.head_dim**-0.5
-    ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
+    if features:  # the reference oracle has no windows, sinks or soft-capping; the torch path has
+        ref = paged_attention_padded(
+            b0.query,
+            b0.kv_cache,
+            b0.query_start_loc,
+            b0.seq_lens,
+            b0.block_tables,
+            b0.max_query_len,
+            b0.max_seq_len,
+            scale,
+            **feats,
+        )
+    else:
+        ref = reference.paged_attention(b0.query, b0.kv_cache, b0.query_start_loc, b0.seq_lens, b0.block_tables, scale)
+    prefill_with = functools.partial(prefill_call, features=feats)
+    paged_with = functools.partial(paged_call, features=feats)
     num_seqs, num_tokens = len(shape.seq_lens), b0.num_tokens
     paged_config = choose_config(
         num_seqs=num_seqs,
@@ -408,23 +475,23 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
         print(f"  {shape.name}: {row['config']} {us:.1f} us (rel err {err:.1e})", flush=True)
         return row
 
-    ours = measure(engine_call)
+    ours = measure(engine_call(feats))
     ours["kernel"] = "prefill" if engine_uses_prefill else "paged"
-    paged = measure(paged_call(paged_config), paged_config) if engine_uses_prefill else ours
+    paged = measure(paged_with(paged_config), paged_config) if engine_uses_prefill else ours
     prefill: dict[str, object] | None = None
     if b0.max_query_len >= PREFILL_QUERY_LEN:
-        prefill = ours if engine_uses_prefill else measure(prefill_call(prefill_config), prefill_config)
+        prefill = ours if engine_uses_prefill else measure(prefill_with(prefill_config), prefill_config)
     tried: list[dict[str, object]] = []
     best_swept: dict[str, object] | None = None
     if do_sweep:
         if engine_uses_prefill:
-            best_swept = run_sweep(shape.name, measure, prefill_call, prefill_config, prefill_sweep, ours, tried)
+            best_swept = run_sweep(shape.name, measure, prefill_with, prefill_config, prefill_sweep, ours, tried)
         else:
             group = shape.num_heads // shape.num_kv_heads
             best_swept = run_sweep(
                 shape.name,
                 measure,
-                paged_call,
+                paged_with,
                 paged_config,
                 lambda base: paged_sweep(base, num_sms, group, shape.kv_dtype.itemsize),
                 ours,
@@ -436,7 +503,8 @@ def run_shape(shape: Shape, copy_tbs: float, num_sms: int, do_sweep: bool) -> di
     sdpa_bytes = traffic(shape, DTYPE)[0]  # SDPA reads a bf16 K/V even beside an fp8 row
     ours_us = float(ours.get("us", math.nan))  # type: ignore[arg-type]
     return {
-        "shape": shape.name,
+        "shape": shape.name + (f" [{features.label()}]" if features else ""),
+        "features": features.label(),
         "bytes": nbytes,
         "flops": flops,
         "input_copies": copies,
@@ -488,7 +556,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--json", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="run only shapes whose name contains this")
+    parser.add_argument("--window", type=int, default=None, help="a sliding window on every call (keys)")
+    parser.add_argument("--sinks", action="store_true", help="learned per-head sinks on every call")
+    parser.add_argument("--softcap", type=float, default=None, help="attention-logit soft-capping on every call")
     args = parser.parse_args()
+    features = Features(args.window, args.sinks, args.softcap)
     props = torch.cuda.get_device_properties(0)
     rates = copy_bandwidth()
     copy_tbs = rates["copy"]
@@ -500,7 +572,11 @@ def main() -> None:
         "triton": triton.__version__,
         "command": "PYTHONPATH=. python3 bench/kernels.py"
         + (" --sweep" if args.sweep else "")
-        + (f" --only '{args.only}'" if args.only else ""),
+        + (f" --only '{args.only}'" if args.only else "")
+        + (f" --window {args.window}" if args.window is not None else "")
+        + (" --sinks" if args.sinks else "")
+        + (f" --softcap {args.softcap:g}" if args.softcap is not None else ""),
+        "features": features.label(),
         "copy_tbs": copy_tbs,
         "bandwidth_tbs": rates,
         "rows": [],
@@ -511,7 +587,7 @@ def main() -> None:
         if args.only not in shape.name:
             continue
         try:
-            rows.append(run_shape(shape, copy_tbs, props.multi_processor_count, args.sweep))
+            rows.append(run_shape(shape, copy_tbs, props.multi_processor_count, args.sweep, features))
         except Exception:  # keep the other shapes' numbers
             traceback.print_exc()
             continue

@@ -117,7 +117,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _soft_cap(s, cap):
+def soft_cap(s, cap):
     # Gemma 2's cap * tanh(logit / cap). s and cap are both log2(e) times their natural-scale values, and
     # log2(e) * cap * tanh(s_nat / cap) == cap_log2 * tanh(s_log2 / cap_log2): capping in the log2 domain
     # is the same function, with no conversion back and forth.
@@ -165,7 +165,7 @@ def _update(
         prod = q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :]
         s = tl.sum(prod, 2) * qk_scale
     if SOFTCAP:  # before the mask, as in HF's Gemma 2: masked keys end at -inf either way
-        s = _soft_cap(s, softcap)
+        s = soft_cap(s, softcap)
     if IS_MASKED:
         visible = (
             (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > k_floor[:, None]) & (offs_n < kv_end)[None, :]

@@ -19,6 +19,13 @@ batch, or a per-sequence device TMA descriptor (KV_LOAD), so the GPU sweep can c
 
 Softmax runs in base 2 with the scale folded into one FMA; the output is stored row-masked, so a
 block that runs past its sequence never writes the next sequence's rows.
+
+Attention features, constexpr switches as in the paged kernel (same conventions, same torch oracle):
+- HAS_WINDOW (Mistral / Gemma / gpt-oss local layers): a query at position p sees keys (p - window, p].
+  Key tiles wholly before the block's first row's window are never loaded, cached-prefix and new-key tiles
+  alike; tiles the window cuts for some row take the mask; the rest run unmasked as without a window.
+- HAS_SINKS (gpt-oss): the head's learned logit seeds the running max/sum, a key whose value is zero.
+- SOFTCAP (Gemma 2): each scaled logit becomes cap * tanh(logit / cap) before the mask.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.launch_config import KV_LOADS, PrefillConfig, next_power_of_2
-from pagedserve.kernels.paged_attention import LOG2_E, find_seq
+from pagedserve.kernels.paged_attention import LOG2_E, find_seq, soft_cap
 
 __all__ = ["KV_LOADS", "PrefillConfig", "prefill_attention", "tma_compatible"]
 
@@ -46,12 +53,25 @@ def _softmax_step(
     s_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
     p_scale,  # v_scale for an fp8 cache's V (used only with SCALE_P)
     visible,  # [BLOCK_M, BLOCK_N] bool (used only with IS_MASKED)
+    softcap,  # the logit cap * log2(e) (used only with SOFTCAP)
     IS_MASKED: tl.constexpr,
     SCALE_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if IS_MASKED:
+    if SOFTCAP:
+        # cap * tanh(logit / cap) on the scaled logit, before the mask (as the paged kernel and HF's Gemma 2).
+        s = soft_cap(s * s_scale, softcap)
+        if IS_MASKED:
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        p = tl.math.exp2(s - m_ref[:, None])
+    elif IS_MASKED:
         s = tl.where(visible, s * s_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that sees no key yet keeps exp2 away from -inf - -inf.
@@ -145,6 +165,125 @@ def _load_new_kv(
     return k, v
 
 
+@triton.jit
+def _attend_cached_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,  # [BLOCK_M] absolute position of each row's query token
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    tile_start,
+    ctx_len,
+    window,
+    kv_head_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    s_scale,
+    p_scale,
+    softcap,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    MASK: tl.constexpr,  # 0: every row sees the tile; 1: the window cuts it; 2: the prefix's ragged end (+ window)
+    HAS_WINDOW: tl.constexpr,
+    SCALE_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """One tile of the cached prefix: positions [tile_start, tile_start + BLOCK_N)."""
+    k, v = _load_cached_kv(
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        tile_start,
+        ctx_len,
+        kv_head_offset,
+        stride_cache_block,
+        stride_cache_slot,
+        q.dtype,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        HEAD_DIM_PADDED,
+        MASK == 2,
+    )
+    key_pos = tile_start + tl.arange(0, BLOCK_N)
+    if MASK == 0:
+        visible = None
+    elif HAS_WINDOW:
+        visible = (key_pos < ctx_len)[None, :] & (key_pos[None, :] > (q_pos - window)[:, None])
+    else:
+        visible = (key_pos < ctx_len)[None, :]
+    return _softmax_step(
+        acc, m_i, l_i, q, k, v, s_scale, p_scale, visible, softcap, MASK != 0, SCALE_P, DOT_PRECISION, SOFTCAP
+    )
+
+
+@triton.jit
+def _attend_new_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_idx,  # [BLOCK_M] each row's query token, numbered from the sequence's first new token
+    key_ptr,
+    value_ptr,
+    key_desc,
+    value_desc,
+    q_start,
+    tile_start,  # relative to q_start, like q_idx
+    q_len,
+    window,
+    kv_col,
+    stride_k_token,
+    stride_v_token,
+    s_scale,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    KV_LOAD: tl.constexpr,
+    MASK: tl.constexpr,  # 0: every row sees the tile; 1: the window cuts it; 2: the diagonal / ragged end (+ window)
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """One tile of this step's keys: new-token rows [tile_start, tile_start + BLOCK_N)."""
+    k, v = _load_new_kv(
+        key_ptr,
+        value_ptr,
+        key_desc,
+        value_desc,
+        q_start,
+        tile_start,
+        q_len,
+        kv_col,
+        stride_k_token,
+        stride_v_token,
+        BLOCK_N,
+        HEAD_DIM,
+        HEAD_DIM_PADDED,
+        KV_LOAD,
+        MASK == 2,
+    )
+    key_idx = tile_start + tl.arange(0, BLOCK_N)
+    if MASK == 2:
+        visible = (key_idx[None, :] <= q_idx[:, None]) & (key_idx < q_len)[None, :]
+        if HAS_WINDOW:
+            visible = visible & (key_idx[None, :] > (q_idx - window)[:, None])
+    elif MASK == 1:
+        visible = key_idx[None, :] > (q_idx - window)[:, None]
+    else:
+        visible = None
+    return _softmax_step(
+        acc, m_i, l_i, q, k, v, s_scale, 1.0, visible, softcap, MASK != 0, False, DOT_PRECISION, SOFTCAP
+    )
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
@@ -158,9 +297,12 @@ def _prefill_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] learned sink logits (HAS_SINKS)
     qk_scale,  # softmax scale * log2(e)
     cache_qk_scale,  # qk_scale * k_scale: an fp8 cache holds K / k_scale
     cache_v_scale,  # an fp8 cache holds V / v_scale
+    softcap,  # SOFTCAP: the logit cap * log2(e) (capping in the log2 domain)
+    window,  # HAS_WINDOW: a query at position p sees keys in (p - window, p]
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -186,6 +328,9 @@ def _prefill_attention_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     SCALE_CACHED_V: tl.constexpr,  # the cache is fp8 (cache_v_scale applies to cached values)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (engine runs fp32 models on GPU too), else unused
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # One grid axis (no 65535 limit on query blocks), head groups varying fastest: the programs running
     # together share one query block's K/V in L2.
@@ -219,57 +364,125 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
+    if HAS_SINKS:
+        # The head's sink logit starts the softmax as a key whose value is zero: exp(sink) joins the denominator.
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
-    # 1. The cached prefix: every row sees all of it; only its ragged end needs a mask.
+    # Which keys the block's rows see, in positions of the whole sequence (cached prefix, then new keys):
+    #
+    #   0          first_key          full_key                  ctx_len + q_lo     ctx_len + q_end
+    #   |  skipped  |  window cuts them  |  every row sees them   |     diagonal     |
+    #
+    # Without a window first_key = full_key = 0. Tiles wholly before first_key are never loaded; tiles that
+    # reach below full_key or past the diagonal's start take a mask; the rest run unmasked.
+    q_end = tl.minimum(q_lo + BLOCK_Q, q_len)  # one past the block's last row
+    q_pos = ctx_len + q_idx  # [BLOCK_M] absolute positions
+    if HAS_WINDOW:
+        first_key = tl.maximum(ctx_len + q_lo - window + 1, 0)  # the first row's window starts here
+        full_key = tl.maximum(ctx_len + q_end - window, 0)  # the last row's window starts here
+
+    # 1. The cached prefix, positions [0, ctx_len): the window may cut it; its ragged end needs a mask.
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
     num_full_cached = ctx_len // BLOCK_N
-    for t in range(0, num_full_cached):
-        k, v = _load_cached_kv(
+    if HAS_WINDOW:
+        cached_lo = first_key // BLOCK_N
+        cached_cut = tl.maximum(tl.minimum(tl.cdiv(full_key, BLOCK_N), num_full_cached), cached_lo)
+        for t in range(cached_lo, cached_cut):
+            acc, m_i, l_i = _attend_cached_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                key_cache_ptr,
+                value_cache_ptr,
+                block_table_ptr,
+                t * BLOCK_N,
+                ctx_len,
+                window,
+                kv_head_offset,
+                stride_cache_block,
+                stride_cache_slot,
+                cache_qk_scale,
+                cache_v_scale,
+                softcap,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                1,
+                HAS_WINDOW,
+                SCALE_CACHED_V,
+                DOT_PRECISION,
+                SOFTCAP,
+            )
+    else:
+        cached_lo = 0
+        cached_cut = 0
+    for t in range(cached_cut, num_full_cached):
+        acc, m_i, l_i = _attend_cached_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
             key_cache_ptr,
             value_cache_ptr,
             block_table_ptr,
             t * BLOCK_N,
             ctx_len,
+            window,
             kv_head_offset,
             stride_cache_block,
             stride_cache_slot,
-            q.dtype,
+            cache_qk_scale,
+            cache_v_scale,
+            softcap,
             BLOCK_SIZE,
             BLOCK_N,
             HEAD_DIM,
             HEAD_DIM_PADDED,
-            False,
+            0,
+            HAS_WINDOW,
+            SCALE_CACHED_V,
+            DOT_PRECISION,
+            SOFTCAP,
         )
-        acc, m_i, l_i = _softmax_step(
-            acc, m_i, l_i, q, k, v, cache_qk_scale, cache_v_scale, None, False, SCALE_CACHED_V, DOT_PRECISION
-        )
-    if num_full_cached * BLOCK_N < ctx_len:
-        tile_start = num_full_cached * BLOCK_N
-        k, v = _load_cached_kv(
+    if (num_full_cached * BLOCK_N < ctx_len) & (num_full_cached >= cached_lo):
+        acc, m_i, l_i = _attend_cached_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
             key_cache_ptr,
             value_cache_ptr,
             block_table_ptr,
-            tile_start,
+            num_full_cached * BLOCK_N,
             ctx_len,
+            window,
             kv_head_offset,
             stride_cache_block,
             stride_cache_slot,
-            q.dtype,
+            cache_qk_scale,
+            cache_v_scale,
+            softcap,
             BLOCK_SIZE,
             BLOCK_N,
             HEAD_DIM,
             HEAD_DIM_PADDED,
-            True,
-        )
-        visible = (tile_start + offs_n < ctx_len)[None, :]
-        acc, m_i, l_i = _softmax_step(
-            acc, m_i, l_i, q, k, v, cache_qk_scale, cache_v_scale, visible, True, SCALE_CACHED_V, DOT_PRECISION
+            2,
+            HAS_WINDOW,
+            SCALE_CACHED_V,
+            DOT_PRECISION,
+            SOFTCAP,
         )
 
-    # 2. This step's keys, numbered from the sequence's first new token: tiles before the block's first
-    #    row are seen in full by every row; the diagonal (and the ragged end) is masked.
+    # 2. This step's keys, numbered from the sequence's first new token: tiles before the block's first row
+    #    are causally visible to every row (the window may still cut them); the diagonal (and the ragged end)
+    #    is masked.
     kv_col = kv_head * HEAD_DIM
     if KV_LOAD == 2:
         key_desc = tl.make_tensor_descriptor(
@@ -285,9 +498,50 @@ def _prefill_attention_kernel(
             block_shape=[BLOCK_N, HEAD_DIM],
         )
     num_full_new = (q_lo + 1) // BLOCK_N
-    num_new = tl.cdiv(tl.minimum(q_lo + BLOCK_Q, q_len), BLOCK_N)
-    for t in tl.range(0, num_full_new, warp_specialize=WARP_SPECIALIZE):
-        k, v = _load_new_kv(
+    num_new = tl.cdiv(q_end, BLOCK_N)
+    if HAS_WINDOW:
+        new_lo = tl.maximum(first_key - ctx_len, 0) // BLOCK_N  # <= num_full_new: a row sees its own key
+        new_cut = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(full_key - ctx_len, 0), BLOCK_N), num_full_new), new_lo)
+        for t in range(new_lo, new_cut):
+            acc, m_i, l_i = _attend_new_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_idx,
+                key_ptr,
+                value_ptr,
+                key_desc,
+                value_desc,
+                q_start,
+                t * BLOCK_N,
+                q_len,
+                window,
+                kv_col,
+                stride_k_token,
+                stride_v_token,
+                qk_scale,
+                softcap,
+                BLOCK_N,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                KV_LOAD,
+                1,
+                HAS_WINDOW,
+                DOT_PRECISION,
+                SOFTCAP,
+            )
+        diagonal_lo = tl.maximum(num_full_new, new_lo)
+    else:
+        new_cut = 0
+        diagonal_lo = num_full_new
+    for t in tl.range(new_cut, num_full_new, warp_specialize=WARP_SPECIALIZE):
+        acc, m_i, l_i = _attend_new_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_idx,
             key_ptr,
             value_ptr,
             key_desc,
@@ -295,18 +549,28 @@ def _prefill_attention_kernel(
             q_start,
             t * BLOCK_N,
             q_len,
+            window,
             kv_col,
             stride_k_token,
             stride_v_token,
+            qk_scale,
+            softcap,
             BLOCK_N,
             HEAD_DIM,
             HEAD_DIM_PADDED,
             KV_LOAD,
-            False,
+            0,
+            HAS_WINDOW,
+            DOT_PRECISION,
+            SOFTCAP,
         )
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, 1.0, None, False, False, DOT_PRECISION)
-    for t in range(num_full_new, num_new):
-        k, v = _load_new_kv(
+    for t in range(diagonal_lo, num_new):
+        acc, m_i, l_i = _attend_new_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_idx,
             key_ptr,
             value_ptr,
             key_desc,
@@ -314,18 +578,21 @@ def _prefill_attention_kernel(
             q_start,
             t * BLOCK_N,
             q_len,
+            window,
             kv_col,
             stride_k_token,
             stride_v_token,
+            qk_scale,
+            softcap,
             BLOCK_N,
             HEAD_DIM,
             HEAD_DIM_PADDED,
             KV_LOAD,
-            True,
+            2,
+            HAS_WINDOW,
+            DOT_PRECISION,
+            SOFTCAP,
         )
-        key_idx = t * BLOCK_N + offs_n
-        visible = (key_idx[None, :] <= q_idx[:, None]) & (key_idx < q_len)[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, qk_scale, 1.0, visible, True, False, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
@@ -369,6 +636,9 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: float = 1.0,  # an fp8 cache holds K / k_scale and V / v_scale; key/value are unscaled
     v_scale: float = 1.0,
+    window: int | None = None,  # sliding window: a query at position p sees keys in (p - window, p]
+    sinks: torch.Tensor | None = None,  # [num_heads] learned logit per head in each softmax denominator
+    softcap: float | None = None,  # attention-logit soft-capping (Gemma 2): logits -> cap * tanh(logits / cap)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves; no host sync."""
     num_tokens, num_heads, head_dim = query.shape
@@ -380,6 +650,9 @@ def prefill_attention(
     assert query.stride(2) == 1 and key.stride(2) == 1 and value.stride(2) == 1 and key.stride(1) == head_dim
     assert value.stride(1) == head_dim and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert config.kv_load in KV_LOADS
+    assert window is None or window >= 1, "a window holds at least the query's own key"
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
+    assert softcap is None or softcap > 0, "a logit cap must be positive"
     heads_per_program = config.heads_per_program(group)
     assert config.block_m >= heads_per_program, "a program must hold all query heads it packs"
     if out is None:
@@ -414,9 +687,12 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        query if sinks is None else sinks,  # any pointer when unused
         qk_scale,
         qk_scale * k_scale,
         v_scale,
+        (softcap or 0.0) * LOG2_E,
+        window or 0,
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -442,6 +718,9 @@ def prefill_attention(
         WARP_SPECIALIZE=config.warp_specialize,
         SCALE_CACHED_V=kv_cache.dtype.itemsize == 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

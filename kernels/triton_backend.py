@@ -4,8 +4,8 @@ Only this module and the kernel modules import triton, so CPU machines without i
 Config choice is cached per batch shape and uses host integers only (no GPU sync): see
 `pagedserve.kernels.launch_config` for what a CUDA graph needs to keep fixed. Prefill-heavy steps whose new K/V
 the caller hands over (the fused rotary path) go to the prefill kernel; everything else, decode
-graphs included, to the paged kernel -- which alone has sliding windows, attention sinks and logit
-soft-capping.
+graphs included, to the paged kernel. Both have sliding windows, attention sinks and logit soft-capping
+(constexpr switches: layers without them compile and run as before), so the choice never depends on them.
 """
 
 from __future__ import annotations
@@ -54,17 +54,14 @@ def attend(
     v_scale: float = 1.0,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's keys, already in
     value: torch.Tensor | None = None,  # the cache too; lets a prefill read them without the block table
-    window: int | None = None,  # this layer's sliding window (paged kernel only)
-    sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (paged kernel only)
-    softcap: float | None = None,  # attention-logit soft-capping, Gemma 2 (paged kernel only)
+    window: int | None = None,  # this layer's sliding window
+    sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (gpt-oss)
+    softcap: float | None = None,  # attention-logit soft-capping (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     if (
-        window is None
-        and sinks is None
-        and softcap is None
-        and key is not None
+        key is not None
         and value is not None
         and _is_token_rows(key, num_tokens)
         and _is_token_rows(value, num_tokens)
@@ -82,6 +79,9 @@ def attend(
             _prefill_config(num_heads=num_heads, num_kv_heads=kv_cache.shape[3], head_dim=head_dim),
             k_scale=k_scale,
             v_scale=v_scale,
+            window=window,
+            sinks=sinks,
+            softcap=softcap,
         )
     config = _config(
         num_seqs=num_seqs,

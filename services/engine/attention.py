@@ -147,16 +147,28 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Store this step's K/V in the paged cache, then attend over each sequence's context (or window)."""
     _write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    if _backend_name == "triton":
+        # Both Triton kernels have windows, sinks and soft-capping; handing over this step's K/V lets a
+        # prefill-heavy step take the prefill kernel (as the fused rotary path does).
+        from pagedserve.kernels import triton_backend
+
+        return triton_backend.attend(
+            query,
+            kv_cache,
+            meta,
+            scale,
+            k_scale,
+            v_scale,
+            key=key,
+            value=value,
+            window=window,
+            sinks=sinks,
+            softcap=softcap,
+        )
     if window is None and softcap is None and sinks is None:
         return _attend(query, kv_cache, meta, scale, k_scale, v_scale)
     if _attend is _torch_attend:
         return _torch_attend(query, kv_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
-    if _backend_name == "triton":  # the paged kernel has windows, sinks and soft-capping
-        from pagedserve.kernels import triton_backend
-
-        return triton_backend.attend(
-            query, kv_cache, meta, scale, k_scale, v_scale, window=window, sinks=sinks, softcap=softcap
-        )
     raise NotImplementedError(
         f"the {_backend_name!r} attention backend lacks windows / sinks / logit soft-capping; "
         "use --device cpu / the torch backend"

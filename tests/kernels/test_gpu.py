@@ -248,6 +248,64 @@ def test_prefill_kernel_warp_specialized() -> None:
     assert all(err < BF16_BOUND for err in errors.values()), errors
 
 
+# Prompts longer than the windows, prompts and chunks after cached prefixes the windows cut, a lone token.
+PREFILL_WINDOWED = ([300, 77, 513, 1, 200], [300, 1000, 2100, 1, 700])
+# (num_heads, num_kv_heads, head_dim, window, has sinks, softcap): gpt-oss 20b's local layers, Gemma 2's
+# (head_dim 256; a cap of 2 so random logits bend), Mistral v0.1's window, and all three on a GQA shape.
+FEATURE_CASES = [
+    (64, 8, 64, 128, True, None),
+    (16, 8, 256, 256, False, 2.0),
+    (32, 8, 128, 1000, False, None),
+    (12, 4, 80, 97, True, 2.0),
+]
+
+
+def test_prefill_kernel_window_sinks_softcap_bf16() -> None:
+    """Windows (tiles skipped and cut), sinks and soft-capping in the prefill kernel vs the torch path (fp32)."""
+    from pagedserve.services.engine.torch_attention import paged_attention_padded
+
+    failures = []
+    for heads, kv_heads, head_dim, window, has_sinks, softcap in FEATURE_CASES:
+        batch = make_paged_batch(
+            *PREFILL_WINDOWED,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            seed=head_dim + window,
+        )
+        scale = head_dim**-0.5
+        sinks = torch.linspace(-2.0, 3.0, heads, device=DEVICE).to(torch.bfloat16) if has_sinks else None
+        features = {"window": window, "sinks": sinks, "softcap": softcap}
+        args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+        ref = paged_attention_padded(*args, batch.max_query_len, batch.max_seq_len, scale, **features)
+        query, key, value = step_qkv(batch, pad_tokens=5)
+        base = choose_prefill_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+        n = batch.num_tokens
+        for kv_load in KV_LOADS:
+            for pack_gqa in (True, False):
+                out = torch.full_like(query, float("nan"))
+                prefill_attention(
+                    query[:n],
+                    key,
+                    value,
+                    batch.kv_cache,
+                    batch.query_start_loc,
+                    batch.seq_lens,
+                    batch.block_tables,
+                    scale,
+                    base.with_(kv_load=kv_load, pack_gqa=pack_gqa),
+                    out=out[:n],
+                    **features,
+                )
+                err = rel_err(out[:n], ref)
+                if not (err < BF16_BOUND and out[n:].isnan().all()):
+                    failures.append((heads, kv_heads, head_dim, window, has_sinks, softcap, kv_load, pack_gqa, err))
+    assert not failures, failures
+
+
 def test_attend_routes_prefill_with_new_kv() -> None:
     batch = make_paged_batch(
         [512, 300, 200],

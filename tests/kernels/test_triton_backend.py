@@ -55,9 +55,14 @@ def test_write_then_attend_matches_reference_backend(
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-3, rtol=2e-3)
 
 
-def test_softcap_steps_take_the_paged_kernel(device: torch.device) -> None:
-    """A prefill-heavy step with its new K/V at hand would go to the prefill kernel, which has no soft-capping:
-    a capped layer must take the paged kernel (the torch path is the oracle)."""
+@pytest.mark.parametrize(
+    ("window", "has_sinks", "softcap"), [(None, False, 2.0), (9, False, None), (None, True, None), (9, True, 2.0)]
+)
+def test_windowed_sink_and_capped_prefills_take_the_prefill_kernel(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, window: int | None, has_sinks: bool, softcap: float | None
+) -> None:
+    """A prefill-heavy step with its new K/V at hand goes to the prefill kernel, features and all (the torch path
+    is the oracle)."""
     from pagedserve.kernels import triton_backend
     from pagedserve.kernels.launch_config import uses_prefill_kernel
     from pagedserve.services.engine.torch_attention import paged_attention_padded
@@ -74,8 +79,21 @@ def test_softcap_steps_take_the_paged_kernel(device: torch.device) -> None:
         max_query_len=batch.max_query_len,
         max_seq_len=batch.max_seq_len,
     )
+    sinks = torch.linspace(-1.0, 2.0, 4, device=device) if has_sinks else None
+    calls: list[dict[str, object]] = []
+    prefill = triton_backend.prefill_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
     query, key, value = step_qkv(batch)
-    got = triton_backend.attend(query, batch.kv_cache, meta, 0.5, key=key, value=value, softcap=2.0)
+    got = triton_backend.attend(
+        query, batch.kv_cache, meta, 0.5, key=key, value=value, window=window, sinks=sinks, softcap=softcap
+    )
+    assert len(calls) == 1 and calls[0]["window"] == window and calls[0]["softcap"] == softcap
+    assert calls[0]["sinks"] is sinks
     expected = paged_attention_padded(
         batch.query,
         batch.kv_cache,
@@ -85,7 +103,9 @@ def test_softcap_steps_take_the_paged_kernel(device: torch.device) -> None:
         batch.max_query_len,
         batch.max_seq_len,
         0.5,
-        softcap=2.0,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

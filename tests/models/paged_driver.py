@@ -8,7 +8,9 @@ and runs them as one flattened, ragged batch through the paged KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 import torch
 
 from pagedserve.services.engine.attention import AttentionMetadata
@@ -93,3 +95,38 @@ def assert_chunked_steps_match_hf(model: CausalLM, hf: torch.nn.Module, prompt_s
         hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
     torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+
+
+def assert_long_prefill_steps_match_hf(
+    model: CausalLM, hf: torch.nn.Module, prompt_seed: int, driver_seed: int
+) -> None:
+    """Prefill-heavy steps (the Triton backend gives them its prefill kernel): a 110-token prompt's first 70
+    tokens, then its last 40 after the cached 70 beside a 64-token prompt, then a decode step each; every
+    step's logits equal HF's on the whole sequences (fp32)."""
+    gen = torch.Generator().manual_seed(prompt_seed)
+    long = torch.randint(3, 256, (110,), generator=gen).tolist()
+    short = torch.randint(3, 256, (64,), generator=gen).tolist()
+    driver = PagedDriver(model, seed=driver_seed)
+    first = driver.step({0: long[:70]})
+    rest = driver.step({0: long[70:], 1: short})
+    decode = driver.step({0: [7], 1: [9]})
+    with torch.inference_mode():
+        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
+        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
+    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+
+
+def spy_on_prefill_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int | None, bool, float | None]]:
+    """Record (window, has sinks, softcap) of each launch the Triton backend hands to its prefill kernel."""
+    from pagedserve.kernels import triton_backend
+
+    launches: list[tuple[int | None, bool, float | None]] = []
+    prefill = triton_backend.prefill_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append((kwargs.get("window"), kwargs.get("sinks") is not None, kwargs.get("softcap")))
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
+    return launches

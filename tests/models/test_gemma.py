@@ -15,7 +15,12 @@ from pagedserve.services.engine.executor.worker import refuse_unsupported_attent
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.parallel.sharding import shard_model
 from pagedserve.services.engine.parallel.state import ParallelContext
-from tests.models.paged_driver import PagedDriver, assert_chunked_steps_match_hf
+from tests.models.paged_driver import (
+    PagedDriver,
+    assert_chunked_steps_match_hf,
+    assert_long_prefill_steps_match_hf,
+    spy_on_prefill_kernel,
+)
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,6 +61,21 @@ def test_gemma2_runs_on_the_triton_backend(tmp_path: Path, torch_backend_after: 
     attention.use_backend("triton")
     refuse_unsupported_attention(model)  # accepted: the paged kernel soft-caps
     assert_chunked_steps_match_hf(model, hf, prompt_seed=5, driver_seed=3)
+
+
+def test_gemma2_long_prefills_take_the_prefill_kernel(
+    tmp_path: Path, torch_backend_after: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill-heavy steps of the windowed, soft-capped layers (and the global, capped ones) run in the Triton
+    prefill kernel (interpreted on CPU): prompts 8x the window, one after a cached prefix, as HF computes."""
+    pytest.importorskip("triton")
+    hf = build_tiny_model("gemma2-window8-softcaps", tmp_path)
+    lower_attention_softcap(hf, tmp_path, 0.5)
+    model = load_model(tmp_path, "float32", "cpu", show_progress=False)
+    attention.use_backend("triton")
+    launches = spy_on_prefill_kernel(monkeypatch)
+    assert_long_prefill_steps_match_hf(model, hf, prompt_seed=6, driver_seed=2)
+    assert (8, False, 0.5) in launches and (None, False, 0.5) in launches
 
 
 def test_a_model_needing_torch_attention_is_refused_at_start(tmp_path: Path, torch_backend_after: None) -> None:

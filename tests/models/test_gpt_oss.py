@@ -23,7 +23,11 @@ from pagedserve.services.engine.models.moe import experts_reference
 from pagedserve.services.engine.models.rotary import inverse_frequencies, rope_params_from_config
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
-from tests.models.paged_driver import assert_chunked_steps_match_hf
+from tests.models.paged_driver import (
+    assert_chunked_steps_match_hf,
+    assert_long_prefill_steps_match_hf,
+    spy_on_prefill_kernel,
+)
 from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -178,3 +182,16 @@ def test_triton_backend_matches_hf(tiny, torch_backend_after: None) -> None:
     attention.use_backend("triton")
     refuse_unsupported_attention(ours)  # accepted: the paged kernel has what gpt-oss needs
     assert_chunked_steps_match_hf(ours, hf, prompt_seed=9, driver_seed=4)
+
+
+def test_long_prefills_take_the_prefill_kernel(
+    tiny, torch_backend_after: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill-heavy steps of the windowed and the global sink layers run in the Triton prefill kernel
+    (interpreted on CPU): prompts 8x the window, one after a cached prefix, as HF computes."""
+    pytest.importorskip("triton")
+    _, hf, ours = tiny
+    attention.use_backend("triton")
+    launches = spy_on_prefill_kernel(monkeypatch)
+    assert_long_prefill_steps_match_hf(ours, hf, prompt_seed=10, driver_seed=5)
+    assert (8, True, None) in launches and (None, True, None) in launches
