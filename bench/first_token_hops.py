@@ -1,0 +1,104 @@
+"""Where a streamed request's first token spends its time, hop by hop, through the real services (issue 23).
+
+Starts a private Redis and the three services (bench/servers.py), watches Redis with MONITOR (every command,
+timestamped by the server), and sends single streamed completions one at a time. Each request's commands
+are found by its id, which splits its time to first token into:
+
+    gateway in    client sends -> the gateway's XADD to the tokenizer stream (HTTP, validation)
+    tokenizer     -> the tokenizer's XADD of the work to an engine stream (read, tokenize, route)
+    engine        -> the engine's XADD of the first tokens to the gateway (read, schedule, prefill, publish)
+    gateway out   -> the client has the first chunk (read, detokenize, SSE)
+
+    python -m bench.first_token_hops --model DIR [--engine-arg=--device --engine-arg=cpu] [--requests 40]
+Prints a table of medians and writes JSON (--json). MONITOR itself slows Redis a little: compare runs of
+this script with each other, not with a TTFT measured without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import redis
+
+from bench.servers import start_servers
+
+HOPS = ("gateway in", "tokenizer", "engine", "gateway out")
+
+
+def watch(url: str, commands: list[tuple[float, str]], stop: threading.Event) -> None:
+    client = redis.Redis.from_url(url)
+    with client.monitor() as monitor:
+        for command in monitor.listen():
+            commands.append((float(command["time"]), str(command["command"])))
+            if stop.is_set():
+                return
+
+
+def first_at(commands: list[tuple[float, str]], after: float, *parts: str) -> float | None:
+    return next((t for t, c in commands if t >= after and all(p in c for p in parts)), None)
+
+
+def hops(commands: list[tuple[float, str]], start: float, first: float, request_id: str) -> dict[str, float] | None:
+    sent = first_at(commands, start, "XADD", ":req ", request_id)
+    work = first_at(commands, start, "XADD", ":gen", "generate", request_id)
+    tokens = first_at(commands, start, "XADD", ":resp ", "deltas", request_id)
+    if sent is None or work is None or tokens is None:
+        return None
+    marks = (start, sent, work, tokens, first)
+    return {hop: (b - a) * 1e3 for hop, a, b in zip(HOPS, marks, marks[1:], strict=False)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the model directory every service loads")
+    parser.add_argument("--engine-arg", action="append", default=[], help="an engine argument (repeat)")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--prompt-len", type=int, default=6)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    os.environ["PAGEDSERVE_MODEL"] = args.model
+    servers = start_servers(args.engine_arg)
+    commands: list[tuple[float, str]] = []
+    stop = threading.Event()
+    threading.Thread(target=watch, args=(servers.redis.url, commands, stop), daemon=True).start()
+    rows: list[dict[str, float]] = []
+    try:
+        client = openai.OpenAI(base_url=f"{servers.base_url}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        for i in range(args.requests + 3):  # the first 3 warm every path up and are not counted
+            time.sleep(0.2)  # one request at a time, each into an idle system
+            prompt = [1 + (i + j) % 1000 for j in range(args.prompt_len)]
+            start, first, request_id = time.time(), None, ""
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=2, stream=True, extra_body={"ignore_eos": True}
+            )
+            for chunk in stream:
+                request_id = chunk.id
+                if first is None and chunk.choices and chunk.choices[0].text is not None:
+                    first = time.time()
+            time.sleep(0.05)  # MONITOR's lines for it arrive
+            row = hops(commands, start, first or start, request_id) if i >= 3 else None
+            if row is not None:
+                rows.append({**row, "ttft": ((first or start) - start) * 1e3})
+    finally:
+        stop.set()
+        servers.stop()
+    result: dict[str, Any] = {"requests": len(rows), "engine_args": args.engine_arg, "prompt_len": args.prompt_len}
+    result["median_ms"] = {key: round(statistics.median(r[key] for r in rows), 3) for key in (*HOPS, "ttft")}
+    print("| " + " | ".join((*HOPS, "TTFT")) + " |")
+    print("|" + "---|" * (len(HOPS) + 1))
+    print("| " + " | ".join(f"{result['median_ms'][key]:.2f}" for key in (*HOPS, "ttft")) + " |  (median ms)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
