@@ -83,18 +83,7 @@ class PagedDriver:
 def assert_chunked_steps_match_hf(model: CausalLM, hf: torch.nn.Module, prompt_seed: int, driver_seed: int) -> None:
     """A 26-token prompt in two chunks (the second beside a 5-token prompt), then a decode step each, through the
     paged cache: every step's logits equal HF's on the whole sequences (fp32)."""
-    gen = torch.Generator().manual_seed(prompt_seed)
-    long = torch.randint(3, 256, (26,), generator=gen).tolist()
-    short = torch.randint(3, 256, (5,), generator=gen).tolist()
-    driver = PagedDriver(model, seed=driver_seed)
-    first = driver.step({0: long[:10]})
-    rest = driver.step({0: long[10:], 1: short})
-    decode = driver.step({0: [7], 1: [9]})
-    with torch.inference_mode():
-        hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
-        hf_short = hf(torch.tensor([[*short, 9]])).logits[0]
-    torch.testing.assert_close(torch.cat([first[0], rest[0], decode[0]]), hf_long, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.cat([rest[1], decode[1]]), hf_short, atol=1e-4, rtol=0)
+    _assert_two_chunks_match_hf(model, hf, prompt_seed, driver_seed, long_len=26, first_chunk=10, short_len=5)
 
 
 def assert_long_prefill_steps_match_hf(
@@ -103,12 +92,26 @@ def assert_long_prefill_steps_match_hf(
     """Prefill-heavy steps (the Triton backend gives them its prefill kernel): a 110-token prompt's first 70
     tokens, then its last 40 after the cached 70 beside a 64-token prompt, then a decode step each; every
     step's logits equal HF's on the whole sequences (fp32)."""
+    _assert_two_chunks_match_hf(model, hf, prompt_seed, driver_seed, long_len=110, first_chunk=70, short_len=64)
+
+
+def _assert_two_chunks_match_hf(
+    model: CausalLM,
+    hf: torch.nn.Module,
+    prompt_seed: int,
+    driver_seed: int,
+    *,
+    long_len: int,
+    first_chunk: int,
+    short_len: int,
+) -> None:
+    """A long prompt's first chunk, then the rest beside a short prompt, then a decode step each."""
     gen = torch.Generator().manual_seed(prompt_seed)
-    long = torch.randint(3, 256, (110,), generator=gen).tolist()
-    short = torch.randint(3, 256, (64,), generator=gen).tolist()
+    long = torch.randint(3, 256, (long_len,), generator=gen).tolist()
+    short = torch.randint(3, 256, (short_len,), generator=gen).tolist()
     driver = PagedDriver(model, seed=driver_seed)
-    first = driver.step({0: long[:70]})
-    rest = driver.step({0: long[70:], 1: short})
+    first = driver.step({0: long[:first_chunk]})
+    rest = driver.step({0: long[first_chunk:], 1: short})
     decode = driver.step({0: [7], 1: [9]})
     with torch.inference_mode():
         hf_long = hf(torch.tensor([[*long, 7]])).logits[0]
