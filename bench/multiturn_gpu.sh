@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Cache-aware routing, measured: two engine replicas of a random-weight model behind one gateway, the
-# multi-turn workload (bench/serve_multiturn.py) once with --routing pull and once with --routing prefix.
+# Cache-aware routing, measured: engine replicas of a random-weight model behind one gateway, the multi-turn
+# workload (bench/serve_multiturn.py) once per named run, each on a fresh server; then the comparison
+# (bench/multiturn_report.py) of the first three runs (one engine, pull, prefix) against issue 22's goals.
 #
 #   OUT=/tmp/out bash bench/multiturn_gpu.sh                     # SmolLM2 shape; one GPU, both replicas on it
-#   SHAPE=8b MODEL_ARGS=--config-only REPLICAS="--gpus 0,0 --num-kv-blocks 8000" ...  # Llama-3.1-8B shape
-#   REPLICAS="--gpus 0,1" bash bench/multiturn_gpu.sh           # one replica per GPU
+#   SHAPE=8b MODEL_ARGS=--config-only ...                          # Llama-3.1-8B shape
+#   RUNS="one=--gpus 0 --routing pull;pull=--gpus 0,1 --routing pull;prefix=--gpus 0,1 --routing prefix"
+#   REPORT=0                                                       # runs only, no comparison
 #
 # Installs nothing from the network: missing service dependencies come from $WHEELS (cp312 wheels).
 set -uo pipefail
@@ -16,10 +18,10 @@ WORK=${WORK:-/tmp/pagedserve-multiturn}
 SHAPE=${SHAPE:-smollm2-135m}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
 MODEL_ARGS=${MODEL_ARGS:-}  # --config-only for bench/tensor_parallel.py's shapes (8b, 70b)
-# Two replicas on GPU 0, each with a fixed KV cache (sizing from free memory would see the other's).
-REPLICAS=${REPLICAS:---gpus 0,0 --num-kv-blocks 40000}
+# name=serve arguments, ';'-separated. The default: two replicas on GPU 0, each with a fixed KV cache (sizing
+# from free memory would see the other's).
+RUNS=${RUNS:-pull=--gpus 0,0 --num-kv-blocks 40000 --routing pull;prefix=--gpus 0,0 --num-kv-blocks 40000 --routing prefix}
 WORKLOAD=${WORKLOAD:---system-prompts 8 --system-len 2048 --users 64 --turns 8 --user-len 64 --output-len 64 --max-concurrency 64}
-POLICIES=${POLICIES:-pull prefix}
 PORT=${PORT:-8000}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,41 +37,37 @@ MODEL_DIR="$WORK/$SHAPE-random"
 python3 -m bench.serve.random_model --shape "$SHAPE" --out "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" \
   --max-model-len "$MAX_MODEL_LEN" $MODEL_ARGS > "$OUT/model.log" 2>&1 || { tail "$OUT/model.log"; exit 1; }
 
-for policy in $POLICIES; do
+IFS=';' read -ra runs <<< "$RUNS"
+names=()
+for run in "${runs[@]}"; do
+  name=${run%%=*} args=${run#*=}
+  names+=("$name")
   # shellcheck disable=SC2086
   PAGEDSERVE_LOAD_FORMAT=random python3 -m pagedserve serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
-    --max-model-len "$MAX_MODEL_LEN" --routing "$policy" $REPLICAS > "$OUT/server_$policy.log" 2>&1 &
+    --max-model-len "$MAX_MODEL_LEN" $args > "$OUT/server_$name.log" 2>&1 &
   server=$!
-  for _ in $(seq 600); do
-    grep -q "pagedserve: ready" "$OUT/server_$policy.log" && break
+  replicas=$(python3 -c "
+import re, sys
+gpus, dp = re.search(r'--gpus[ =](\S+)', sys.argv[1]), re.search(r'--data-parallel-size[ =](\d+)', sys.argv[1])
+print(len(gpus.group(1).split(',')) if gpus else int(dp.group(1)) if dp else 1)" "$args")
+  for _ in $(seq 900); do  # every replica serving, not only the first
+    [ "$(grep -cE "engine [^ ]+ serving" "$OUT/server_$name.log")" -ge "$replicas" ] && grep -q "pagedserve: ready" "$OUT/server_$name.log" && break
     kill -0 $server 2> /dev/null || break
     sleep 0.5
   done
-  if grep -q "pagedserve: ready" "$OUT/server_$policy.log"; then
+  if grep -q "pagedserve: ready" "$OUT/server_$name.log"; then
     # shellcheck disable=SC2086
     python3 -m bench serve_multiturn --url "http://127.0.0.1:$PORT" --model "$(basename "$MODEL_DIR")" \
-      --tokenizer "$MODEL_DIR" $WORKLOAD --label "$DEVICE_LABEL, 2 replicas ($REPLICAS), --routing $policy" \
-      --result-dir "$OUT" --result-name "multiturn_$policy" > "$OUT/bench_$policy.log" 2>&1 || tail -20 "$OUT/bench_$policy.log"
+      --tokenizer "$MODEL_DIR" $WORKLOAD --label "$DEVICE_LABEL, $SHAPE, serve $args" \
+      --result-dir "$OUT" --result-name "multiturn_$name" > "$OUT/bench_$name.log" 2>&1 || tail -20 "$OUT/bench_$name.log"
   else
-    echo "the server did not start (--routing $policy):"; tail -30 "$OUT/server_$policy.log"
+    echo "the server did not start ($name: $args):"; tail -30 "$OUT/server_$name.log"
   fi
   kill -INT $server 2> /dev/null; wait $server 2> /dev/null
 done
 
-python3 - "$OUT" $POLICIES << 'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print("| routing | ok / failed | prefix hit rate | TTFT p50/p99 ms | later-turn TTFT p50/p99 ms | ITL p50 ms | req/s | requests per replica |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-for policy in sys.argv[2:]:
-    path = out / f"multiturn_{policy}.json"
-    if not path.exists():
-        print(f"| {policy} | no result | | | | | | |")
-        continue
-    s = json.loads(path.read_text())["summary"]
-    t, lt = s["ttft_ms"], s["ttft_ms_later_turns"]
-    print(f"| {policy} | {s['completed']} / {s['failed']} | {s['prefix_hit_rate']:.1%} | {t['p50']:.1f} / {t['p99']:.1f} "
-          f"| {lt['p50']:.1f} / {lt['p99']:.1f} | {s['itl_ms']['p50']:.2f} | {s['request_throughput']:.1f} "
-          f"| {sorted(s.get('requests_per_engine', {}).values())} |")
-PY
+if [ "${REPORT:-1}" = 1 ] && [ ${#names[@]} -ge 3 ]; then
+  python3 -m bench multiturn_report "$OUT" --runs "$(IFS=,; echo "${names[*]:0:3}")" ${TIER_RUNS:+--tier-runs "$TIER_RUNS"}
+else
+  for name in "${names[@]}"; do tail -n 6 "$OUT/multiturn_$name.md" 2> /dev/null || echo "$name: no result"; done
+fi

@@ -6,6 +6,7 @@ Each of `--users` users holds one conversation of `--turns` turns, at most `--ma
 
     turn t prompt = system prompt (one of --system-prompts, --system-len tokens)
                     [+ shared tool list, --tools-len tokens: the agent-like mix]
+                    [+ this user's own context, --context-len tokens: a document, a repository's files]
                     + (user message, reply) of every earlier turn + this turn's user message
 
 Replies are the server's own tokens (`return_token_ids`), so each turn's prompt extends the previous
@@ -42,11 +43,13 @@ class Workload:
     system_prompts: int = 8
     system_len: int = 2048
     tools_len: int = 0  # > 0: every prompt also carries one shared tool list (an agent's)
+    context_len: int = 0  # > 0: each user's own context after the system prompt (RAG, a coding agent's files)
     users: int = 64
     turns: int = 8
     user_len: int = 64
     output_len: int = 64
     think_time_s: float = 0.0
+    ramp_up_s: float = 0.0
     seed: int = 0
 
 
@@ -65,7 +68,7 @@ def conversations(pool: list[int], workload: Workload) -> list[Conversation]:
     tools = draw(workload.tools_len)
     return [
         Conversation(
-            [*systems[user % workload.system_prompts], *tools],
+            [*systems[user % workload.system_prompts], *tools, *draw(workload.context_len)],
             [draw(workload.user_len) for _ in range(workload.turns)],
         )
         for user in range(workload.users)
@@ -77,7 +80,8 @@ async def run(config: ClientConfig, convs: list[Conversation], workload: Workloa
     gate = asyncio.Semaphore(max_concurrency)
     rng = random.Random(workload.seed + 1)
 
-    async def converse(session: Any, conv: Conversation) -> None:
+    async def converse(session: Any, conv: Conversation, delay: float) -> None:
+        await asyncio.sleep(delay)
         async with gate:
             for turn, message in enumerate(conv.messages):
                 prompt = [*conv.history, *message]
@@ -92,7 +96,8 @@ async def run(config: ClientConfig, convs: list[Conversation], workload: Workloa
 
     async with new_session(config, max_concurrency) as session:
         started = time.perf_counter()
-        await asyncio.gather(*(converse(session, conv) for conv in convs))
+        delays = [rng.uniform(0, workload.ramp_up_s) for _ in convs]
+        await asyncio.gather(*(converse(session, conv, delay) for conv, delay in zip(convs, delays, strict=True)))
         return time.perf_counter() - started
 
 
@@ -138,6 +143,16 @@ def summarize(convs: list[Conversation], seconds: float) -> dict[str, Any]:
     }
 
 
+def samples(convs: list[Conversation]) -> dict[str, list[float]]:
+    """Every request's TTFT and every gap between tokens, in ms (for CDF plots across runs)."""
+    ok = [r for conv in convs for r in conv.results if r.ok]
+    return {
+        "ttft_ms": [round(r.ttft * 1e3, 3) for r in ok],
+        "itl_ms": [round(gap * 1e3, 3) for r in ok for gap in r.itl],
+        "turn": [turn for conv in convs for turn, r in enumerate(conv.results) if r.ok],
+    }
+
+
 def markdown(report: dict[str, Any]) -> str:
     s, w = report["summary"], report["workload"]
     rate = f"{s['prefix_hit_rate']:.1%}"
@@ -156,8 +171,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"`{report['command']}`",
             "",
             f"{w['users']} users x {w['turns']} turns, {w['system_prompts']} system prompts x {w['system_len']} "
-            f"tokens, tools {w['tools_len']}, user turns {w['user_len']}, replies {w['output_len']} tokens, "
-            f"think time {w['think_time_s']} s, concurrency {report['max_concurrency']}",
+            f"tokens, tools {w['tools_len']}, own context {w.get('context_len', 0)}, user turns {w['user_len']}, "
+            f"replies {w['output_len']} tokens, think time {w['think_time_s']} s, ramp-up "
+            f"{w.get('ramp_up_s', 0.0)} s, concurrency {report['max_concurrency']}",
             "",
             "| ok / failed | prefix hit rate | TTFT ms p50/p99 | later turns TTFT p50/p99 | ITL ms p50/p99 "
             "| req/s | out tok/s |",
@@ -180,11 +196,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--tools-len", type=int, default=0, help="a shared tool list on every prompt (agent mix)")
+    p.add_argument("--context-len", type=int, default=0, help="each user's own context tokens (RAG, agent files)")
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--think-time", type=float, default=0.0, help="mean seconds between a reply and the next turn")
+    p.add_argument("--ramp-up", type=float, default=0.0, help="conversations start uniformly over this many seconds")
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-url", action="append", default=[], help="an engine's /metrics (repeatable)")
@@ -200,11 +218,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.system_prompts,
         args.system_len,
         args.tools_len,
+        args.context_len,
         args.users,
         args.turns,
         args.user_len,
         args.output_len,
         args.think_time,
+        args.ramp_up,
         args.seed,
     )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -231,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "workload": dataclasses.asdict(workload),
         "summary": summary,
+        "samples": samples(convs),
     }
     args.result_dir.mkdir(parents=True, exist_ok=True)
     (args.result_dir / f"{args.result_name}.json").write_text(json.dumps(report, indent=2) + "\n")
