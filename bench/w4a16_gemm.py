@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
 from pagedserve.kernels.w4a16_gemm import Tiles, default_tiles, w4a16_matmul
@@ -116,7 +117,11 @@ def _time_gemv(x: torch.Tensor, weights: list[Weight], candidates: list[GemvTile
     """µs per call of each GEMV tile choice (K-major weights)."""
 
     def timed(tiles: GemvTiles) -> float:
-        return rotated_us(lambda w: w4a16_gemv(x, w[0], w[1], w[2], GROUP, 1, tiles), weights)
+        try:
+            return rotated_us(lambda w: w4a16_gemv(x, w[0], w[1], w[2], GROUP, 1, tiles), weights)
+        except OutOfResources as e:  # a sweep tile too large for this GPU's registers / shared memory
+            print(f"  gemv {tiles}: {e}", flush=True)
+            return float("inf")
 
     return {tiles: timed(tiles) for tiles in candidates}
 
