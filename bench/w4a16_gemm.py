@@ -1,23 +1,32 @@
-"""W4A16 GEMM (AWQ / GPTQ 4-bit weights) vs bf16 on the Llama-3.1-8B linears, against the weight-read floor.
+"""W4A16 GEMM and decode GEMV (AWQ / GPTQ 4-bit weights) vs bf16 on the Llama-3.1-8B linears, against the floor.
 
     python3 -m bench w4a16_gemm [--json bench/results/w4a16.json]      # CUDA
+    python3 -m bench w4a16_gemm --rows 1,4,8 --gemv-sweep             # the GEMV's tile / split-K sweep only
 
-Per linear (qkv, o, gate_up, down) and rows M: our Triton kernel (kernels/w4a16_gemm.py) on AWQ and GPTQ
-layouts, bf16 `F.linear` (cuBLAS), and the floor = bytes the kernel must read (4-bit weights, fp16 scales,
-packed zeros, activations) / the measured copy bandwidth. CUDA-graph timed (`do_bench_cudagraph`).
+Per linear (qkv, o, gate_up, down) and rows M: the tl.dot GEMM (kernels/w4a16_gemm.py) on AWQ's checkpoint
+layout and GPTQ's K-major one (what Int4Linear now repacks AWQ to at load), the GEMV (kernels/w4a16_gemv.py,
+K-major, rows <= 16), bf16 `F.linear` (cuBLAS), and the floor = bytes the kernel must read (4-bit weights, fp16
+scales, packed zeros, activations) / the measured copy bandwidth. CUDA-graph timed (`do_bench_cudagraph`),
+each call on the next of enough weight copies to span 256 MiB, so weights come from HBM as in a decode step
+(an H100's L2 holds 50 MB: the o / qkv / down weights would otherwise stay in it between calls);
+--l2-resident times one copy, like the 2026-11-25 run in bench/results/w4a16_h100/.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
 from pagedserve.kernels.w4a16_gemm import Tiles, default_tiles, w4a16_matmul
+from pagedserve.kernels.w4a16_gemv import GemvTiles, default_gemv_tiles, w4a16_gemv
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
@@ -48,6 +57,23 @@ SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, 
 }
 
 
+GEMV_MAX_ROWS = 16  # timed up to here (Int4Linear uses it up to kernels/w4a16_gemv.MAX_ROWS)
+GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K; 0 = auto): 10 x 12 timings, ~2 min
+    (64, 128, 4, 3, 0),
+    (128, 128, 4, 3, 0),
+    (256, 128, 8, 3, 0),
+    (128, 64, 4, 3, 0),
+    (32, 128, 2, 3, 0),
+    (128, 128, 8, 3, 0),
+    (128, 128, 4, 1, 0),
+    (128, 128, 4, 3, 1),
+    (128, 128, 4, 3, 4),
+    (128, 128, 4, 3, 16),
+]
+ROTATE_BYTES = 256 << 20
+Weight = tuple[torch.Tensor, ...]
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -65,32 +91,64 @@ def packed(k: int, n: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.
     return qweight, qzeros, scales
 
 
-def _time_tiles(
-    x: torch.Tensor, fmt: str, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor], candidates: list[Tiles]
-) -> dict[Tiles, float]:
-    """µs per call of each tile choice."""
-    qweight, qzeros, scales = weight
-    return {
-        tiles: do_bench_cudagraph(lambda t=tiles: w4a16_matmul(x, qweight, qzeros, scales, None, GROUP, fmt, 1, t))
-        * 1e3
-        for tiles in candidates
-    }
+def copies(weight: Weight, rotate: bool) -> list[Weight]:
+    """The weight and enough clones to span ROTATE_BYTES (just the weight if not `rotate`)."""
+    size = sum(t.numel() * t.element_size() for t in weight)
+    count = -(-ROTATE_BYTES // size) if rotate else 1
+    return [weight] + [tuple(t.clone() for t in weight) for _ in range(count - 1)]
+
+
+def rotated_us(call: Callable[[Weight], object], weights: list[Weight]) -> float:
+    """µs per call, each call (graph-captured) on the next copy."""
+    cycle = itertools.cycle(weights)
+    return do_bench_cudagraph(lambda: call(next(cycle))) * 1e3
+
+
+def _time_tiles(x: torch.Tensor, fmt: str, weights: list[Weight], candidates: list[Tiles]) -> dict[Tiles, float]:
+    """µs per call of each GEMM tile choice."""
+
+    def timed(tiles: Tiles) -> float:
+        return rotated_us(lambda w: w4a16_matmul(x, w[0], w[1], w[2], None, GROUP, fmt, 1, tiles), weights)
+
+    return {tiles: timed(tiles) for tiles in candidates}
+
+
+def _time_gemv(x: torch.Tensor, weights: list[Weight], candidates: list[GemvTiles]) -> dict[GemvTiles, float]:
+    """µs per call of each GEMV tile choice (K-major weights)."""
+
+    def timed(tiles: GemvTiles) -> float:
+        try:
+            return rotated_us(lambda w: w4a16_gemv(x, w[0], w[1], w[2], GROUP, 1, tiles), weights)
+        except OutOfResources as e:  # a sweep tile too large for this GPU's registers / shared memory
+            print(f"  gemv {tiles}: {e}", flush=True)
+            return float("inf")
+
+    return {tiles: timed(tiles) for tiles in candidates}
 
 
 def _row_class(rows: int) -> str:
     return "decode" if rows <= 16 else "mid" if rows <= 64 else "prefill"
 
 
-def measure(rows: int, k: int, n: int, bandwidth: float, sweep: bool) -> dict[str, object]:
+def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespace) -> dict[str, object]:
+    rotate = not args.l2_resident
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    result: dict[str, object] = {"bf16_us": do_bench_cudagraph(lambda: F.linear(x, w)) * 1e3}
-    for fmt in ("awq", "gptq"):
-        candidates = SWEEP[_row_class(rows)] if sweep else [default_tiles(rows)]
-        timed = _time_tiles(x, fmt, packed(k, n, fmt), candidates)
+    bf16 = copies((torch.randn(n, k, device="cuda", dtype=torch.bfloat16),), rotate)
+    result: dict[str, object] = {"bf16_us": rotated_us(lambda w: F.linear(x, w[0]), bf16)}
+    del bf16
+    for fmt in () if args.gemv_sweep else ("awq", "gptq"):
+        candidates = SWEEP[_row_class(rows)] if args.sweep else [default_tiles(rows)]
+        timed = _time_tiles(x, fmt, copies(packed(k, n, fmt), rotate), candidates)
         best = min(timed, key=lambda t: timed[t])
         result[f"{fmt}_us"], result[f"{fmt}_tiles"] = timed[best], list(best)
         result[f"{fmt}_default_us"] = timed.get(default_tiles(rows))
+    if rows <= GEMV_MAX_ROWS:
+        gemv_candidates = GEMV_SWEEP if args.gemv_sweep else [default_gemv_tiles(rows)]
+        gemv = _time_gemv(x, copies(packed(k, n, "gptq"), rotate), gemv_candidates)
+        best_gemv = min(gemv, key=lambda t: gemv[t])
+        result["gemv_us"], result["gemv_tiles"] = gemv[best_gemv], list(best_gemv)
+        result["gemv_default_us"] = gemv.get(default_gemv_tiles(rows))
+        result["gemv_all_us"] = {",".join(map(str, t)): us for t, us in gemv.items()}
     weight_bytes = k * n // 2 + (k // GROUP) * n * 2 + (k // GROUP) * n // 2
     result["floor_us"] = (weight_bytes + rows * (k + n) * 2) / bandwidth * 1e6
     result["bf16_floor_us"] = (k * n * 2 + rows * (k + n) * 2) / bandwidth * 1e6
@@ -100,24 +158,28 @@ def measure(rows: int, k: int, n: int, bandwidth: float, sweep: bool) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=Path("bench/results/w4a16_gemm.json"))
-    parser.add_argument("--rows", default="1,16,64,256")
-    parser.add_argument("--sweep", action="store_true", help="time each tile candidate, report the best")
+    parser.add_argument("--rows", default="1,4,8,16,64,256")
+    parser.add_argument("--sweep", action="store_true", help="time each GEMM tile candidate, report the best")
+    parser.add_argument("--gemv-sweep", action="store_true", help="time each GEMV tile / split candidate, no GEMM")
+    parser.add_argument("--l2-resident", action="store_true", help="time one weight copy (L2 hits between calls)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
     print(
-        f"{'M':>5} {'linear':>8} {'bf16':>8} {'awq':>8} {'gptq':>8} {'floor':>8} {'awq/floor':>9} {'vs bf16':>8}"
-        "  best awq tiles"
+        f"{'M':>5} {'linear':>8} {'bf16':>8} {'awq':>8} {'gptq':>8} {'gemv':>8} {'floor':>8} {'best/floor':>10} "
+        f"{'vs bf16':>8}  best gemv tiles (BLOCK_N, BLOCK_K, warps, stages, split)"
     )
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (k, n) in SHAPES.items():
-            r = measure(rows, k, n, bandwidth, args.sweep)
+            r = measure(rows, k, n, bandwidth, args)
             results.append({"rows": rows, "linear": name, "k": k, "n": n, **r})
-            awq, floor, bf16 = float(r["awq_us"]), float(r["floor_us"]), float(r["bf16_us"])  # type: ignore[arg-type]
+            ours = {f: float(r[f"{f}_us"]) for f in ("awq", "gptq", "gemv") if f"{f}_us" in r}  # type: ignore[arg-type]
+            best, floor, bf16 = min(ours.values()), float(r["floor_us"]), float(r["bf16_us"])  # type: ignore[arg-type]
+            cells = " ".join(f"{ours[f]:8.1f}" if f in ours else f"{'-':>8}" for f in ("awq", "gptq", "gemv"))
             print(
-                f"{rows:5d} {name:>8} {bf16:8.1f} {awq:8.1f} {float(r['gptq_us']):8.1f} "  # type: ignore[arg-type]
-                f"{floor:8.1f} {floor / awq:8.0%} {bf16 / awq:7.2f}x  {r['awq_tiles']}",
+                f"{rows:5d} {name:>8} {bf16:8.1f} {cells} {floor:8.1f} {floor / best:10.0%} {bf16 / best:7.2f}x  "
+                f"{r.get('gemv_tiles', '')}",
                 flush=True,
             )
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +189,7 @@ def main() -> None:
                 "device": torch.cuda.get_device_name(),
                 "copy_bytes_per_s": bandwidth,
                 "group_size": GROUP,
+                "weights_rotated": not args.l2_resident,
                 "results": results,
             },
             indent=1,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine.models.int4 import Int4Linear, dequantize, int4_format, quantize_linears_int4
+from pagedserve.services.engine.models.int4_repack import group_sort
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
 
 K, N, GROUP = 256, 96, 64
@@ -99,3 +100,29 @@ def test_decoder_linears_are_swapped_and_the_head_is_not() -> None:
     assert quantize_linears_int4(model, "gptq", GROUP, 1) == 1
     assert isinstance(model.get_submodule("model.layers.0.proj"), Int4Linear)
     assert isinstance(model.lm_head, nn.Linear)
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
+def test_finish_loading_repacks_to_k_major_and_keeps_the_weight(fmt: str, act_order: bool) -> None:
+    """AWQ becomes GPTQ's row packing and act order's groups consecutive (x gathered by input_perm): exactly the
+    same W, and the same x @ W from the layer's (CPU) forward."""
+    torch.manual_seed(4)
+    weight = torch.randn(K, N) * 0.05
+    tensors, meaning = _tensors(fmt, weight, act_order)
+    layer = Int4Linear(K, N, False, torch.float32, fmt, GROUP, zero_offset=1 if fmt == "gptq" else 0)
+    layer.to_empty(device="cpu")
+    for name, tensor in tensors.items():
+        layer.load_weight(name, tensor, None)
+    layer.finish_loading()
+    assert layer.packed_fmt == "gptq" and layer.qweight.shape == (K // 8, N) and layer.act_order is None
+    assert (layer.input_perm is not None) == act_order
+    torch.testing.assert_close(layer.dequantized(), meaning, rtol=0, atol=1e-6)
+    x = torch.randn(2, K)
+    torch.testing.assert_close(layer(x), x @ meaning, rtol=1e-4, atol=1e-4)
+
+
+def test_act_order_with_uneven_groups_stays_for_the_gemm() -> None:
+    """A g_idx that does not give each group `group_size` rows cannot be sorted into plain groups."""
+    g_idx = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.int32)
+    assert group_sort(g_idx, 4) is None
+    assert torch.equal(group_sort(torch.tensor([1, 0, 1, 0], dtype=torch.int32), 2), torch.tensor([1, 3, 0, 2]))

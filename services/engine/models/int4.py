@@ -10,8 +10,10 @@ with  y = x @ W. They differ in how the nibbles are packed into int32:
                           qzeros  [K/G, N/8] sequential nibbles, stored as z - 1 ("gptq_v2": as z)
                           scales  [K/G, N];  g_idx [K] (act order: any row to any group; else k // G)
 
-`Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies with the fused
-dequantise-GEMM Triton kernel (kernels/w4a16_gemm.py) on CUDA; elsewhere it dequantises and uses torch.
+`Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies on CUDA with the
+Triton GEMV (kernels/w4a16_gemv.py) up to 8 rows, the fused dequantise-GEMM (kernels/w4a16_gemm.py) above;
+elsewhere it dequantises and uses torch. Once loaded (`finish_loading`), AWQ is repacked to GPTQ's K-major
+layout and act order's rows sorted by group (models/int4_repack.py), so both kernels read one plain layout.
 Fused q/k/v and gate/up load as output-column shards, like the full-precision layers.
 """
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.expert_quant import pack_int4
+from pagedserve.services.engine.models.int4_repack import group_sort, k_major, pack_columns
 from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
@@ -123,6 +126,10 @@ class Int4Linear(nn.Module):
         self._g_idx_loaded = False
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
         self.shard_offsets = shard_offsets or {}
+        self.packed_fmt = fmt  # the tensors' layout: "gptq" (K-major) once finish_loading repacked AWQ
+        # Act order sorted at load: the stored row i is input row input_perm[i] ([K] int64; None: no gather).
+        self.input_perm: torch.Tensor | None
+        self.register_buffer("input_perm", None, persistent=False)
 
     @classmethod
     def like(cls, linear: nn.Linear, fmt: str, group_size: int, zero_offset: int) -> Int4Linear:
@@ -145,19 +152,57 @@ class Int4Linear(nn.Module):
         return self.g_idx.data if self.g_idx is not None and self.has_act_order else None
 
     def dequantized(self) -> torch.Tensor:
-        """The dequantised weight [K, N]."""
+        """The dequantised weight [K, N] (rows in the checkpoint's input order, however stored)."""
         g_idx = self.act_order
-        return dequantize(self.fmt, self.qweight, self.qzeros, self.scales, g_idx, self.group_size, self.zero_offset)
+        stored = dequantize(
+            self.packed_fmt, self.qweight, self.qzeros, self.scales, g_idx, self.group_size, self.zero_offset
+        )
+        if self.input_perm is None:
+            return stored
+        weight = torch.empty_like(stored)
+        weight[self.input_perm] = stored
+        return weight
+
+    def finish_loading(self) -> None:
+        """Repack, once every shard is in, into the K-major layout with consecutive groups (exact): AWQ's
+        column packing becomes GPTQ's row packing; act order's rows are sorted by group (x is then gathered)."""
+        k, n = self.in_features, self.out_features
+        qweight = self.qweight.data
+        if self.packed_fmt == "awq":
+            self.qweight.data = k_major(lambda ks: unpack_columns(qweight[ks.to(qweight.device)], "awq"), k, n)
+            self.qzeros.data = pack_columns(unpack_columns(self.qzeros.data, "awq"))
+            self.packed_fmt = "gptq"
+        elif self.has_act_order and self.g_idx is not None:
+            perm = group_sort(self.g_idx.data, self.group_size)
+            if perm is None:  # groups of uneven sizes: the GEMM looks each row's group up
+                return
+            perm = perm.to(qweight.device)
+
+            def sorted_rows(ks: torch.Tensor) -> torch.Tensor:
+                rows = perm[ks.to(qweight.device)]
+                return (qweight[rows // 8] >> (4 * (rows % 8)).to(torch.int32)[:, None]) & 0xF
+
+            self.qweight.data = k_major(sorted_rows, k, n)
+            self.g_idx.data.copy_(self._plain_groups())
+            self.has_act_order = False
+            self.input_perm = perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda:
             from pagedserve.kernels.w4a16_gemm import w4a16_matmul  # triton: CUDA machines only
+            from pagedserve.kernels.w4a16_gemv import MAX_ROWS, w4a16_gemv
 
-            out = w4a16_matmul(
-                x2, self.qweight, self.qzeros, self.scales, self.act_order, self.group_size, self.fmt, self.zero_offset
-            )
+            if self.input_perm is not None:
+                x2 = x2.index_select(1, self.input_perm)
+            g_idx, fmt = self.act_order, self.packed_fmt
+            if x2.shape[0] <= MAX_ROWS and g_idx is None and fmt == "gptq":
+                out = w4a16_gemv(x2, self.qweight, self.qzeros, self.scales, self.group_size, self.zero_offset)
+            else:
+                out = w4a16_matmul(
+                    x2, self.qweight, self.qzeros, self.scales, g_idx, self.group_size, fmt, self.zero_offset
+                )
         else:
             out = x2 @ self.dequantized().to(x.dtype)
         if self.bias is not None:

@@ -26,8 +26,8 @@ from pagedserve.services.engine.models.fp8 import (
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
+from pagedserve.services.engine.models.int4 import Int4Linear, int4_format, quantize_linears_int4, repack_experts
 from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
-from pagedserve.services.engine.models.int4 import int4_format, quantize_linears_int4, repack_experts
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
 from pagedserve.services.engine.models.mxfp4 import PACKED_EXPERTS_KEY, checkpoint_is_mxfp4, keeps_experts_packed
@@ -258,4 +258,6 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
+        elif isinstance(module, Int4Linear):  # every shard is in: repack to the kernels' one layout
+            module.finish_loading()
     return model.eval()

@@ -1,0 +1,104 @@
+"""The decode W4A16 GEMV vs x @ W for the W the GPTQ tensors mean (tests/models/int4_checkpoints.py): 1-8 rows,
+ragged N and K, group sizes 32/128, asymmetric and symmetric zeros, split-K, and the layouts that reach it
+through the load-time repack (AWQ, GPTQ act order), where the tl.dot GEMM reads the repacked layout too.
+fp16/bf16 on CUDA, fp32 in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels.w4a16_gemm import w4a16_matmul
+from pagedserve.kernels.w4a16_gemv import GemvTiles, w4a16_gemv
+from pagedserve.services.engine.models.int4 import Int4Linear
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, pack_columns, pack_rows
+
+
+def _symmetric_gptq(weight: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ v1 `sym=True`: every zero point 8 (stored as 7), scale = max |w| / 7 per group."""
+    k, n = weight.shape
+    scales = (weight.view(k // group, group, n).abs().amax(1) / 7).clamp(min=1e-6).half()
+    groups = torch.arange(k) // group
+    q = (torch.round(weight / scales[groups].float()) + 8).clamp(0, 15).to(torch.int64)
+    zeros = torch.full((k // group, n), 8, dtype=torch.int64)
+    tensors = {"qweight": pack_rows(q), "qzeros": pack_columns(zeros - 1), "scales": scales}
+    return tensors, (q - 8).float() * scales[groups].float()
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    tolerance = 2e-2 if got.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "group", "tiles"),
+    [
+        (1, 384, 200, 128, None),  # three groups, a ragged last n-tile
+        (3, 256, 72, 32, (32, 32, 4, 1, 4)),  # split over K into 4 slices of two groups
+        (8, 384, 136, 128, (64, 64, 4, 1, 3)),  # 3 slices, two K tiles per group
+        (5, 96, 40, 32, (64, 32, 4, 1, 8)),  # more slices than K tiles: empty slices add zeros
+    ],
+)
+def test_gemv_matches_the_dequantized_weight(
+    device: torch.device, symmetric: bool, m: int, k: int, n: int, group: int, tiles: GemvTiles | None
+) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = _symmetric_gptq(weight, group) if symmetric else gptq_tensors(weight, group)
+    dtype = _dtype(device)
+    x = torch.randn(m, k).to(device, dtype)
+    got = w4a16_gemv(
+        x,
+        tensors["qweight"].to(device),
+        tensors["qzeros"].to(device),
+        tensors["scales"].to(device, dtype),
+        group,
+        zero_offset=1,
+        tiles=tiles,
+    )
+    assert got.shape == (m, n) and got.dtype == dtype
+    _check(got, x.float() @ meaning.to(device))
+
+
+def test_gemv_in_half_precision(device: torch.device) -> None:
+    """fp16 activations and scales (the checkpoints' scale dtype), fp32 accumulation."""
+    if device.type != "cuda":
+        pytest.skip("fp16 arithmetic in the interpreter is numpy's: covered compiled on CUDA")
+    torch.manual_seed(2)
+    weight = torch.randn(512, 256) * 0.05
+    tensors, meaning = gptq_tensors(weight, 128)
+    x = torch.randn(4, 512).to(device, torch.float16)
+    qweight, qzeros, scales = (tensors[t].to(device) for t in ("qweight", "qzeros", "scales"))
+    got = w4a16_gemv(x, qweight, qzeros, scales, 128, zero_offset=1)
+    _check(got, x.float() @ meaning.to(device))
+
+
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", True)])
+def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: str, act_order: bool) -> None:
+    """AWQ's column packing and act order's scattered groups become the plain K-major layout at load, exactly;
+    the GEMV (on the gathered x for act order) and the GEMM then read it."""
+    torch.manual_seed(3)
+    k, n, group = 256, 48, 64
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = awq_tensors(weight, group) if fmt == "awq" else gptq_tensors(weight, group, act_order, seed=5)
+    dtype = _dtype(device)
+    layer = Int4Linear(k, n, False, dtype, fmt, group, zero_offset=1 if fmt == "gptq" else 0).to(device)
+    for name, tensor in tensors.items():
+        layer.load_weight(name, tensor.to(device), None)
+    layer.finish_loading()
+    assert layer.packed_fmt == "gptq" and layer.act_order is None and layer.qweight.shape == (k // 8, n)
+    assert (layer.input_perm is not None) == act_order
+    torch.testing.assert_close(layer.dequantized().float(), meaning.to(device, dtype).float(), rtol=0, atol=1e-6)
+    x = torch.randn(3, k).to(device, dtype)
+    x_stored = x if layer.input_perm is None else x.index_select(1, layer.input_perm)
+    packed = (layer.qweight.data, layer.qzeros.data, layer.scales.data)
+    want = x.float() @ meaning.to(device)
+    _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 32, 4, 1, 2)), want)
+    _check(w4a16_matmul(x_stored, *packed, None, group, "gptq", layer.zero_offset), want)
