@@ -4,11 +4,14 @@ On a random-weight model of a real shape (default the Llama-3.1-8B shape, bf16),
 adapters on q/k/v/o/gate/up/down written to disk in PEFT's format:
   base        an engine without --enable-lora: --concurrency requests at once, then one request alone
   lora-idle   an engine with --enable-lora and the adapters loaded, serving base requests (the price of
-              having LoRA on: the kernels run in every step and graph, with no token using an adapter)
+              having LoRA on: such steps run the base graphs, no LoRA kernel, so it should equal base)
   lora-mixed  the same engine, each request naming one of --num-adapters adapters (round robin), so every
               step mixes them all; and one adapter request alone (batch-1 overhead)
 Throughput is output tokens per second over the whole batch; batch 1 reports the inter-token latency.
 Goals (issue 26, on an H100): lora-mixed >= 75% of base throughput at 256 concurrent, batch-1 overhead <= 15%.
+On CUDA, --profile-steps decode steps of the one-request run go through torch.profiler: the GPU kernels per step
+(graph replays included), the LoRA kernels and memsets among them, and their GPU time, to explain what the
+batch-1 overhead is made of (a base-only step should count what the base engine's does).
 
     python -m bench.lora                  # the 8B shape on CUDA: 8 adapters, 256 concurrent, 512 + 128 tokens
     python -m bench.lora --quick          # a tiny shape on the CPU: checks every path runs
@@ -118,6 +121,50 @@ def run_batch(engine: Engine, prompts: list[list[int]], names: list[str | None],
     }
 
 
+def profile_decode(engine: Engine, prompt: list[int], name: str | None, num_steps: int) -> dict[str, Any]:
+    """GPU kernels per decode step of one request (CUDA): every kernel, the LoRA ones, memsets and fills, and
+    their GPU time (µs per step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    num_warm = 4
+    params = SamplingParams(temperature=0.0, max_tokens=num_warm + num_steps + 4, ignore_eos=True)
+    engine.add_request(f"profile-{name}-{time.perf_counter()}", prompt, params, lora_name=name)
+    num_tokens = 0
+    while engine.has_unfinished() and num_tokens < num_warm:  # the prompt's step, then a few decode steps
+        num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    counts = {"kernels": 0, "lora_kernels": 0, "fills": 0}
+    times = {"kernels": 0.0, "lora_kernels": 0.0, "fills": 0.0}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        kind = (
+            "lora_kernels"
+            if "_shrink_kernel" in event.name or "_expand_kernel" in event.name
+            else "fills"
+            if "memset" in event.name.lower() or "FillFunctor" in event.name
+            else None
+        )
+        elapsed = event.time_range.elapsed_us()
+        counts["kernels"] += 1
+        times["kernels"] += elapsed
+        if kind is not None:
+            counts[kind] += 1
+            times[kind] += elapsed
+    return {
+        "steps": num_steps,
+        **{f"{key}_per_step": round(value / num_steps, 1) for key, value in counts.items()},
+        **{f"{key}_gpu_us_per_step": round(value / num_steps, 1) for key, value in times.items()},
+    }
+
+
 def measure(
     config: Config, prompts: list[list[int]], scenarios: dict[str, list[str | None]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -130,6 +177,8 @@ def measure(
             "batch": run_batch(engine, prompts, names, args.output_len),
             "single": run_batch(engine, prompts[:1], names[:1], args.output_len),
         }
+        if args.profile_steps and engine.device.type == "cuda":
+            results[scenario]["profile"] = profile_decode(engine, prompts[0], names[0], args.profile_steps)
     engine.shutdown()
     del engine
     gc.collect()
@@ -148,6 +197,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=16, help="requests of the warm-up batch")
+    parser.add_argument(
+        "--profile-steps", type=int, default=16, help="CUDA: decode steps of one request to profile (0: none)"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if args.quick:
@@ -200,6 +252,15 @@ def main() -> None:
     print(f"{'scenario':<12} {'tok/s @' + str(args.concurrency):>14} {'batch-1 ITL ms':>15}")
     for name, row in rows.items():
         print(f"{name:<12} {row['batch']['tokens_per_s']:>14.1f} {row['single']['itl_ms'] or 0:>15.3f}")
+    profiled = {name: row["profile"] for name, row in rows.items() if "profile" in row}
+    if profiled:
+        print(f"{'batch 1, per step':<18} {'kernels':>8} {'LoRA':>6} {'fills':>6} {'GPU us':>8} {'LoRA us':>8}")
+    for name, prof in profiled.items():
+        print(
+            f"{name:<18} {prof['kernels_per_step']:>8.1f} {prof['lora_kernels_per_step']:>6.1f} "
+            f"{prof['fills_per_step']:>6.1f} {prof['kernels_gpu_us_per_step']:>8.1f} "
+            f"{prof['lora_kernels_gpu_us_per_step']:>8.1f}"
+        )
     print(f"mixed / base throughput: {summary['mixed_throughput_vs_base']:.3f} (goal >= 0.75)")
     print(f"batch-1 ITL overhead: {summary['batch1_itl_overhead']} (goal <= 0.15)")
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -35,17 +35,23 @@ def lora_shrink(
     shrunk: torch.Tensor,  # [num_tokens, num_slices * max_rank] fp32, written on LoRA rows only
     sorted_token_ids: torch.Tensor,  # [>= num_lora_tokens] int32
     slot_starts: torch.Tensor,  # [max_loras + 1] int32
+    is_zeroed: bool = False,  # what the kernel may skip zeroing; the reference writes its rows whatever it holds
 ) -> None:
     for slot, rows in slot_rows(sorted_token_ids, slot_starts):
         shrunk[rows] = x[rows].float() @ lora_a[slot].float().T
 
 
 def lora_expand(
-    shrunk: torch.Tensor,  # [num_tokens, max_rank] fp32 (one slice's rank block)
+    shrunk: torch.Tensor,  # [num_tokens, num_slices * max_rank] fp32 (slice i: the i-th rank block)
     lora_b: torch.Tensor,  # [max_loras, out_features, max_rank]
     y: torch.Tensor,  # [num_tokens, out_features], added to on LoRA rows
     sorted_token_ids: torch.Tensor,
     slot_starts: torch.Tensor,
+    slice_ends: tuple[int, ...] = (),  # each slice's last output column + 1 (the last is out_features); (): one
 ) -> None:
+    rank = lora_b.shape[2]
+    ends = slice_ends or (lora_b.shape[1],)
     for slot, rows in slot_rows(sorted_token_ids, slot_starts):
-        y[rows] += (shrunk[rows] @ lora_b[slot].float().T).to(y.dtype)
+        for i, (begin, end) in enumerate(itertools.pairwise((0, *ends))):
+            delta = shrunk[rows, i * rank : (i + 1) * rank] @ lora_b[slot, begin:end].float().T
+            y[rows, begin:end] += delta.to(y.dtype)

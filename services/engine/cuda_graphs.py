@@ -21,6 +21,11 @@ Graphs hold the forward pass up to the final norm; logits of the sampling rows a
 eagerly (a [T, vocab] fp32 output per graph would cost gigabytes over all shapes). Larger graphs are
 captured first and all share one memory pool, so the pool is about the largest graph's activations.
 A graph is named by its index in `shapes` (the same list on every tensor-parallel rank).
+
+With LoRA on, each shape has two graphs: the base one, captured with the LoRA layers bypassed, which steps
+without an adapter token replay (they cost what a base step costs), and a LoRA one holding the shrink/expand
+kernels. The LoRA variant ends by copying its hidden states into the base variant's output, so the pool holds
+one set of static outputs, not two: the extra memory is the graphs themselves; capture takes twice as long.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from pagedserve.kernels.launch_config import PREFILL_KERNEL_MIN_MEAN_QUERY_LEN, PREFILL_QUERY_LEN
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.input_batch import HostBatch, InputBuffers, pad_decode_batch, pad_mixed_batch
+from pagedserve.services.engine.lora.layers import LoRABatch
 from pagedserve.services.engine.models.base import CausalLM
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,7 @@ class StepGraphs:
         buffers: InputBuffers,
         shapes: list[GraphShape],
         max_model_len: int,
+        lora: LoRABatch | None = None,  # LoRA layers in the model: capture a LoRA variant of every shape too
     ) -> None:
         assert shapes and all(s.num_seqs <= buffers.max_num_seqs for s in shapes)
         assert all(s.num_tokens <= buffers.max_num_tokens for s in shapes)
@@ -112,6 +119,8 @@ class StepGraphs:
         self._tokens_by_kind = {kind: [self.shapes[i].num_tokens for i in ids] for kind, ids in self._by_kind.items()}
         # shape index -> graph, hidden out, and the aux hidden states the model keeps (EAGLE-3; static outputs too)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
+        self.lora = lora
+        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # shape index -> its LoRA variant (same outputs)
 
     def choose(self, batch: HostBatch) -> int | None:
         """The graph (an index of `shapes`) to run the step with: the fewest tokens, then the fewest
@@ -132,9 +141,11 @@ class StepGraphs:
             return pad_decode_batch(batch, shape.num_seqs)
         return pad_mixed_batch(batch, shape.num_tokens, shape.num_seqs)
 
-    def replay(self, graph_id: int) -> torch.Tensor:  # [num_tokens, hidden_size], valid until the next replay
+    def replay(self, graph_id: int, uses_lora: bool = False) -> torch.Tensor:
+        """Run a graph (its LoRA variant when `uses_lora`: some token of the step uses an adapter); its hidden
+        states [num_tokens, hidden_size], valid until the next replay."""
         graph, hidden, aux = self._graphs[graph_id]
-        graph.replay()
+        (self._lora_graphs[graph_id] if uses_lora else graph).replay()
         self.model.aux_hidden_states = aux
         return hidden
 
@@ -146,24 +157,41 @@ class StepGraphs:
         for graph_id in sorted(range(len(self.shapes)), key=lambda i: self.shapes[i], reverse=True):
             shape = self.shapes[graph_id]
             self._fill_dummy(shape)
-            self._forward(shape)  # eager first: compiles this shape's kernels outside the capture
+            self._set_lora(True)
+            self._forward(shape)  # eager first: compiles this shape's kernels (LoRA's too) outside the capture
             torch.cuda.synchronize(self.buffers.device)
+            self._set_lora(False)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._forward(shape)
             pool = graph.pool()
-            self._graphs[graph_id] = (graph, hidden, list(getattr(self.model, "aux_hidden_states", [])))
+            aux = list(getattr(self.model, "aux_hidden_states", []))
+            self._graphs[graph_id] = (graph, hidden, aux)
+            if self.lora is not None:
+                self._set_lora(True)
+                self._lora_graphs[graph_id] = lora_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(lora_graph, pool=pool):
+                    hidden.copy_(self._forward(shape))  # into the base variant's outputs
+                    for out, lora_aux in zip(aux, getattr(self.model, "aux_hidden_states", []), strict=True):
+                        out.copy_(lora_aux)
+                self._set_lora(False)
         torch.cuda.synchronize(self.buffers.device)
         decode = [s.num_seqs for s in self.shapes if s.kind == QueryKind.DECODE]
         mixed = [s.num_tokens for s in self.shapes if s.kind != QueryKind.DECODE]
         log.info(
             "captured %d CUDA graphs (decode batch 1..%d, mixed steps %d..%d tokens) in %.1f s",
-            len(self.shapes),
+            len(self._graphs) + len(self._lora_graphs),
             max(decode, default=0),
             min(mixed, default=0),
             max(mixed, default=0),
             time.perf_counter() - start,
         )
+
+    def _set_lora(self, applies: bool) -> None:
+        """Whether the forward about to be captured runs the LoRA layers (no-op without LoRA)."""
+        if self.lora is not None:
+            self.lora.applies = applies
+            self.lora.slot_starts.zero_()  # no adapter token: the kernels' programs return at once
 
     def _forward(self, shape: GraphShape) -> torch.Tensor:
         ids = self.buffers.device_1d

@@ -174,7 +174,8 @@ class ModelRunner:
                 min(cuda_graph_max_batch, max_num_seqs), min(cuda_graph_max_tokens, max_num_tokens), max_num_seqs
             )
             if shapes and attention.backend_name() == "triton":
-                self.graphs = StepGraphs(model, self.kv_caches, self.buffers, shapes, max_model_len)
+                lora_batch = lora.batch if lora is not None else None
+                self.graphs = StepGraphs(model, self.kv_caches, self.buffers, shapes, max_model_len, lora_batch)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -214,8 +215,8 @@ class ModelRunner:
             batch = pad_eager_batch(batch, min(eager_token_bucket(num_tokens), self.buffers.max_num_tokens))
         if self.step_sender is not None:
             self.step_sender.send(batch, graph_id)
-        if self.lora is not None:  # each token's adapter slot, in the buffers the LoRA layers (and graphs) read
-            self.lora.prepare(scheduled, batch.num_tokens, is_graph=graph_id is not None)
+        # Each token's adapter slot, in the buffers the LoRA layers (and graphs) read; with none, the base model only.
+        uses_lora = self.lora is not None and self.lora.prepare(scheduled, batch.num_tokens)
         if self.buffers is None:
             inputs = to_model_input(batch, self.device, self.layer_groups)
         else:
@@ -231,7 +232,7 @@ class ModelRunner:
         profile.mark("prepare")
 
         if graph_id is not None and self.graphs is not None:
-            hidden = self.graphs.replay(graph_id)  # [the graph's num_tokens, hidden]
+            hidden = self.graphs.replay(graph_id, uses_lora)  # [the graph's num_tokens, hidden]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.on_aux_hidden is not None:

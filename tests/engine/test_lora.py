@@ -1,19 +1,22 @@
 """Multi-LoRA in the engine: outputs equal PEFT's merged weights with three adapters and the base model in one
-batch, adapters never share prefix-cache blocks, and the slot pool evicts the least recently used unpinned
-adapter (requests wait when every slot is pinned)."""
+batch, a step with no adapter token runs the base model alone, adapters never share prefix-cache blocks, and the
+slot pool evicts the least recently used unpinned adapter (requests wait when every slot is pinned)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from pagedserve.services.engine.cuda_graphs import GraphShape, StepGraphs, graph_shapes
 from pagedserve.services.engine.engine import Engine
-from pagedserve.services.engine.lora.layers import LoRABatch
+from pagedserve.services.engine.input_batch import InputBuffers
+from pagedserve.services.engine.lora.layers import LoRABatch, LoRALinear
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora.weights import read_adapter
 from pagedserve.services.engine.lora_control import LoRAControl
@@ -23,6 +26,7 @@ from pagedserve.shared.config import Config
 from pagedserve.shared.lora_adapters import LoRAAdapterError, inspect_adapter
 from pagedserve.shared.protocol import GenerateRequest, LoRAUpdate
 from tests.engine.engine_helpers import run, tokens_of
+from tests.engine.test_async_steps import EagerGraph, EagerGraphs
 from tests.lora_helpers import build_adapter, merged_model
 
 PROMPT = [1, *range(40, 76)]  # 37 tokens: two full 16-token blocks
@@ -173,9 +177,115 @@ def test_batch_groups_tokens_by_slot() -> None:
     assert batch.sorted_token_ids[:6].tolist() == [2, 6, 0, 3, 7, 4]
     assert batch.applies
     batch.prepare(np.array([-1, -1]))
-    assert batch.slot_starts.tolist() == [0, 0, 0, 0] and not batch.applies  # a base-only step skips the kernels...
-    batch.prepare(np.array([-1, -1]), is_graph=True)
-    assert batch.applies  # ...unless a captured graph (which holds them) replays it
+    assert batch.slot_starts.tolist() == [0, 0, 0, 0] and not batch.applies  # a base-only step skips the kernels
+
+
+class CountingOps:
+    """The LoRA ops a LoRABatch runs, counting the calls (kernel launches on CUDA) of each."""
+
+    def __init__(self, ops: ModuleType) -> None:
+        self.ops = ops
+        self.calls = {"lora_shrink": 0, "lora_expand": 0}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("lora_shrink", "lora_expand"):
+            return getattr(self.ops, name)
+
+        def call(*args: Any) -> None:
+            self.calls[name] += 1
+            getattr(self.ops, name)(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_without_adapter_tokens_runs_the_base_model_only(
+    tiny_model_dir: Path, adapters: dict[str, Path], expected, device: str
+) -> None:
+    """LoRA on, base requests only: no shrink/expand runs (CUDA: the base graphs replay) and the tokens are the
+    base model's; a step with an adapter token runs one shrink and one expand per projection (q|k|v fused)."""
+    engine = _engine(tiny_model_dir, adapters, max_loras=3, device=device)
+    assert engine.lora is not None
+    counting = CountingOps(engine.lora.batch.ops)
+    engine.lora.batch.ops = counting  # type: ignore[assignment]  # duck-typed: the module's two functions
+    graphs = engine.runner.graphs
+    replays: list[bool] = []
+    if graphs is not None:  # CUDA: which variant each replayed step took
+        replay = graphs.replay
+
+        def recording_replay(graph_id: int, uses_lora: bool = False) -> torch.Tensor:
+            replays.append(uses_lora)
+            return replay(graph_id, uses_lora)
+
+        graphs.replay = recording_replay  # type: ignore[method-assign]
+    for i in range(2):
+        _submit(engine, f"base-{i}", None)
+    outputs = run(engine)
+    assert counting.calls == {"lora_shrink": 0, "lora_expand": 0} and not any(replays)
+    for i in range(2):
+        assert tokens_of(outputs[(f"base-{i}", 0)]) == expected[None][0]
+    _submit(engine, "base", None)
+    _submit(engine, "adapter", "r4")
+    outputs = run(engine)
+    assert tokens_of(outputs[("adapter", 0)]) == expected["r4"][0]
+    assert tokens_of(outputs[("base", 0)]) == expected[None][0]
+    num_projections = 4 * engine.runner.spec.num_layers  # qkv, o, gate_up, down
+    num_eager_forwards = counting.calls["lora_shrink"] // num_projections
+    assert counting.calls == {"lora_shrink": num_eager_forwards * num_projections} | {
+        "lora_expand": num_eager_forwards * num_projections
+    }
+    assert all(replays) and num_eager_forwards + len(replays) >= NUM_NEW  # every step of the batch ran LoRA...
+    if device == "cpu":
+        assert num_eager_forwards == NUM_NEW  # ...the prompts' step and 5 decode steps
+
+
+def test_decode_steps_share_one_zeroed_workspace_and_match_the_reference() -> None:
+    """The Triton path of LoRALinear (the interpreter on CPU): a decode-sized step splits the shrink's K and adds
+    into its columns of the step-wide workspace, which only the first projection zeroes; two projections over
+    steps with different adapters must equal the torch reference, the stale workspace notwithstanding."""
+    triton_lora = pytest.importorskip("pagedserve.kernels.lora")
+    hidden, inter, max_loras, max_rank, cpu = 1024, 64, 3, 16, torch.device("cpu")
+    assert triton_lora._split_k(4, hidden) > 1
+    outputs = {}
+    for name, ops in (("reference", None), ("triton", triton_lora)):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        batch = LoRABatch(max_num_tokens=8, max_loras=max_loras, device=cpu, ops=ops)
+        qkv_like = [(0, inter), (inter, inter), (2 * inter, inter)]
+        first = LoRALinear(
+            torch.nn.Linear(hidden, 3 * inter, bias=False),
+            hidden,
+            qkv_like,
+            max_loras,
+            max_rank,
+            batch,
+            torch.float32,
+            cpu,
+        )
+        second = LoRALinear(
+            torch.nn.Linear(3 * inter, hidden, bias=False),
+            3 * inter,
+            [(0, hidden)],
+            max_loras,
+            max_rank,
+            batch,
+            torch.float32,
+            cpu,
+        )
+        batch.allocate_workspace()
+        assert (batch.workspace is None) == (ops is None) and first.zeroes_workspace and not second.zeroes_workspace
+        for layer in (first, second):
+            layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=gen))
+            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.1)
+        x = torch.randn(4, hidden, generator=gen)
+        steps = []
+        for token_slots in ([0, -1, 2, 0], [1, 1, -1, 2], [-1, -1, -1, -1]):
+            batch.prepare(np.array(token_slots))
+            with torch.no_grad():
+                steps.append(second(first(x)))
+        outputs[name] = steps
+    for got, want in zip(outputs["triton"], outputs["reference"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_peft_tensors_map_onto_fused_projections(adapters: dict[str, Path]) -> None:
@@ -219,3 +329,65 @@ def test_the_service_answers_an_unknown_adapter_with_404(tiny_model_dir: Path, a
     assert list(service.active) == ["known"]
     [error] = [item.error for item in sent]
     assert (error.request_id, error.status, error.code, error.param) == ("unknown", 404, "model_not_found", "model")
+
+
+class EagerVariantGraph(EagerGraph):
+    """A CPU stand-in for one variant of a captured graph: it runs LoRA or not as it was captured, whatever the
+    step's `LoRABatch.applies` says (a real graph holds the kernels or does not)."""
+
+    def __init__(self, graphs: StepGraphs, shape: GraphShape, out: torch.Tensor, uses_lora: bool) -> None:
+        super().__init__(graphs, shape, out)
+        self.uses_lora = uses_lora
+
+    def replay(self) -> None:
+        assert self.graphs.lora is not None
+        self.graphs.lora.applies = self.uses_lora
+        super().replay()
+
+
+class EagerLoRAGraphs(EagerGraphs):
+    def capture(self) -> None:
+        hidden_size = self.model.spec.hidden_size
+        for graph_id, shape in enumerate(self.shapes):
+            out = torch.empty(shape.num_tokens, hidden_size)
+            self._graphs[graph_id] = (EagerVariantGraph(self, shape, out, False), out, [])  # type: ignore[assignment]
+            self._lora_graphs[graph_id] = EagerVariantGraph(self, shape, out, True)  # type: ignore[assignment]
+
+
+def test_graph_steps_replay_the_lora_variant_only_with_adapter_tokens(
+    tiny_model_dir: Path, adapters: dict[str, Path], expected
+) -> None:
+    """The CUDA path's graph choice on the CPU (graphs replaced by eager stand-ins): base-only steps replay the
+    base variant (no shrink/expand, base tokens), steps with an adapter token its LoRA variant (PEFT's tokens)."""
+    engine = _engine(tiny_model_dir, adapters, max_loras=3)
+    runner, lora = engine.runner, engine.lora
+    assert lora is not None
+    counting = CountingOps(lora.batch.ops)
+    lora.batch.ops = counting  # type: ignore[assignment]
+    block_size, cpu = engine.config.cache.block_size, torch.device("cpu")
+    runner.buffers = InputBuffers(128, 8, -(-engine.max_model_len // block_size), cpu)
+    graphs = EagerLoRAGraphs(
+        runner.model, runner.kv_caches, runner.buffers, graph_shapes(8, 128, 8), engine.max_model_len, lora.batch
+    )
+    runner.graphs = graphs
+    runner.capture_graphs()
+    replays: list[bool] = []
+    replay = graphs.replay
+
+    def recording_replay(graph_id: int, uses_lora: bool = False) -> torch.Tensor:
+        replays.append(uses_lora)
+        return replay(graph_id, uses_lora)
+
+    graphs.replay = recording_replay  # type: ignore[method-assign]
+    _submit(engine, "base", None)
+    outputs = run(engine)
+    assert tokens_of(outputs[("base", 0)]) == expected[None][0]
+    assert len(replays) == NUM_NEW and not any(replays) and counting.calls["lora_shrink"] == 0
+    replays.clear()
+    _submit(engine, "base-2", None)
+    _submit(engine, "adapter", "r8-rslora")
+    outputs = run(engine)
+    assert tokens_of(outputs[("base-2", 0)]) == expected[None][0]
+    assert tokens_of(outputs[("adapter", 0)]) == expected["r8-rslora"][0]
+    assert len(replays) == NUM_NEW and all(replays)
+    assert counting.calls["lora_shrink"] == counting.calls["lora_expand"] == NUM_NEW * 4 * runner.spec.num_layers

@@ -45,9 +45,9 @@ def test_mixed_step_graphs_give_the_eager_tokens(tiny_model_dir: Path) -> None:
             if graphs is not None:
                 replay = graphs.replay
 
-                def recording_replay(graph_id: int) -> torch.Tensor:
+                def recording_replay(graph_id: int, uses_lora: bool = False) -> torch.Tensor:
                     replayed.append(graphs.shapes[graph_id])
-                    return replay(graph_id)
+                    return replay(graph_id, uses_lora)
 
                 graphs.replay = recording_replay  # type: ignore[method-assign]
             results = engine.generate(prompts, params)

@@ -43,9 +43,9 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_dir: Path) -> None:
             assert engine.is_async and graphs is not None
             replay, num_replays = graphs.replay, [0]
 
-            def counting_replay(graph_id: int) -> torch.Tensor:
+            def counting_replay(graph_id: int, uses_lora: bool = False) -> torch.Tensor:
                 num_replays[0] += 1
-                return replay(graph_id)
+                return replay(graph_id, uses_lora)
 
             graphs.replay = counting_replay  # type: ignore[method-assign]
             outputs = [r.token_ids for r in engine.generate(prompts, params)]

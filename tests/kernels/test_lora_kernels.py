@@ -1,9 +1,12 @@
 """The Triton LoRA shrink/expand kernels against the torch reference (under TRITON_INTERPRET=1 on CPU).
 
 A mixed batch: tokens of three slots and of the base model interleaved, ranks below the padded maximum,
-slices of unequal widths (q/k/v-like), a slot with no tokens; base rows must stay untouched."""
+slices of unequal widths (q/k/v-like), a slot with no tokens; base rows must stay untouched. The expand of
+every slice in one launch must equal one launch per slice exactly."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -25,8 +28,9 @@ def _grouping(token_slots: list[int], max_loras: int) -> tuple[torch.Tensor, tor
     return sorted_ids, starts
 
 
+@pytest.mark.parametrize("is_fused", [False, True], ids=["expand-per-slice", "expand-fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, device: torch.device) -> None:
+def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, is_fused: bool, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     max_loras, max_rank, hidden = 4, 16, 48
     slices = [40, 24, 24]  # fused q | k | v widths
@@ -39,9 +43,13 @@ def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, device: torch
     y0 = torch.randn(num_tokens, sum(slices), generator=gen).to(dtype)
     sorted_ids, starts = _grouping(token_slots, max_loras)
 
-    def run(impl, x, lora_a, lora_b, y):
+    def run(impl, x, lora_a, lora_b, y, is_fused=False):
         shrunk = torch.zeros(num_tokens, len(slices) * max_rank, dtype=torch.float32, device=x.device)
         impl.lora_shrink(x, lora_a, shrunk, sorted_ids.to(x.device), starts.to(x.device))
+        if is_fused:  # every slice in one launch, as LoRALinear runs it
+            ends = tuple(itertools.accumulate(slices))
+            impl.lora_expand(shrunk, lora_b, y, sorted_ids.to(x.device), starts.to(x.device), ends)
+            return shrunk, y
         offset = 0
         for i, width in enumerate(slices):
             impl.lora_expand(
@@ -55,7 +63,12 @@ def test_shrink_and_expand_match_the_reference(dtype: torch.dtype, device: torch
         return shrunk, y
 
     ref_shrunk, ref_y = run(lora_reference, x, lora_a, lora_b, y0.clone())
-    got_shrunk, got_y = run(lora, x.to(device), lora_a.to(device), lora_b.to(device), y0.clone().to(device))
+    got_shrunk, got_y = run(lora, x.to(device), lora_a.to(device), lora_b.to(device), y0.clone().to(device), is_fused)
+    if is_fused:  # the same kernel math column by column as one launch per slice: equal bit for bit
+        per_slice = run(lora, x.to(device), lora_a.to(device), lora_b.to(device), y0.clone().to(device))[1]
+        assert torch.equal(got_y, per_slice)
+        fused_reference = run(lora_reference, x, lora_a, lora_b, y0.clone(), is_fused=True)[1]
+        assert torch.equal(fused_reference, ref_y)
     is_lora = torch.tensor(token_slots) >= 0
     # fp32 on CUDA: tl.dot runs in tf32 (10-bit mantissa), so it gets fp16's tolerance; exact on the interpreter
     tol = 1e-4 if dtype == torch.float32 and device.type == "cpu" else 3e-2
@@ -96,3 +109,22 @@ def test_shrink_splits_a_long_k_for_decode_batches(token_slots: list[int], devic
     tol = 1e-4 if device.type == "cpu" else 3e-2
     torch.testing.assert_close(got.cpu()[is_lora], want[is_lora], atol=tol, rtol=tol)
     assert bool((got.cpu()[~is_lora] == 0).all())
+
+
+def test_split_shrink_adds_into_a_zeroed_column_view_of_a_wider_buffer(device: torch.device) -> None:
+    """LoRALinear's decode path: the shrink writes its columns of a step-wide workspace, zeroed once for every
+    projection (`is_zeroed`: no memset of its own); the columns beside it stay as they were."""
+    gen = torch.Generator().manual_seed(2)
+    max_loras, n, k, token_slots = 2, 32, 1024, [1, -1, 0]
+    x = torch.randn(len(token_slots), k, generator=gen)
+    lora_a = torch.randn(max_loras, n, k, generator=gen)
+    sorted_ids, starts = _grouping(token_slots, max_loras)
+    want = torch.zeros(len(token_slots), n)
+    lora_reference.lora_shrink(x, lora_a, want, sorted_ids, starts)
+    workspace = torch.zeros(len(token_slots), 3 * n, device=device)
+    workspace[:, 2 * n :] = 5.0
+    view = workspace[:, n : 2 * n]
+    lora.lora_shrink(x.to(device), lora_a.to(device), view, sorted_ids.to(device), starts.to(device), is_zeroed=True)
+    tol = 1e-4 if device.type == "cpu" else 3e-2
+    torch.testing.assert_close(view.cpu(), want, atol=tol, rtol=tol)
+    assert bool((workspace[:, :n] == 0).all()) and bool((workspace[:, 2 * n :] == 5.0).all())

@@ -39,6 +39,7 @@ class LoRAManager:
         self.max_loras, self.max_rank = settings.max_loras, settings.max_lora_rank
         self.batch = LoRABatch(max_num_tokens, self.max_loras, device)
         self.layers = _attach(model, self.max_loras, self.max_rank, self.batch, device)
+        self.batch.allocate_workspace()
         self._adapters: dict[str, AdapterWeights] = {}
         self._slot_names: list[str | None] = [None] * self.max_loras
         self._pins = [0] * self.max_loras
@@ -108,15 +109,19 @@ class LoRAManager:
         assert self._pins[slot] > 0, slot
         self._pins[slot] -= 1
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest], num_tokens: int, is_graph: bool = False) -> None:
-        """The step's slot per token (padding rows: none), grouped for the kernels; `is_graph`: a captured graph
-        replays the step (it runs the kernels whatever the adapters)."""
+    def prepare(self, scheduled: Sequence[ScheduledRequest], num_tokens: int) -> bool:
+        """The step's slot per token (padding rows: none), grouped for the kernels. False, having done nothing
+        else, when no request uses an adapter: the step then runs (or replays) the base model only."""
+        if all(s.request.lora_slot < 0 for s in scheduled):
+            self.batch.skip()
+            return False
         slots = np.fromiter((s.request.lora_slot for s in scheduled), dtype=np.int64, count=len(scheduled))
         counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         token_slots = np.full(num_tokens, -1, dtype=np.int64)
         per_token = np.repeat(slots, counts)
         token_slots[: per_token.shape[0]] = per_token
-        self.batch.prepare(token_slots, is_graph)
+        self.batch.prepare(token_slots)
+        return True
 
     def _load(self, slot: int, name: str, weights: AdapterWeights) -> None:
         for layer in self.layers.values():
