@@ -119,6 +119,12 @@ def entry_time_ns(entry_id: bytes | str) -> int:
     return int(text.split("-", 1)[0]) * 1_000_000
 
 
+def stream_wait_s(entry_id: bytes | str, read_at_ns: int) -> float:
+    """How long an entry waited in its stream before it was read (0 if the clocks disagree): the
+    stream.wait span's length, for a metric, without the span."""
+    return max(read_at_ns - entry_time_ns(entry_id), 0) / 1e9
+
+
 def record_stream_wait(
     stream: str, entry_id: bytes | str, traceparent: str | None, read_at_ns: int | None = None
 ) -> float:

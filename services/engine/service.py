@@ -43,7 +43,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.metrics import EngineMetrics
-from pagedserve.services.engine.request_trace import RequestTrace
+from pagedserve.services.engine.request_trace import RequestTrace, StreamRead
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared import kv_blocks, streams, telemetry
 from pagedserve.shared.config import Config
@@ -81,6 +81,7 @@ EntryRef = tuple[str, bytes]  # (stream, entry id): what to XACK once the reques
 class _Generate:
     entry: EntryRef
     request: GenerateRequest
+    read_at_ns: int  # when the I/O thread read it: the end of its stream.wait span
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,6 +132,7 @@ class _Active:
     trace: RequestTrace
     num_finished: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # of the choice that finished last
 
 
 def sampling_params_from_wire(sampling: Mapping[str, Any]) -> SamplingParams:
@@ -245,8 +247,8 @@ class EngineService:
             return
         while True:
             match item:
-                case _Generate(entry, request):
-                    self._add(entry, request)
+                case _Generate(entry, request, read_at_ns):
+                    self._add(entry, request, read_at_ns)
                 case Abort(request_ids=request_ids, choice_indexes=choice_indexes):
                     self._abort(request_ids, choice_indexes)
                 case LoRAUpdate():
@@ -268,11 +270,19 @@ class EngineService:
             if rid not in self.active:
                 self._remember(rid)
 
-    def _add(self, entry: EntryRef, req: GenerateRequest) -> None:
+    def _add(self, entry: EntryRef, req: GenerateRequest, read_at_ns: int | None = None) -> None:
+        """`read_at_ns`: when the I/O thread read it from `entry`; its stream.wait span is recorded when its
+        trace ends (or now, if it is not taken)."""
+        read = None if read_at_ns is None else (entry[0], entry[1], read_at_ns)
+        if not self._start(entry, req, read) and read is not None:
+            telemetry.record_stream_wait(read[0], read[1], req.traceparent, read[2])
+
+    def _start(self, entry: EntryRef, req: GenerateRequest, read: StreamRead | None) -> bool:
+        """Hand the request to the engine; False if it was not taken (a duplicate, or answered with an error)."""
         if req.request_id in self.active or req.request_id in self.recent:
             if req.request_id not in self.active:
                 self._send(_Ack(entry))  # finished, aborted, or a redelivered duplicate
-            return
+            return False
         try:
             if req.pooling is not None:  # /v1/embeddings: a forward pass, no sampling parameters
                 params = SamplingParams(max_tokens=1)
@@ -289,17 +299,18 @@ class EngineService:
             message = f"The model '{req.lora_name}' does not exist"
             error = RequestError(req.request_id, 404, message, param="model", code="model_not_found")
             self._send(_Error(req.reply_to, error, entry))
-            return
+            return False
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             what = "invalid input" if req.pooling is not None else "invalid sampling parameters"
             error = RequestError(req.request_id, 400, f"{what}: {exc}", param=param)
             self._send(_Error(req.reply_to, error, entry))
-            return
-        trace = RequestTrace(req, self.settings.engine_id)
+            return False
+        trace = RequestTrace(req, self.settings.engine_id, read)
         num_choices = params.n if resumed is None else len(resumed)
         self.active[req.request_id] = _Active(entry, req.reply_to, num_choices, trace)
         self._queued[req.request_id] = trace
+        return True
 
     def _track_admissions(self) -> None:
         """End the queue phase of requests the last step scheduled for the first time."""
@@ -316,6 +327,7 @@ class EngineService:
             lambda: TokenDeltas(self.settings.engine_id, self.step_count, [], [], [], [], [], [], [], [])
         )
         finished_entries: list[EntryRef] = []
+        ended: list[tuple[_Active, str]] = []  # traces to end once the tokens are on their way
         for out in outputs:
             state = self.active.get(out.request_id)
             if state is None:
@@ -339,13 +351,16 @@ class EngineService:
                 state.num_output_tokens += out.num_output_tokens
                 if state.num_finished >= state.num_choices:
                     self._queued.pop(out.request_id, None)
-                    state.trace.finish(out.finish_reason, state.num_output_tokens, out.num_cached_tokens)
+                    ended.append((state, out.finish_reason))
+                    state.num_cached_tokens = out.num_cached_tokens
                     finished_entries.append(state.entry)
                     self.num_requests_finished += 1
                     del self.active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
             self._send(_StepDeltas(dict(by_gateway), finished_entries))
+        for state, finish_reason in ended:
+            state.trace.finish(finish_reason, state.num_output_tokens, state.num_cached_tokens)
 
     def _fail_active(self, message: str) -> None:
         self._fail(list(self.active), 500, message, "internal_server_error")
@@ -356,9 +371,9 @@ class EngineService:
         for request_id in request_ids:
             state = self.active.pop(request_id)
             self._queued.pop(request_id, None)
-            state.trace.fail(message)
             error = RequestError(request_id, status, message, type=error_type)
             self._send(_Error(state.reply_to, error, state.entry))
+            state.trace.fail(message)
             self._remember(request_id)
 
     def _fail_lost(self, lost: list[tuple[str, str]]) -> None:
@@ -541,10 +556,10 @@ class EngineService:
         requests = []
         for entry in entries:
             if isinstance(entry.message, GenerateRequest):
-                wait = telemetry.record_stream_wait(entry.stream, entry.entry_id, entry.message.traceparent, read_at)
+                # the compute thread records its stream.wait span when the request ends, off the path of its tokens
+                self.inbox.put(_Generate((entry.stream, entry.entry_id), entry.message, read_at))
                 if self.metrics is not None:
-                    self.metrics.stream_wait.observe(wait)
-                self.inbox.put(_Generate((entry.stream, entry.entry_id), entry.message))
+                    self.metrics.stream_wait.observe(telemetry.stream_wait_s(entry.entry_id, read_at))
                 requests.append(entry.message.request_id)
             else:
                 log.error("unexpected %s on the generate stream; skipped", type(entry.message).__name__)

@@ -11,8 +11,10 @@ nothing but the port. One Python process tops out near 17k streamed tokens/s; wo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -32,6 +34,9 @@ from pagedserve.shared.ids import new_id
 from pagedserve.shared.telemetry import setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
+# After drain_timeout_s, how long a worker may take to end its cut requests (drain.py's 5 s) and let uvicorn
+# close its connections (5 s) before the supervisor kills it
+_STOP_GRACE_S = 15.0
 
 
 def main(config: Config) -> None:
@@ -72,40 +77,64 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 def run_workers(config: Config) -> None:
     """Start `config.gateway.workers` gateways sharing the port and keep that many running: a worker that
     dies is replaced (as uvicorn's and gunicorn's supervisors do), at most max_worker_restarts_per_minute
-    times a minute; beyond that the gateway stops and exits non-zero. A signal drains every worker."""
+    times a minute; beyond that the gateway stops and exits non-zero. A signal drains every worker.
+
+    Shutdown is race-free by construction: the signal handler only records the signal; this loop passes
+    every recorded signal on to every live worker that has not had it yet (one spawned as the signal came
+    in too), spawns nothing once stopping, and gives the workers drain_timeout_s + _STOP_GRACE_S to exit
+    before it SIGKILLs the rest and exits non-zero."""
     settings = config.gateway
     context = multiprocessing.get_context("spawn")  # no forked event loops or Redis connections
     metrics_dir = _fresh_metrics_dir()
+    received: list[int] = []  # the signals to pass on, in order (appended by the handler only)
+    told: dict[multiprocessing.process.BaseProcess, int] = {}  # worker -> how many of `received` it was sent
+
+    def on_signal(signum: int, _: Any) -> None:
+        received.append(signum)  # nothing else here: the handler may interrupt this loop anywhere
+
+    signal.signal(signal.SIGTERM, on_signal)  # before the first spawn: no worker is left behind by an early signal
+    signal.signal(signal.SIGINT, on_signal)
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
         worker = context.Process(target=_worker, args=(worker_config(config, index),), name=f"gateway-{index}")
         worker.start()
         return worker
 
+    def pass_signals_on() -> None:
+        for worker in workers:
+            while worker.pid is not None and told.get(worker, 0) < len(received) and worker.is_alive():
+                signum = received[told.get(worker, 0)]
+                told[worker] = told.get(worker, 0) + 1
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signum)  # each worker drains on SIGTERM, as one gateway does; a second stops it
+
     workers = [start(i) for i in range(settings.workers or 1)]
     log.info("gateway: %d workers on %s:%d", len(workers), settings.host, settings.port)
-    stopping = False
-
-    def forward(signum: int, _: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        for worker in workers:
-            if worker.pid is not None and worker.is_alive():
-                os.kill(worker.pid, signum)  # each worker drains on SIGTERM, as one gateway does
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
     restarts = RestartBudget(settings.max_worker_restarts_per_minute)
     failed = False
-    while any(w.is_alive() for w in workers) or (not stopping and not failed):
+    stop_deadline = float("inf")  # once stopping: when workers still alive are killed
+    while True:
+        if received and stop_deadline == float("inf"):
+            stop_deadline = time.monotonic() + settings.drain_timeout_s + _STOP_GRACE_S
+        pass_signals_on()
+        live = [w for w in workers if w.is_alive()]
+        if received and not live:
+            break
+        if time.monotonic() >= stop_deadline:
+            log.error("gateway workers %s did not exit in time; killing them", [w.pid for w in live])
+            for worker in live:
+                worker.kill()
+                worker.join(timeout=5)
+            failed = True
+            break
+        multiprocessing.connection.wait([w.sentinel for w in live], timeout=0.2)
         for index, worker in enumerate(workers):
-            worker.join(timeout=0.2)
             if worker.exitcode is None or worker.pid is None:
                 continue
             if worker.pid not in restarts.gone:
                 restarts.gone.add(worker.pid)
                 multiprocess.mark_process_dead(worker.pid, metrics_dir)  # its live gauges stop counting
-            if stopping or failed or workers[index] is not worker:
+            if received:  # stopping: a worker that ends now is not replaced
                 continue
             if not restarts.allow():
                 failed = True  # a crash loop: stop the rest and say so, rather than restart forever
@@ -115,10 +144,9 @@ def run_workers(config: Config) -> None:
                     worker.exitcode,
                     settings.max_worker_restarts_per_minute,
                 )
-                forward(signal.SIGTERM, None)
-                stopping = True
+                received.append(signal.SIGTERM)
                 continue
-            workers[index] = start(index)
+            workers[index] = start(index)  # a signal during the spawn reaches it at the next pass_signals_on
             log.warning(
                 "gateway worker %s (pid %s) exited with %s; replaced by pid %s (restart %d in the last minute)",
                 worker.name,

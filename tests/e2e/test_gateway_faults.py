@@ -276,13 +276,16 @@ def listens_on(process: psutil.Process, port: int) -> bool:
 def test_a_killed_gateway_worker_is_replaced(
     redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """The supervisor keeps the port served through a worker's death and still stops every worker, the
+    replacement too, on SIGTERM (within its own bound: drain_timeout_s + 15 s, then SIGKILL and exit 1).
+    On failure the gateway's log (supervisor and workers) is in the assertion message."""
     log_dir = tmp_path_factory.mktemp("workers-logs")
+    log_path = log_dir / "workers-gateway.log"
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis_server.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    supervisor = start_service(
-        "workers-gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"], env, log_dir
-    )
+    args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", "2", "--gateway-drain-timeout-s", "5"]
+    supervisor = start_service("workers-gateway", args, env, log_dir)
     try:
         deadline = time.monotonic() + 60
         while len(workers := gateway_workers(supervisor)) < 2 or not all(listens_on(w, port) for w in workers):
@@ -306,10 +309,14 @@ def test_a_killed_gateway_worker_is_replaced(
             time.sleep(0.05)
         print(f"killed worker replaced and listening after {time.monotonic() - killed_at:.2f} s")
         assert len(gateway_workers(supervisor)) == 2 and supervisor.poll() is None
-        assert "replaced by pid" in (log_dir / "workers-gateway.log").read_text()
+        assert "replaced by pid" in log_path.read_text()
 
         supervisor.send_signal(signal.SIGTERM)  # still drains and stops every worker, the new one too
+        stopped_at = time.monotonic()
         assert supervisor.wait(timeout=30) == 0
+        print(f"supervisor exited {time.monotonic() - stopped_at:.2f} s after SIGTERM")
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        raise AssertionError(f"{exc}\n----- gateway log (tail) -----\n{log_path.read_text()[-8000:]}") from exc
     finally:
         stop_all({"workers-gateway": supervisor})
 
