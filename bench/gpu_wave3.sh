@@ -6,6 +6,7 @@
 #   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
 #   PARTS=tests,mxfp4,lora,oracle,ngram,graphs,structured SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
 #   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
+#   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1; PARTS=w4a16 W4A16_ARGS='--rows 1,4,8 --gemv-sweep'
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1   # issue 20's shapes (bench/model_shapes.py), one per call
 # Logs and JSON go under $OUT; a short summary is printed last.
 set -uo pipefail
@@ -68,9 +69,14 @@ if has shapes; then  # random-weight Qwen3-30B-A3B / gpt-oss-20b / Gemma-3-12B /
     --tensor-parallel-size "${SHAPE_TP:-1}" --json "$OUT/model_shapes.json" > "$OUT/model_shapes.log" 2>&1
   summary+=("model shapes rc=$?")
 fi
+if has w4a16; then  # the W4A16 GEMV (M <= 8) and GEMM against cuBLAS bf16 and the weight-read floor (issue 21)
+  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench w4a16_gemm ${W4A16_ARGS:-} --json "$OUT/w4a16_gemm.json" \
+    > "$OUT/w4a16.log" 2>&1
+  summary+=("w4a16 rc=$?")
+fi
 
 cat "$OUT/env.txt"
-for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured model_shapes; do
+for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured model_shapes w4a16; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
 done
 printf '%s\n' "${summary[@]}"

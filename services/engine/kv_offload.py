@@ -109,67 +109,67 @@ class HostKVTier:
 
 
 class HostKVCaches:
-    """The host tier's memory: per layer `[2, num_slots, block_size, num_kv_heads, head_dim]` like the device
-    caches (pinned on CUDA), and the copies of `KVTransfers`. Copies are raw bytes, so any cache dtype works.
+    """The host tier's memory: one pinned (on CUDA) row of bytes per slot, holding a block's K and V of every
+    layer, and the copies of `KVTransfers`. Copies are raw bytes, so any cache dtype works.
 
-    Saves are asynchronous: the evicted blocks are gathered on the device and copied into pinned staging
-    memory in stream order (after the step that filled them, before the one that reuses them); they are
-    scattered into their slots when the next transfers come, by then long done. A load first finishes any
-    such scatter, so it may read a slot saved in the same step (then it waits for the stream)."""
+    Every copy is a device-side operation in stream order; the host never reads or writes the bytes itself,
+    so nothing waits for the GPU. A save gathers the evicted blocks of every layer into a device staging
+    buffer, then copies each block's row into its slot (device to pinned host, asynchronously). A load
+    copies the slots' rows into a staging buffer and scatters them into the blocks. Stream order puts a
+    block's save before the step that overwrites it, and a slot's save before a later load of it."""
 
     def __init__(self, num_slots: int, device_caches: list[torch.Tensor]) -> None:
         self.num_slots = num_slots
-        self._pin = device_caches[0].is_cuda
-        self.caches = [
-            torch.empty((2, num_slots, *cache.shape[2:]), dtype=cache.dtype, pin_memory=self._pin)
-            for cache in device_caches
-        ]
-        self._staged: tuple[list[torch.Tensor], torch.Tensor, torch.cuda.Event | None] | None = None
+        # per layer: the cache as [2, num_blocks, bytes per block half] and that half's offset in a slot's row
+        self._layers = [(cache.view(torch.uint8).view(2, cache.shape[1], -1)) for cache in device_caches]
+        self._offsets = [0]
+        for layer in self._layers:
+            self._offsets.append(self._offsets[-1] + 2 * layer.shape[2])
+        pin = device_caches[0].is_cuda
+        self.slots = torch.empty((num_slots, self._offsets[-1]), dtype=torch.uint8, pin_memory=pin)
 
     def apply(self, transfers: KVTransfers, device_caches: list[torch.Tensor]) -> None:
         if transfers.saves:
-            self._save(transfers.saves, device_caches)
+            self._save(transfers.saves)
         if transfers.loads:
-            self._finish_saves()
-            self._load(transfers.loads, device_caches)
+            self._load(transfers.loads)
 
-    def _save(self, saves: list[tuple[int, int]], device_caches: list[torch.Tensor]) -> None:
-        self._finish_saves()
-        device = device_caches[0].device
-        blocks = torch.tensor([block for block, _ in saves], device=device)
-        staged = []
-        for cache in device_caches:
-            gathered = _bytes(cache).index_select(1, blocks)  # [2, n, ...] on the device, in stream order
-            stage = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=self._pin)
-            stage.copy_(gathered, non_blocking=True)
-            staged.append(stage)
-        event = None
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._staged = (staged, torch.tensor([slot for _, slot in saves]), event)
+    def _save(self, saves: list[tuple[int, int]]) -> None:
+        for chunk in _chunks(saves):
+            blocks = torch.tensor([block for block, _ in chunk], device=self._layers[0].device)
+            staging = torch.empty((len(chunk), self._offsets[-1]), dtype=torch.uint8, device=blocks.device)
+            for layer, start, stop in zip(self._layers, self._offsets, self._offsets[1:]):
+                staging[:, start:stop].view(len(chunk), 2, -1).copy_(layer.index_select(1, blocks).transpose(0, 1))
+            for first, slot, count in _runs([slot for _, slot in chunk]):
+                self.slots[slot : slot + count].copy_(staging[first : first + count], non_blocking=True)
 
-    def _finish_saves(self) -> None:
-        if self._staged is None:
-            return
-        staged, slots, event = self._staged
-        if event is not None:
-            event.synchronize()
-        for host, stage in zip(self.caches, staged):
-            _bytes(host)[:, slots] = stage
-        self._staged = None
-
-    def _load(self, loads: list[tuple[int, int]], device_caches: list[torch.Tensor]) -> None:
-        device = device_caches[0].device
-        slots = torch.tensor([slot for slot, _ in loads])
-        blocks = torch.tensor([block for _, block in loads], device=device)
-        for host, cache in zip(self.caches, device_caches):
-            _bytes(cache)[:, blocks] = _bytes(host)[:, slots].to(device, non_blocking=True)
+    def _load(self, loads: list[tuple[int, int]]) -> None:
+        for chunk in _chunks(loads):
+            blocks = torch.tensor([block for _, block in chunk], device=self._layers[0].device)
+            staging = torch.empty((len(chunk), self._offsets[-1]), dtype=torch.uint8, device=blocks.device)
+            for first, slot, count in _runs([slot for slot, _ in chunk]):
+                staging[first : first + count].copy_(self.slots[slot : slot + count], non_blocking=True)
+            for layer, start, stop in zip(self._layers, self._offsets, self._offsets[1:]):
+                layer[:, blocks] = staging[:, start:stop].view(len(chunk), 2, -1).transpose(0, 1)
 
 
-def _bytes(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as raw bytes (the last dim widened): indexing and copies then work for fp8 caches too."""
-    return cache.view(torch.uint8)
+_CHUNK_BLOCKS = 64  # blocks per staging buffer: bounds its device memory (an 8B model's block is 2 MiB)
+
+
+def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    return [pairs[i : i + _CHUNK_BLOCKS] for i in range(0, len(pairs), _CHUNK_BLOCKS)]
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index of the first, its slot, count) for each run of consecutive slots: one copy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 def num_host_slots(gigabytes: float, device_caches: list[torch.Tensor]) -> int:

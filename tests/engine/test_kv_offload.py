@@ -143,11 +143,12 @@ def test_an_evicted_prefix_comes_back_from_host_memory_with_the_same_output(
 
 @CUDA
 def test_host_copies_from_and_to_a_cuda_cache() -> None:
-    """Pinned host memory, the saves' staging and event: a save, then loads in a later step and in the same one."""
+    """Pinned host memory and device staging, all in stream order: a save, then loads in a later step and in the
+    same one, with no synchronization between them."""
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn((2, 6, 16, 2, 8), generator=gen).to("cuda", dt) for dt in (torch.float32, torch.bfloat16)]
     host = HostKVCaches(4, caches)
-    assert all(h.is_pinned() for h in host.caches)
+    assert host.slots.is_pinned()
     before = [cache.clone() for cache in caches]
     host.apply(KVTransfers(saves=[(4, 0), (1, 2)]), caches)
     caches[0].add_(1.0)  # the device blocks change after the save was enqueued: the host keeps the old values
