@@ -106,7 +106,9 @@ def _sum_splits_kernel(
 
 
 GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K (0: auto)
-MAX_ROWS = 8  # Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above
+# Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above. An H100 (bench/results/w4a16_gemv_h100/):
+# at M = 1 the GEMV took 0.55-0.70x the GEMM's time; at M = 4 and 8 it was 7-33x slower (the per-row loop).
+MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100: enough loads in flight to stream the weight
 _MIN_K_PER_SPLIT = 256
 

@@ -95,7 +95,9 @@ def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: s
     layer.finish_loading()
     assert layer.packed_fmt == "gptq" and layer.act_order is None and layer.qweight.shape == (k // 8, n)
     assert (layer.input_perm is not None) == act_order
-    torch.testing.assert_close(layer.dequantized().float(), meaning.to(device, dtype).float(), rtol=0, atol=1e-6)
+    # exact in fp32; in fp16 (CUDA) the layer's scales are rounded before (q - z) * s: up to 2^-10 apart (H100)
+    atol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(layer.dequantized().float(), meaning.to(device, dtype).float(), rtol=0, atol=atol)
     x = torch.randn(3, k).to(device, dtype)
     x_stored = x if layer.input_perm is None else x.index_select(1, layer.input_perm)
     packed = (layer.qweight.data, layer.qzeros.data, layer.scales.data)

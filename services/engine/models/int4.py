@@ -11,7 +11,7 @@ with  y = x @ W. They differ in how the nibbles are packed into int32:
                           scales  [K/G, N];  g_idx [K] (act order: any row to any group; else k // G)
 
 `Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies on CUDA with the
-Triton GEMV (kernels/w4a16_gemv.py) up to 8 rows, the fused dequantise-GEMM (kernels/w4a16_gemm.py) above;
+Triton GEMV (kernels/w4a16_gemv.py) for one row (decode at batch 1), the fused dequantise-GEMM above;
 elsewhere it dequantises and uses torch. Once loaded (`finish_loading`), AWQ is repacked to GPTQ's K-major
 layout and act order's rows sorted by group (models/int4_repack.py), so both kernels read one plain layout.
 Fused q/k/v and gate/up load as output-column shards, like the full-precision layers.
