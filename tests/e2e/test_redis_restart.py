@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.shared.redis_server import PrivateRedis, free_port
 from tests.conftest import start_service, stop_all, wait_ready
@@ -45,6 +46,7 @@ class Stack:
     base_url: str
     processes: dict[str, subprocess.Popen[bytes]]
     log_dir: Path
+    tokenizer_metrics_port: int
 
     def num_warnings(self) -> int:
         return sum(len(_WARNING.findall((self.log_dir / f"{name}.log").read_text())) for name in self.processes)
@@ -55,7 +57,13 @@ def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
     redis = PrivateRedis().start()
     log_dir = tmp_path_factory.mktemp("redis-restart-logs")
-    env = {**os.environ, "PAGEDSERVE_REDIS_URL": redis.url, "PAGEDSERVE_LOG_LEVEL": "INFO"}
+    tokenizer_metrics_port = free_port()
+    env = {
+        **os.environ,
+        "PAGEDSERVE_REDIS_URL": redis.url,
+        "PAGEDSERVE_LOG_LEVEL": "INFO",
+        "PAGEDSERVE_TOKENIZER_METRICS_PORT": str(tokenizer_metrics_port),
+    }
     common = ["--model", str(model_dir), "--served-model-name", MODEL]
     engine = ["engine", *common, "--device", "cpu", "--cpu-threads", "1"]
     port = free_port()
@@ -68,7 +76,7 @@ def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     try:
         wait_ready(f"http://127.0.0.1:{port}", processes)
-        yield Stack(redis, f"http://127.0.0.1:{port}", processes, log_dir)
+        yield Stack(redis, f"http://127.0.0.1:{port}", processes, log_dir, tokenizer_metrics_port)
     finally:
         stop_all(processes)
         redis.stop()
@@ -152,3 +160,38 @@ def test_a_redis_restart_loses_no_stream_in_flight(stack: Stack) -> None:
     assert new_warnings <= MAX_WARNINGS, f"{new_warnings} warning/error lines: a log flood"
     wait_nothing_pending(stack.redis.url, MODEL)
     answer_normally(stack.base_url, MODEL)
+
+
+def _cached_tokens(base_url: str, prompt: list[int]) -> int:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    usage = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["usage"]
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def _routed_by_prefix(stack: Stack) -> float:
+    """The tokenizer's pagedserve_router_decisions_total with reason "prefix", over the replicas."""
+    text = httpx.get(f"http://127.0.0.1:{stack.tokenizer_metrics_port}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pagedserve_router_decisions_total" and sample.labels.get("reason") == "prefix"
+    )
+
+
+def test_after_a_redis_restart_the_router_rebuilds_its_index_and_routes_by_prefix_again(stack: Stack) -> None:
+    """Issue 22: Redis restarts empty, so the KV-event stream and the router's view go with it; the engines keep
+    their caches and publish snapshots once Redis is back, and the router sends each prompt to its holder again.
+    Six prefixes computed before the outage, wherever pulled; after it, each one's continuation finds its whole
+    prefix cached, and the router says it chose each replica by prefix."""
+    prefixes = [[3000 + 200 * p + i for i in range(96)] for p in range(6)]  # six 16-token blocks each
+    assert [_cached_tokens(stack.base_url, [*prefix, 7]) for prefix in prefixes] == [0] * 6
+    port = stack.redis.port
+    stack.redis.stop()
+    time.sleep(0.5)
+    stack.redis = PrivateRedis(port=port).start()
+    _first_success_after(stack.base_url, RESUME_LIMIT_S)
+    time.sleep(2.0)  # the engines' snapshots (due at once after an outage) and a heartbeat reach the tokenizer
+    routed_before = _routed_by_prefix(stack)
+    assert [_cached_tokens(stack.base_url, [*prefix, 50, 7]) for prefix in prefixes] == [96] * 6
+    assert _routed_by_prefix(stack) - routed_before == 6

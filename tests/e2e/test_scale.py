@@ -3,12 +3,14 @@ of one model. Every stream completes with 200 and its greedy answer, both gatewa
 engines take work, and nothing stays pending in Redis.
 
 Then cache-aware routing over the same two replicas: prompts sharing a long prefix all go to the replica
-that holds it (each finds it in the cache), and one sent to a replica that hangs is taken over by the
-other and answered as it would have been."""
+that holds it (each finds it in the cache), one sent to a replica that hangs is taken over by the
+other and answered as it would have been, and a multi-turn workload hits the cache as often as on one
+engine with prefix routing, less often with pull routing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -24,6 +26,8 @@ import openai
 import pytest
 import redis
 
+from bench.serve.client import ClientConfig
+from bench.serve_multiturn import Workload, conversations, run, summarize
 from pagedserve.shared import streams
 from pagedserve.shared.protocol import EngineHeartbeat, GenerateRequest, TokenDeltas, decode, decode_as, encode
 from pagedserve.shared.redis_server import free_port
@@ -43,6 +47,9 @@ class ScaledServices:
     base_url: str
     redis_url: str
     processes: dict[str, subprocess.Popen[bytes]]
+    tokenizer_command: list[str]  # to restart the tokenizer with other routing
+    env: dict[str, str]
+    log_dir: Path
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +60,9 @@ def scaled(
     env = {**os.environ, "PAGEDSERVE_REDIS_URL": services.redis_url}
     common = ["--model", str(model_dir), "--served-model-name", MODEL]
     port = free_port()
+    tokenizer_command = ["tokenizer", *common]
     processes = {
-        "scale-tokenizer": start_service("scale-tokenizer", ["tokenizer", *common], env, services.log_dir),
+        "scale-tokenizer": start_service("scale-tokenizer", tokenizer_command, env, services.log_dir),
         **{
             engine_id: start_service(
                 engine_id,
@@ -83,7 +91,9 @@ def scaled(
             services.log_dir,
         ),
     }
-    scaled = ScaledServices(f"http://127.0.0.1:{port}", services.redis_url, processes)
+    scaled = ScaledServices(
+        f"http://127.0.0.1:{port}", services.redis_url, processes, tokenizer_command, env, services.log_dir
+    )
     try:
         deadline = time.monotonic() + 180
         # Each worker refreshes its own registry: ask until many fresh connections in a row (spread over
@@ -296,3 +306,57 @@ def test_work_never_read_from_a_gone_replicas_stream_is_run_once_and_the_stream_
     finally:
         r.delete(stream, streams.response_stream(reply_to))
         r.close()
+
+
+# Each user's own context dominates its prompts (a conversation's history, not a shared system prompt, is
+# what routing must keep): 6 users x 3 turns; with 16-token blocks a later turn finds 128-144 tokens cached
+# on the replica that served the turn before, 0-32 on the other.
+ROUTING_WORKLOAD = Workload(system_prompts=1, system_len=32, context_len=96, users=6, turns=3, user_len=8, output_len=4)
+
+
+def _multi_turn_hit_rate(base_url: str, model: str, seed: int) -> float:
+    workload = dataclasses.replace(ROUTING_WORKLOAD, seed=seed)  # fresh tokens: no run reuses another's cache
+    convs = conversations(list(range(1000, 3000)), workload)
+    config = ClientConfig(base_url, model, extra_body={"return_token_ids": True})
+    asyncio.run(run(config, convs, workload, max_concurrency=workload.users))
+    summary = summarize(convs, 1.0)
+    assert summary["failed"] == 0 and summary["completed"] == workload.users * workload.turns, summary["errors"]
+    return float(summary["prefix_hit_rate"])
+
+
+def _restart_tokenizer(scaled: ScaledServices, extra_args: list[str]) -> None:
+    old = scaled.processes["scale-tokenizer"]
+    old.terminate()
+    old.wait(timeout=30)
+    scaled.processes["scale-tokenizer"] = start_service(
+        "scale-tokenizer", [*scaled.tokenizer_command, *extra_args], scaled.env, scaled.log_dir
+    )
+    deadline = time.monotonic() + 60
+    while True:  # served again once the new tokenizer is live; then it sees both replicas within a second
+        try:
+            _complete(scaled, [11, 12, 13])
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the restarted tokenizer did not serve"
+            time.sleep(0.5)
+    time.sleep(1.5)
+
+
+def test_a_multi_turn_workload_hits_the_cache_as_on_one_engine_with_prefix_routing_and_less_with_pull(
+    scaled: ScaledServices, services: RunningServices
+) -> None:
+    """Issue 22: the same workload through one engine (the session stack, same block size), the two replicas
+    with prefix routing, and the two with pull routing (the tokenizer restarted with --routing pull)."""
+    one = _multi_turn_hit_rate(services.base_url, services.model, seed=101)
+    time.sleep(1.5)
+    prefix = _multi_turn_hit_rate(scaled.base_url, MODEL, seed=102)
+    _restart_tokenizer(scaled, ["--routing", "pull"])
+    try:
+        pull = _multi_turn_hit_rate(scaled.base_url, MODEL, seed=103)
+    finally:
+        _restart_tokenizer(scaled, [])
+    rates = {"one engine": one, "prefix": prefix, "pull": pull}
+    print(f"multi-turn hit rates: {rates}")
+    assert one > 0.5, rates  # each later turn found its history
+    assert prefix >= 0.9 * one, rates
+    assert pull < prefix - 0.05, rates  # half of pull's later turns land where their history is not
