@@ -211,6 +211,13 @@ def stack() -> Iterator[Stack]:
             stack.compose("down", "-v", "-t", "5", timeout=300)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"compose down failed: {exc}")
+        # podman-compose's down stops the containers the file names; a replica added by --scale (engine_2)
+        # outlived it and kept running after the tests
+        project = f"label=io.podman.compose.project={stack.project}"
+        listed = _run(["podman", "ps", "-a", "--filter", project, "--format", "{{.Names}}"], check=False)
+        leftovers = listed.stdout.split()
+        if leftovers:
+            _run(["podman", "rm", "-f", "-t", "5", *leftovers], check=False)
 
 
 def _client(stack: Stack) -> openai.OpenAI:
