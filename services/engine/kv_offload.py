@@ -121,14 +121,15 @@ class HostKVCaches:
     def __init__(self, num_slots: int, device_caches: list[torch.Tensor]) -> None:
         self.num_slots = num_slots
         # per layer: the cache as [2, num_blocks, bytes per block half] and that half's offset in a slot's row
-        self._layers = [(cache.view(torch.uint8).view(2, cache.shape[1], -1)) for cache in device_caches]
+        self._layers = [cache.view(torch.uint8).view(2, cache.shape[1], -1) for cache in device_caches]
         self._offsets = [0]
         for layer in self._layers:
             self._offsets.append(self._offsets[-1] + 2 * layer.shape[2])
         pin = device_caches[0].is_cuda
         self.slots = torch.empty((num_slots, self._offsets[-1]), dtype=torch.uint8, pin_memory=pin)
 
-    def apply(self, transfers: KVTransfers, device_caches: list[torch.Tensor]) -> None:
+    def apply(self, transfers: KVTransfers) -> None:
+        """This step's copies, into and out of the device caches given at construction."""
         if transfers.saves:
             self._save(transfers.saves)
         if transfers.loads:

@@ -204,7 +204,7 @@ class ModelRunner:
         """Enqueue the step's copies, forward pass, sampling and result copy; no host sync."""
         profile = self.profile
         if kv_transfers and self.host_kv is not None:
-            self.host_kv.apply(kv_transfers, self.kv_caches)
+            self.host_kv.apply(kv_transfers)
         assert len(group_tables) == len(self.kv_groups) - 1, "block tables for every group"
         batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows, group_tables)
         num_tokens = batch.num_tokens

@@ -87,12 +87,12 @@ def test_host_copies_move_raw_blocks_and_saves_land_before_loads() -> None:
     )
     assert host.num_slots == 3
     before = [cache.clone() for cache in caches]
-    host.apply(KVTransfers(saves=[(4, 0), (1, 2)]), caches)
-    host.apply(KVTransfers(saves=[(5, 1)], loads=[(2, 0), (0, 3)]), caches)  # loads read slots saved just before
+    host.apply(KVTransfers(saves=[(4, 0), (1, 2)]))
+    host.apply(KVTransfers(saves=[(5, 1)], loads=[(2, 0), (0, 3)]))  # loads read slots saved just before
     for cache, old in zip(caches, before):
         assert torch.equal(cache[:, 0], old[:, 1]) and torch.equal(cache[:, 3], old[:, 4])
         assert torch.equal(cache[:, 5], old[:, 5]) and torch.equal(cache[:, 2], old[:, 2])
-    host.apply(KVTransfers(loads=[(1, 2)]), caches)
+    host.apply(KVTransfers(loads=[(1, 2)]))
     assert all(torch.equal(cache[:, 2], old[:, 5]) for cache, old in zip(caches, before))
 
 
@@ -150,9 +150,9 @@ def test_host_copies_from_and_to_a_cuda_cache() -> None:
     host = HostKVCaches(4, caches)
     assert host.slots.is_pinned()
     before = [cache.clone() for cache in caches]
-    host.apply(KVTransfers(saves=[(4, 0), (1, 2)]), caches)
+    host.apply(KVTransfers(saves=[(4, 0), (1, 2)]))
     caches[0].add_(1.0)  # the device blocks change after the save was enqueued: the host keeps the old values
-    host.apply(KVTransfers(saves=[(5, 1)], loads=[(2, 0), (0, 3), (1, 5)]), caches)
+    host.apply(KVTransfers(saves=[(5, 1)], loads=[(2, 0), (0, 3), (1, 5)]))
     torch.cuda.synchronize()
     for cache, old in zip(caches, before):
         assert torch.equal(cache[:, 0], old[:, 1]) and torch.equal(cache[:, 3], old[:, 4])
