@@ -8,6 +8,8 @@
 #   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1; PARTS=w4a16 W4A16_ARGS='--rows 1,4,8 --gemv-sweep'
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1   # issue 20's shapes (bench/model_shapes.py), one per call
+#   PARTS=quant QUANT_RUNS='llama-3.1-8b:gptq:1,64;llama-3.1-70b:gptq:1,64'  # model:weights:batches, each a
+#     model_shapes run with a kernel profile (issue 21); PARTS=moeq: the fp8 / int4 fused-MoE kernel timings
 # Logs and JSON go under $OUT; a short summary is printed last.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-wave3}
@@ -74,9 +76,29 @@ if has w4a16; then  # the W4A16 GEMV (M <= 8) and GEMM against cuBLAS bf16 and t
     > "$OUT/w4a16.log" 2>&1
   summary+=("w4a16 rc=$?")
 fi
+if has quant; then  # random weights in each format's own layout: bf16 vs fp8 vs 4-bit, per batch size (issue 21)
+  IFS=';' read -ra quant_runs <<< "${QUANT_RUNS:-llama-3.1-8b:none:1,64,256;llama-3.1-8b:gptq:1,64,256;llama-3.1-8b:fp8:1,64,256}"
+  for run in "${quant_runs[@]}"; do
+    IFS=: read -r model weights batches <<< "$run"
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m bench model_shapes --models "$model" --quantization "$weights" \
+      --batches "$batches" --kernel-profile "${KERNEL_PROFILE:-8}" --run-timeout-s "${RUN_TIMEOUT:-400}" \
+      --json "$OUT/quant_${model}_$weights.json" > "$OUT/quant_${model}_$weights.log" 2>&1
+    summary+=("quant $model $weights rc=$?")
+  done
+fi
+if has moeq; then  # fp8 and int4 experts in the fused-MoE kernel vs bf16, Qwen3-30B-A3B layer (issue 21)
+  for fmt in fp8 w4a16; do
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m bench moe_kernel --$fmt --json "$OUT/moe_kernel_$fmt.json" \
+      > "$OUT/moe_$fmt.log" 2>&1
+    summary+=("moe kernel $fmt rc=$?")
+  done
+fi
 
 cat "$OUT/env.txt"
-for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured model_shapes w4a16; do
+for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured model_shapes w4a16 moe_fp8 moe_w4a16; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
+done
+for log in "$OUT"/quant_*.log; do
+  [ -f "$log" ] && { echo "--- $log"; grep '^|' "$log"; }
 done
 printf '%s\n' "${summary[@]}"

@@ -1,11 +1,14 @@
-"""Offline throughput of the issue-20 model shapes, random weights, and the KV cache each run gets.
+"""Offline throughput of the issue-20/21 model shapes, random weights, and the KV cache each run gets.
 
 Shapes (bench/shape_configs.py): qwen3-30b-a3b (one H200), gpt-oss-20b bf16 (one H100), gemma-3-12b (one
-H100), mixtral-8x7b (two GPUs, --tensor-parallel-size 2). Each run writes a config-only model directory, and
-the engine makes random weights at load (load_format random), so no checkpoint is written. Per model:
-  run     the workload (default 256 requests x 512 random prompt tokens x 256 output tokens, greedy,
-          ignore_eos) through Engine.step: output and total tok/s, mean step time, the decode (CUDA graph)
-          step's host / GPU ms, preemptions, the most sequences running at once
+H100), mixtral-8x7b (two GPUs, --tensor-parallel-size 2), llama-3.1-8b and -70b (the quantization shapes).
+Each run writes a config-only model directory, and the engine makes random weights at load (load_format
+random), so no checkpoint is written. `--quantization gptq|awq` writes a 4-bit quantization_config (group
+128) into it and `fp8` asks for online fp8: the random weights are then made in that format's own layout
+(parallel/loading.random_quantized), so a 70B shape in 4 bits loads on one GPU. Per model:
+  run     each --batches size in turn (default: --num-requests) of requests x 512 random prompt tokens x 256
+          output tokens, greedy, ignore_eos, through Engine.step: output and total tok/s, mean step time, the
+          decode (CUDA graph) step's host / GPU ms, preemptions, the most sequences running at once
   kv      what the cache got: pool blocks, layers per block, GiB per GPU, the longest context one sequence
           fits, and how many sequences of the workload's full length fit at once
 and for a model whose layers mix sliding and global attention (Gemma 3, gpt-oss) the same cache sized again
@@ -17,6 +20,7 @@ workload sequences fit; gpt-oss's (128) is shorter.
     python -m bench model_shapes --models qwen3-30b-a3b                         # one H200
     python -m bench model_shapes --models gpt-oss-20b,gemma-3-12b               # one H100
     python -m bench model_shapes --models mixtral-8x7b --tensor-parallel-size 2 # two GPUs
+    python -m bench model_shapes --models llama-3.1-8b --quantization gptq --batches 1,64,256
     python -m bench model_shapes --tiny --device cpu --in-process               # the CPU smoke run
 Prints a markdown table last; writes --json (default bench/results/model_shapes_<device>[_tiny].json).
 """
@@ -43,11 +47,22 @@ from pagedserve.services.engine.kv_cache_groups import blocks_for_context, is_hy
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 
+INT4_GROUP, TINY_INT4_GROUP = 128, 32  # tiny shapes' MoE intermediate (32) must split into groups
 
-def write_model_dir(name: str, tiny: bool, tokenizer_dir: Path | None) -> Path:
+
+def quantization_config(method: str, group_size: int) -> dict[str, Any]:
+    """A 4-bit checkpoint's quantization_config as AutoGPTQ / AutoAWQ write it."""
+    if method == "gptq":
+        return dict(quant_method="gptq", bits=4, group_size=group_size, desc_act=False, sym=True)
+    return dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm")
+
+
+def write_model_dir(name: str, tiny: bool, tokenizer_dir: Path | None, quantization: str = "none") -> Path:
     """config.json (and generation_config.json); SmolLM2's tokenizer padded to the vocabulary if asked for
     (offline runs take token ids and need none; `pagedserve serve` on the directory would)."""
     cfg = tiny_config(SHAPES[name]) if tiny else SHAPES[name]
+    if quantization in ("gptq", "awq"):
+        cfg = {**cfg, "quantization_config": quantization_config(quantization, TINY_INT4_GROUP if tiny else INT4_GROUP)}
     model_dir = Path(tempfile.mkdtemp(prefix=f"pagedserve-shape-{name}-"))
     (model_dir / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
     eos = {key: cfg[key] for key in ("bos_token_id", "eos_token_id") if key in cfg}
@@ -63,6 +78,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, hybrid: bool, warm_
         dtype="bfloat16" if args.device == "cuda" else "float32",
         device=args.device,
         load_format="random",
+        quantization="fp8" if args.quantization == "fp8" else None,  # 4-bit: the config.json says so
         tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -95,26 +111,33 @@ def kv_capacity(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_workload(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
-    prompts = make_prompts(args.num_requests, args.prompt_len, engine.vocab_size, seed=1)
+def run_workload(engine: Engine, args: argparse.Namespace, num_requests: int) -> dict[str, Any]:
+    prompts = make_prompts(num_requests, args.prompt_len, engine.vocab_size, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     engine.profile.reset()
     first = engine.stats()
     start = sync(args.device)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-    num_output, max_running, peak_used = 0, 0, 0
+    num_output, max_running, peak_used, step = 0, 0, 0, 0
+    profiler, kernels = None, None
     while engine.has_unfinished():
+        if step == PROFILE_AFTER_STEPS and args.kernel_profile and args.device == "cuda":
+            profiler = start_kernel_profile()
         num_output += sum(len(out.new_token_ids) for out in engine.step())
+        step += 1
+        if profiler is not None and step == PROFILE_AFTER_STEPS + args.kernel_profile:
+            kernels, profiler = stop_kernel_profile(profiler, args.kernel_profile), None
         stats = engine.stats()
         max_running = max(max_running, stats.num_running)
         peak_used = max(peak_used, stats.num_total_blocks - stats.num_free_blocks)
     seconds = sync(args.device) - start
-    assert num_output == args.num_requests * args.output_len, num_output
+    assert num_output == num_requests * args.output_len, num_output
     steps = stats.num_steps - first.num_steps
     profile = engine.profile.summary()
     graph = profile.get("graph")
     return {
+        "batch": num_requests,
         "output_tokens": num_output,
         "seconds": round(seconds, 3),
         "output_tokens_per_s": round(num_output / seconds, 1),
@@ -127,18 +150,56 @@ def run_workload(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "max_running": max_running,
         "peak_used_blocks": peak_used,
         "profile_per_step": profile,
+        "kernels_per_step": kernels,
+    }
+
+
+PROFILE_AFTER_STEPS = 32  # --kernel-profile starts here: every request of a batch is decoding by then
+
+
+def start_kernel_profile() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    profiler = profile(activities=[ProfilerActivity.CUDA])
+    profiler.start()
+    return profiler
+
+
+def stop_kernel_profile(profiler: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
+    """GPU time per step of the costliest kernels (by name), and of all kernels: where a step's time goes."""
+    from torch.autograd import DeviceType
+
+    torch.cuda.synchronize()
+    profiler.stop()
+    totals: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0.0])
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {
+        "steps": num_steps,
+        "gpu_us": round(sum(t for t, _ in totals.values()) / num_steps, 1),
+        "kernels": round(sum(n for _, n in totals.values()) / num_steps, 1),
+        "top": [
+            {"name": name, "us": round(t / num_steps, 1), "count": round(n / num_steps, 1)}
+            for name, (t, n) in ranked[:top]
+        ],
     }
 
 
 def run_one(name: str, window_freeing: bool, args: argparse.Namespace) -> dict[str, Any]:
     """One engine: its cache, and the workload unless this is the window-freeing-off probe."""
-    model_dir = write_model_dir(name, args.tiny, args.tokenizer_dir)
+    model_dir = write_model_dir(name, args.tiny, args.tokenizer_dir, args.quantization)
     is_probe = not window_freeing and args.hybrid_off == "probe"
     start = sync(args.device)
     engine = Engine(engine_config(model_dir, args, window_freeing, warm_up=not is_probe))
     try:
         row: dict[str, Any] = {
             "model": name,
+            "quantization": args.quantization,
             "tensor_parallel_size": args.tensor_parallel_size,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
             "window_freeing": window_freeing,
@@ -147,7 +208,8 @@ def run_one(name: str, window_freeing: bool, args: argparse.Namespace) -> dict[s
             **kv_capacity(engine, args),
         }
         if not is_probe:
-            row["workload"] = run_workload(engine, args)
+            row["workloads"] = [run_workload(engine, args, batch) for batch in args.batches]
+            row["workload"] = row["workloads"][0]
         if args.device == "cuda":
             row["peak_allocated_gib_rank0"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     finally:
@@ -183,7 +245,9 @@ def run_model(name: str, args: argparse.Namespace, work_dir: Path) -> list[dict[
         print(f"== {name}, window freeing off ({args.hybrid_off})", flush=True)
         rows.append(run(False))
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k != "workload"} | row.get("workload", {})), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("workload", "workloads")}), flush=True)
+        for work in row.get("workloads", []):
+            print(json.dumps({k: v for k, v in work.items() if k != "profile_per_step"}), flush=True)
     return rows
 
 
@@ -193,34 +257,41 @@ def _cell(value: Any) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | TP | window freeing | out tok/s | total tok/s | mean step ms | decode step host / GPU ms "
-        "| preemptions | max running | KV blocks x layers | KV GiB/GPU | one seq max tokens | workload seqs fit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | weights | TP | window freeing | batch | out tok/s | total tok/s | mean step ms "
+        "| decode step host / GPU ms | preemptions | max running | KV blocks x layers | KV GiB/GPU "
+        "| one seq max tokens | workload seqs fit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | - | - | {row['error']} |" + " - |" * 9)
+            lines.append(f"| {row['model']} | - | - | - | - | {row['error']} |" + " - |" * 9)
             continue
-        work = row.get("workload", {})
-        freeing = "off" if not row["window_freeing"] else "on" if row["is_hybrid"] else "-"
-        decode = f"{_cell(work.get('decode_step_host_ms'))} / {_cell(work.get('decode_step_gpu_ms'))}"
-        cells = [
-            row["model"],
-            row["tensor_parallel_size"],
-            freeing,
-            work.get("output_tokens_per_s"),
-            work.get("total_tokens_per_s"),
-            work.get("mean_step_ms"),
-            decode if work else None,
-            work.get("preemptions"),
-            work.get("max_running"),
-            f"{row['kv_blocks']:,} x {row['layers_per_block']}",
-            row["kv_gib_per_gpu"],
-            row["max_seq_tokens"],
-            row["workload_seqs_fit"],
-        ]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        for work in row.get("workloads") or [{}]:
+            lines.append(_table_line(row, work))
     return "\n".join(lines) + "\n"
+
+
+def _table_line(row: dict[str, Any], work: dict[str, Any]) -> str:
+    freeing = "off" if not row["window_freeing"] else "on" if row["is_hybrid"] else "-"
+    decode = f"{_cell(work.get('decode_step_host_ms'))} / {_cell(work.get('decode_step_gpu_ms'))}"
+    cells = [
+        row["model"],
+        row.get("quantization", "none"),
+        row["tensor_parallel_size"],
+        freeing,
+        work.get("batch"),
+        work.get("output_tokens_per_s"),
+        work.get("total_tokens_per_s"),
+        work.get("mean_step_ms"),
+        decode if work else None,
+        work.get("preemptions"),
+        work.get("max_running"),
+        f"{row['kv_blocks']:,} x {row['layers_per_block']}",
+        row["kv_gib_per_gpu"],
+        row["max_seq_tokens"],
+        row["workload_seqs_fit"],
+    ]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,6 +299,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--kernel-profile", type=int, default=0, help="CUDA: profile this many decode steps")
+    parser.add_argument("--batches", help="comma-separated request counts, run in turn (default: --num-requests)")
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "fp8", "gptq", "awq"),
+        default="none",
+        help="weights: bf16, online fp8, or a 4-bit checkpoint's layout (random codes)",
+    )
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -251,6 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv  # a run's own process gets the same arguments
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.num_requests]
+    if max(args.batches) > args.max_num_seqs:
+        parser.error(f"--batches {max(args.batches)} exceeds --max-num-seqs {args.max_num_seqs}")
     unknown = set(args.models.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; known: {', '.join(SHAPES)}")
@@ -272,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python -m bench model_shapes " + " ".join(args.argv),
         "torch": torch.__version__,
-        "workload": {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "tiny")},
+        "workload": {k: getattr(args, k) for k in ("batches", "prompt_len", "output_len", "tiny", "quantization")},
         "runs": [],
     }
     for name in args.models.split(","):

@@ -1,8 +1,8 @@
-"""config.json of the issue-20 model shapes (text models, bf16), and the same shapes scaled down for CPU runs.
+"""config.json of the issue-20/21 model shapes (text models, bf16), and the same shapes scaled down for CPU runs.
 
 The attention fields of Gemma 3 and gpt-oss are bench/kv_capacity.py's (one home); the rest is as published on
 the Hub (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b without its MXFP4 quantization_config, google/gemma-3-12b-it's
-text_config, mistralai/Mixtral-8x7B-v0.1).
+text_config, mistralai/Mixtral-8x7B-v0.1, meta-llama/Llama-3.1-8B and -70B).
 """
 
 from __future__ import annotations
@@ -11,7 +11,29 @@ from typing import Any
 
 from bench.kv_capacity import CONFIGS as ATTENTION_FIELDS
 
+LLAMA_3_1 = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    ),
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
 SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        LLAMA_3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32
+    ),
+    "llama-3.1-70b": dict(
+        LLAMA_3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
+    ),
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",

@@ -32,7 +32,7 @@ def test_tiny_run_reports_throughput_and_window_freeing_capacity(
     model_shapes.main([*argv, "--cpu-kv-cache-mib", "8", "--max-num-batched-tokens", "256", "--json", str(out)])
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1] == f"wrote {out}"
-    assert "| gemma-3-12b | 1 | off | - |" in printed  # the probe: capacity only
+    assert "| gemma-3-12b | none | 1 | off | - | - |" in printed  # the probe: capacity only
 
     moe, gemma_on, gemma_off = json.loads(out.read_text())["runs"]
     for run in (moe, gemma_on):
@@ -55,3 +55,18 @@ def test_tiny_run_reports_throughput_and_window_freeing_capacity(
     assert gemma_on["workload_seqs_fit"] > gemma_off["workload_seqs_fit"]
     assert gemma_on["max_seq_tokens"] > 4 * gemma_off["max_seq_tokens"]
     assert gemma_on["workload"]["peak_used_blocks"] < NUM_REQUESTS * 6 * 7  # window groups gave blocks back
+
+
+def test_tiny_quantized_run_reports_each_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 4-bit shape's random weights in GPTQ's layout, two batch sizes on one engine: a row per batch."""
+    out = tmp_path / "shapes.json"
+    argv = ["--tiny", "--device", "cpu", "--in-process", "--models", "llama-3.1-8b", "--quantization", "gptq"]
+    argv += ["--batches", "1,3", "--prompt-len", "32", "--output-len", "8", "--cpu-kv-cache-mib", "8"]
+    model_shapes.main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "| llama-3.1-8b | gptq | 1 | - | 1 |" in printed and "| llama-3.1-8b | gptq | 1 | - | 3 |" in printed
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["quantization"] == "gptq"
+    assert [w["batch"] for w in run["workloads"]] == [1, 3]
+    assert [w["output_tokens"] for w in run["workloads"]] == [8, 24]
+    assert run["workloads"][1]["max_running"] == 3

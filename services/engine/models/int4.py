@@ -183,7 +183,7 @@ class Int4Linear(nn.Module):
                 return (qweight[rows // 8] >> (4 * (rows % 8)).to(torch.int32)[:, None]) & 0xF
 
             self.qweight.data = k_major(sorted_rows, k, n)
-            self.g_idx.data.copy_(self._plain_groups())
+            self.g_idx.data.copy_(self.plain_groups())
             self.has_act_order = False
             self.input_perm = perm
 
@@ -216,7 +216,7 @@ class Int4Linear(nn.Module):
             if self.g_idx is None:
                 raise ValueError(f"g_idx: an {self.fmt} linear has no act order")
             self.g_idx.data.copy_(loaded)  # q/k/v (gate/up) see the same inputs: one permutation
-            self.has_act_order = not torch.equal(self.g_idx.data.cpu(), self._plain_groups())
+            self.has_act_order = not torch.equal(self.g_idx.data.cpu(), self.plain_groups())
             self._g_idx_loaded = True
             return ["g_idx"]
         if param_name == "bias":
@@ -235,11 +235,11 @@ class Int4Linear(nn.Module):
             )
         target[:, cols].copy_(loaded)
         if self.g_idx is not None and param_name == "qweight" and not self._g_idx_loaded:
-            self.g_idx.data.copy_(self._plain_groups())  # until (unless) the checkpoint's own arrives
+            self.g_idx.data.copy_(self.plain_groups())  # until (unless) the checkpoint's own arrives
             return ["qweight", "g_idx"]
         return [param_name]
 
-    def _plain_groups(self) -> torch.Tensor:
+    def plain_groups(self) -> torch.Tensor:
         return (torch.arange(self.in_features) // self.group_size).to(torch.int32)
 
 

@@ -192,16 +192,16 @@ def load_model(
 ) -> CausalLM:
     """Build the family's module on the meta device, materialize it on `device`, stream weights in.
 
-    `tensors` (checkpoint names, e.g. an HF module's `state_dict().items()`) replace the directory's
-    safetensors files: benchmarks load random weights in memory (tensors already of the right dtype
-    and device are adopted, not copied). `parallel` (world size > 1): build and load only this
-    rank's shard (services/engine/parallel). `random_weights_seed`: deterministic random weights,
-    the same for every tensor-parallel size (benchmarks). `quantization="fp8"` (or an fp8 checkpoint)
-    loads the decoder layers' linears as FP8 (see models/fp8.py). MXFP4 checkpoints (gpt-oss): the experts
-    stay 4-bit on the device if `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA when
-    the dequantised experts would not fit half the device (mxfp4.keeps_experts_packed). fp8 and 4-bit MoE experts
-    stay quantized in the fused-MoE kernel's layouts if `quantized_experts`, are dequantised at load if False;
-    None: quantized on CUDA (quantized_experts.experts_quantization)."""
+    `tensors` (checkpoint names, e.g. an HF module's `state_dict().items()`) replace the directory's safetensors
+    files: benchmarks load random weights in memory (tensors already of the right dtype and device are adopted, not
+    copied). `parallel` (world size > 1): build and load only this rank's shard (services/engine/parallel).
+    `random_weights_seed`: deterministic random weights, the same for every tensor-parallel size (benchmarks), in
+    the quantized layout where there is one. `quantization="fp8"` (or an fp8 checkpoint) loads the decoder layers'
+    linears as FP8 (see models/fp8.py). MXFP4 checkpoints (gpt-oss): the experts stay 4-bit on the device if
+    `mxfp4_packed`, are dequantised at load if False; None: packed on CUDA when the dequantised experts would not
+    fit half the device (mxfp4.keeps_experts_packed). fp8 and 4-bit MoE experts stay quantized in the fused-MoE
+    kernel's layouts if `quantized_experts`, are dequantised at load if False; None: quantized on CUDA
+    (quantized_experts.experts_quantization)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = read_json(model_dir / "config.json")
     cls = model_class(cfg)
@@ -225,17 +225,11 @@ def load_model(
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
         if method in INT4_METHODS:
-            if is_sharded or random_weights_seed is not None:
-                raise ValueError(
-                    f"{method} 4-bit weights load unsharded from the checkpoint (tensor parallel "
-                    f"{is_sharded}, random {random_weights_seed is not None})"
-                )
+            if is_sharded:
+                raise ValueError(f"{method} 4-bit weights load unsharded (tensor parallel is not supported)")
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
-        if is_fp8 and (is_sharded or random_weights_seed is not None):
-            raise ValueError(
-                "fp8 weights load unsharded, from the checkpoint's weights "
-                f"(tensor parallel {is_sharded}, random {random_weights_seed is not None})"
-            )
+        if is_fp8 and is_sharded:
+            raise ValueError("fp8 weights load unsharded (tensor parallel is not supported)")
         if is_fp8:
             log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:

@@ -7,8 +7,9 @@ and Falcon fused qkv), that one tensor is read whole, reordered, and sliced.
 
 Random weights (`load_random`, benchmarks): every full tensor is generated from (seed, its name,
 its shard id) and then sliced, so one GPU and N GPUs hold identical weights. Values are rounded to
-bf16 so an fp32 model of the same seed is an exact reference. uint8 parameters (gpt-oss's MXFP4 experts
-kept packed) get random codes and scales instead (mxfp4.random_flat).
+bf16 so an fp32 model of the same seed is an exact reference. Quantized layouts get values of their own
+format (`random_quantized`), as vLLM's dummy load format gives them: MXFP4 codes and scales, 4-bit codes and
+zero points, fp8 weights, and scales that make every format's weights about N(0, 0.02).
 """
 
 from __future__ import annotations
@@ -128,10 +129,40 @@ def load_random(model: CausalLM, seed: int) -> None:
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     for name, shard_id, shape in _full_pieces(model):
-        if params[name].dtype == torch.uint8:  # MXFP4 codes or scales: random bf16 values would cast to zeros
-            generator = _generator(name, shard_id, seed, device)
-            tensor = mxfp4.random_flat(shape, name.endswith("_scales"), generator)
-        else:
+        generator = _generator(name, shard_id, seed, device)
+        tensor = random_quantized(model, name, params[name].dtype, shape, generator)
+        if tensor is None:
             tensor = random_tensor(name, shard_id, shape, seed, device)
         _load_param(model, params, name, shard_id, _narrow_reader(tensor), shape[0])
         del tensor
+
+
+# A quantized weight's scale: 4-bit codes minus zero points have a std of ~6.5 (two uniform 0..15 draws), and
+# random fp8 values are drawn with std 0.02 / this, so dequantised weights are about N(0, 0.02) in both.
+RANDOM_SCALE = 0.003
+
+
+def random_quantized(
+    model: CausalLM, name: str, dtype: torch.dtype, shape: tuple[int, ...], generator: torch.Generator
+) -> torch.Tensor | None:
+    """A random tensor in a quantized parameter's own format, or None for a plain floating-point weight. Random
+    bf16 values would cast to zeros (integer codes) or to huge weights (a zero point, an N(0, 0.02) scale)."""
+    device, leaf = generator.device, name.rsplit(".", 1)[-1]
+    if dtype == torch.int32:
+        if leaf == "g_idx":  # no act order: each input row's group is k // G
+            module = model.get_submodule(name.rpartition(".")[0])
+            return module.plain_groups().to(device)  # type: ignore[operator]
+        # GPTQ / AWQ packed codes or zero points: eight random 4-bit values a word
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, device=device, dtype=torch.int32)
+    if dtype == torch.uint8:
+        if leaf.endswith("_zeros"):  # int4 experts: one zero point (0..15) a byte
+            return torch.randint(0, 16, shape, generator=generator, device=device, dtype=torch.uint8)
+        # MXFP4 scales (E8M0) need their own range; codes of MXFP4 or int4 experts are any byte
+        return mxfp4.random_flat(shape, leaf.endswith("_scales"), generator)
+    if dtype.is_floating_point and dtype.itemsize == 1:  # fp8 weights
+        return (torch.randn(shape, generator=generator, device=device) * (0.02 / RANDOM_SCALE)).to(dtype)
+    if leaf in ("scales", "weight_scale") or leaf.endswith("_proj_scale"):
+        return torch.full(shape, RANDOM_SCALE, device=device) * (
+            1 + 0.25 * torch.rand(shape, generator=generator, device=device)
+        )
+    return None
