@@ -11,8 +11,12 @@ CUDA cores, with the zero point and scale folded out of the inner loop (one grou
     program (n-tile, k-slice):  for each BLOCK_K tile of its slice:  q [BLOCK_K/8, 8, BLOCK_N] <- shifts of one
                                 [BLOCK_K/8, BLOCK_N] load;  acc[m, :] += per-group folded partial sums
 
-Split-K is deterministic: with SPLIT_K > 1 each slice writes a float32 partial [SPLIT_K, M, N] and a second
-kernel adds them in slice order (the GEMM's atomics cost the same two extra launches: zero fill and cast).
+Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
+[SPLIT_K, M, N], then counts itself in on its column tile's counter; the slice that arrives last adds the
+partials in slice order, stores the output and resets the counter to zero for the next call (a separate sum
+kernel cost ~3 µs a linear, 11% of a batch-1 8B decode step on an H100). The counters are one int32 per
+column tile, shared by every GEMV on the device: calls must not overlap on two streams (the engine runs its
+forward on one), and `reserve_split_counters` allocates them before CUDA graphs are captured.
 Layouts other than plain GPTQ reach this kernel through a load-time repack (services/engine/models/int4.py):
 AWQ's column packing is unpacked and packed along K, act order's rows are sorted by group (x is gathered).
 """
@@ -30,7 +34,9 @@ def _w4a16_gemv_kernel(
     qweight_ptr,  # [K/8, N] int32, nibble i of row r = input 8r + i
     qzeros_ptr,  # [K/G, N/8] int32, nibble j = column 8c + j (stored z - zero_offset)
     scales_ptr,  # [K/G, N]
-    out_ptr,  # [M, N] (SPLIT_K == 1) or [SPLIT_K, M, N] fp32 partials
+    out_ptr,  # [M, N]
+    partial_ptr,  # [SPLIT_K, M, N] fp32 (SPLIT_K > 1)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (SPLIT_K > 1)
     M,
     N,
     K,
@@ -83,26 +89,18 @@ def _w4a16_gemv_kernel(
                 acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K > 1:
-        tl.store(out_ptr + pid_k * stride_osplit + out_offs, acc, mask=mask)
-    else:
+    if SPLIT_K == 1:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(
-    partial_ptr,  # [SPLIT_K, numel] fp32
-    out_ptr,  # [numel]
-    numel,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # fixed order: the same sum every run
-        acc += tl.load(partial_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partial_ptr + pid_k * stride_osplit + out_offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the program counts itself in
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")  # the slices before it (release/acquire)
+        if arrived == SPLIT_K - 1:  # the last slice of this tile: the sum, in slice order (the same every run)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(partial_ptr + s * stride_osplit + out_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, or the next replay of a graph
 
 
 GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K (0: auto)
@@ -118,6 +116,18 @@ def default_gemv_tiles(m: int) -> GemvTiles:
     if m <= 2:
         return 128, 128, 4, 3, 0
     return 64, 128, 4, 3, 0
+
+
+_COUNTERS = 8192  # column tiles: N up to 8192 * BLOCK_N
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def reserve_split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters (zeros), allocated once: call it before capturing CUDA graphs."""
+    counters = _split_counters.get(device)
+    if counters is None:
+        counters = _split_counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def gemv_split_k(num_tiles: int, k: int, block_k: int, target: int = _TARGET_PROGRAMS) -> int:
@@ -151,13 +161,19 @@ def w4a16_gemv(
     num_tiles = triton.cdiv(n, block_n)
     split = split or gemv_split_k(num_tiles, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    partial, counters = out, out  # unread with one slice
+    if split > 1:
+        assert num_tiles <= _COUNTERS, (n, block_n)
+        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = reserve_split_counters(x.device)
     _w4a16_gemv_kernel[(num_tiles, split)](
         x,
         qweight,
         qzeros,
         scales,
-        target,
+        out,
+        partial,
+        counters,
         m,
         n,
         k,
@@ -177,7 +193,4 @@ def w4a16_gemv(
         num_warps=warps,
         num_stages=stages,
     )
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLIT_K=split, BLOCK=block)
     return out

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.kernels.w4a16_gemm import w4a16_matmul
-from pagedserve.kernels.w4a16_gemv import GemvTiles, w4a16_gemv
+from pagedserve.kernels.w4a16_gemv import GemvTiles, reserve_split_counters, w4a16_gemv
 from pagedserve.services.engine.models.int4 import Int4Linear
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, pack_columns, pack_rows
 
@@ -104,3 +104,24 @@ def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: s
     want = x.float() @ meaning.to(device)
     _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 32, 4, 1, 2)), want)
     _check(w4a16_matmul(x_stored, *packed, None, group, "gptq", layer.zero_offset), want)
+
+
+def test_split_k_counters_reset_between_calls(device: torch.device) -> None:
+    """The last K slice of each column tile sums the partials and zeroes the tile's counter, so calls of other
+    shapes and repeats of the same one (as a CUDA graph replays it) give the same deterministic output."""
+    torch.manual_seed(4)
+    dtype = _dtype(device)
+    weight = torch.randn(256, 96) * 0.05
+    tensors, meaning = gptq_tensors(weight, 32)
+    qweight, qzeros, scales = tensors["qweight"].to(device), tensors["qzeros"].to(device), tensors["scales"]
+    scales = scales.to(device, dtype)
+    x = torch.randn(1, 256).to(device, dtype)
+    tiles: GemvTiles = (32, 32, 4, 1, 4)  # 3 column tiles x 4 slices
+    first = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
+    half = (x[:, :128].contiguous(), qweight[:16].contiguous(), qzeros[:4].contiguous(), scales[:4].contiguous())
+    other = w4a16_gemv(*half, 32, zero_offset=1, tiles=(32, 32, 4, 1, 2))  # the first 128 inputs, 2 slices
+    again = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
+    assert torch.equal(first, again)
+    assert not reserve_split_counters(x.device).any()
+    _check(first, x.float() @ meaning.to(device))
+    _check(other, x[:, :128].float() @ meaning[:128].to(device))

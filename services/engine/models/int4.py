@@ -168,6 +168,10 @@ class Int4Linear(nn.Module):
         column packing becomes GPTQ's row packing; act order's rows are sorted by group (x is then gathered)."""
         k, n = self.in_features, self.out_features
         qweight = self.qweight.data
+        if qweight.is_cuda:  # the GEMV's split-K counters exist before any CUDA graph is captured
+            from pagedserve.kernels.w4a16_gemv import reserve_split_counters
+
+            reserve_split_counters(qweight.device)
         if self.packed_fmt == "awq":
             self.qweight.data = k_major(lambda ks: unpack_columns(qweight[ks.to(qweight.device)], "awq"), k, n)
             self.qzeros.data = pack_columns(unpack_columns(self.qzeros.data, "awq"))
