@@ -235,3 +235,12 @@ def choose_moe_config(
     # Prefill-sized: 128 x 128 tiles. H100 sweep, Qwen3-30B-A3B layer at 4096 tokens (256 rows per expert):
     # 1024 µs vs 1244 with the 64 x 64 tiles above (bench/results/moe_kernel_h100/sweep.log).
     return MoeConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def split_k(num_programs: int, k: int, min_slice: int, target: int) -> int:
+    """Slices of K for a split-K GEMM/GEMV grid: doubled while the grid has fewer than `target` programs and
+    each slice keeps at least `min_slice` inputs (a power of two; 1 = no split)."""
+    split = 1
+    while num_programs * split < target and k // (split * 2) >= min_slice:
+        split *= 2
+    return split

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.launch_config import split_k
+
 
 @triton.jit
 def _w4a16_kernel(
@@ -122,14 +124,6 @@ def default_tiles(m: int) -> Tiles:
     return 128, 128, 64, 8, 3, 1
 
 
-def _split_k(num_programs: int, k: int, block_k: int) -> int:
-    """Slices of K so that the grid has about _TARGET_PROGRAMS programs (a power of two, each >= 4 K tiles)."""
-    split = 1
-    while num_programs * split < _TARGET_PROGRAMS and k // (split * 2) >= 4 * block_k:
-        split *= 2
-    return split
-
-
 def w4a16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -152,7 +146,7 @@ def w4a16_matmul(
     block_k = min(block_k, group_size)  # a K tile never straddles two groups (group sizes are powers of two)
     assert group_size % block_k == 0 and block_n % 8 == 0, (group_size, block_k, block_n)
     grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split or _split_k(grid_mn, k, block_k)
+    split = split or split_k(grid_mn, k, 4 * block_k, _TARGET_PROGRAMS)  # slices of >= 4 K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)

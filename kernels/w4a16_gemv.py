@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.launch_config import split_k
+
 
 @triton.jit
 def _w4a16_gemv_kernel(
@@ -130,14 +132,6 @@ def reserve_split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def gemv_split_k(num_tiles: int, k: int, block_k: int, target: int = _TARGET_PROGRAMS) -> int:
-    """Slices of K (a power of two) so the grid has about `target` programs, each slice >= 256 inputs."""
-    split = 1
-    while num_tiles * split < target and k // (split * 2) >= max(block_k, _MIN_K_PER_SPLIT):
-        split *= 2
-    return split
-
-
 def w4a16_gemv(
     x: torch.Tensor,  # [M, K], M <= 8 (any M works; the products grow with it)
     qweight: torch.Tensor,  # [K/8, N] int32
@@ -159,7 +153,7 @@ def w4a16_gemv(
     block_k = min(block_k, group_size)
     assert group_size % block_k == 0 and block_k % 8 == 0, (group_size, block_k)
     num_tiles = triton.cdiv(n, block_n)
-    split = split or gemv_split_k(num_tiles, k, block_k)
+    split = split or split_k(num_tiles, k, max(block_k, _MIN_K_PER_SPLIT), _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     partial, counters = out, out  # unread with one slice
     if split > 1:
