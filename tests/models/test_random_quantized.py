@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bench.model_shapes import write_model_dir
-from kernels import expert_quant
+from pagedserve.kernels import expert_quant
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.fp8 import Fp8Linear
