@@ -41,6 +41,7 @@ import torch
 
 from bench.serve.random_model import add_tokenizer
 from bench.shape_configs import SHAPES, tiny_config
+from bench.step_kernels import kernel_times
 from bench.tensor_parallel import make_prompts, sync
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.kv_cache_groups import blocks_for_context, is_hybrid, max_context, num_cache_tensors
@@ -168,24 +169,17 @@ def start_kernel_profile() -> Any:
 
 def stop_kernel_profile(profiler: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
     """GPU time per step of the costliest kernels (by name), and of all kernels: where a step's time goes."""
-    from torch.autograd import DeviceType
-
     torch.cuda.synchronize()
     profiler.stop()
-    totals: dict[str, list[float]] = {}
-    for event in profiler.events():
-        if event.device_type == DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:90], [0.0, 0.0])
-            entry[0] += event.time_range.elapsed_us()
-            entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    totals = kernel_times(profiler)  # name -> (launches, GPU µs)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
     return {
         "steps": num_steps,
-        "gpu_us": round(sum(t for t, _ in totals.values()) / num_steps, 1),
-        "kernels": round(sum(n for _, n in totals.values()) / num_steps, 1),
+        "gpu_us": round(sum(us for _, us in totals.values()) / num_steps, 1),
+        "kernels": round(sum(n for n, _ in totals.values()) / num_steps, 1),
         "top": [
-            {"name": name, "us": round(t / num_steps, 1), "count": round(n / num_steps, 1)}
-            for name, (t, n) in ranked[:top]
+            {"name": name, "us": round(us / num_steps, 1), "count": round(n / num_steps, 1)}
+            for name, (n, us) in ranked[:top]
         ],
     }
 
