@@ -2,7 +2,8 @@
 
 The attention fields of Gemma 3 and gpt-oss are bench/kv_capacity.py's (one home); the rest is as published on
 the Hub (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b without its MXFP4 quantization_config, google/gemma-3-12b-it's
-text_config, mistralai/Mixtral-8x7B-v0.1, meta-llama/Llama-3.1-8B and -70B).
+text_config, mistralai/Mixtral-8x7B-v0.1); the Llama-3.1 shapes are those of bench/throughput.py (8B) and
+bench/tensor_parallel.py (70B).
 """
 
 from __future__ import annotations
@@ -10,30 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from bench.kv_capacity import CONFIGS as ATTENTION_FIELDS
+from bench.tensor_parallel import SHAPES as TP_SHAPES
+from bench.throughput import SHAPES as THROUGHPUT_SHAPES
 
-LLAMA_3_1 = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=128256,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-    ),
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=128000,
-    eos_token_id=128001,
-)
+# Llama 3.1: bench/throughput.py's 8B shape (the one other benchmarks use) and bench/tensor_parallel.py's 70B sizes.
+LLAMA_3_1_8B = dict(THROUGHPUT_SHAPES["llama-3.1-8b"], architectures=["LlamaForCausalLM"], model_type="llama")
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        LLAMA_3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32
-    ),
-    "llama-3.1-70b": dict(
-        LLAMA_3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
-    ),
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "llama-3.1-70b": dict(LLAMA_3_1_8B, **TP_SHAPES["70b"]),
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
