@@ -203,7 +203,6 @@ def run_one(name: str, window_freeing: bool, args: argparse.Namespace) -> dict[s
         }
         if not is_probe:
             row["workloads"] = [run_workload(engine, args, batch) for batch in args.batches]
-            row["workload"] = row["workloads"][0]
         if args.device == "cuda":
             row["peak_allocated_gib_rank0"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     finally:
@@ -239,7 +238,7 @@ def run_model(name: str, args: argparse.Namespace, work_dir: Path) -> list[dict[
         print(f"== {name}, window freeing off ({args.hybrid_off})", flush=True)
         rows.append(run(False))
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k not in ("workload", "workloads")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "workloads"}), flush=True)
         for work in row.get("workloads", []):
             print(json.dumps({k: v for k, v in work.items() if k != "profile_per_step"}), flush=True)
     return rows

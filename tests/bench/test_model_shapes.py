@@ -36,14 +36,14 @@ def test_tiny_run_reports_throughput_and_window_freeing_capacity(
 
     moe, gemma_on, gemma_off = json.loads(out.read_text())["runs"]
     for run in (moe, gemma_on):
-        work = run["workload"]
+        (work,) = run["workloads"]
         assert work["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN and work["output_tokens_per_s"] > 0
         assert work["max_running"] == NUM_REQUESTS and work["preemptions"] == 0
         assert work["steps"] >= OUTPUT_LEN and work["mean_step_ms"] > 0
     assert not moe["is_hybrid"] and moe["window_freeing"] and moe["kv_groups"] == ["full x2"]
 
     assert gemma_on["is_hybrid"] and gemma_on["kv_groups"] == ["full x1"] + [f"window {TINY_WINDOW} x1"] * 5
-    assert not gemma_off["window_freeing"] and "workload" not in gemma_off and gemma_off["kv_groups"] == ["full x6"]
+    assert not gemma_off["window_freeing"] and "workloads" not in gemma_off and gemma_off["kv_groups"] == ["full x6"]
     # The same 8 MiB either way: blocks of one layer with freeing on, of all six without.
     assert gemma_on["layers_per_block"] == 1 and gemma_off["layers_per_block"] == 6
     assert gemma_on["kv_blocks"] == (8 << 20) // (2 * BLOCK * 2 * 16 * 4)  # k+v, 2 kv heads of 16, fp32
@@ -54,7 +54,7 @@ def test_tiny_run_reports_throughput_and_window_freeing_capacity(
     assert gemma_off["workload_seqs_fit"] == gemma_off["kv_blocks"] // per_seq_off
     assert gemma_on["workload_seqs_fit"] > gemma_off["workload_seqs_fit"]
     assert gemma_on["max_seq_tokens"] > 4 * gemma_off["max_seq_tokens"]
-    assert gemma_on["workload"]["peak_used_blocks"] < NUM_REQUESTS * 6 * 7  # window groups gave blocks back
+    assert gemma_on["workloads"][0]["peak_used_blocks"] < NUM_REQUESTS * 6 * 7  # window groups gave blocks back
 
 
 def test_tiny_quantized_run_reports_each_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
