@@ -221,16 +221,13 @@ def load_model(
             model = cls.from_config(cfg, spec)
             if is_sharded := parallel is not None and parallel.world_size > 1:
                 shard_model(model, parallel)
-        is_fp8 = method == "fp8"
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
+        if is_sharded and (method == "fp8" or method in INT4_METHODS):
+            raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
-            if is_sharded:
-                raise ValueError(f"{method} 4-bit weights load unsharded (tensor parallel is not supported)")
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
-        if is_fp8 and is_sharded:
-            raise ValueError("fp8 weights load unsharded (tensor parallel is not supported)")
-        if is_fp8:
+        if method == "fp8":
             log.info("fp8 weights: %d linears", quantize_linears(model))
     finally:
         torch.set_default_dtype(previous)
