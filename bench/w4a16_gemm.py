@@ -3,11 +3,12 @@
     python3 -m bench w4a16_gemm [--json bench/results/w4a16.json]      # CUDA
     python3 -m bench w4a16_gemm --rows 1,4,8 --gemv-sweep             # the GEMV's tile / split-K sweep only
 
-Per linear (qkv, o, gate_up, down) and rows M: the tl.dot GEMM (kernels/w4a16_gemm.py) on AWQ's checkpoint
-layout and GPTQ's K-major one (what Int4Linear now repacks AWQ to at load), the GEMV (kernels/w4a16_gemv.py,
-K-major, rows <= 16), bf16 `F.linear` (cuBLAS), and the floor = bytes the kernel must read (4-bit weights, fp16
-scales, packed zeros, activations) / the measured copy bandwidth. CUDA-graph timed (`do_bench_cudagraph`),
-each call on the next of enough weight copies to span 256 MiB, so weights come from HBM as in a decode step
+Per linear (qkv, o, gate_up, down) and rows M: the tl.dot GEMM (kernels/w4a16_gemm.py) on GPTQ's K-major
+checkpoint layout and on the tiled layout Int4Linear repacks every 4-bit format to at load (AWQ with --awq),
+the GEMV (kernels/w4a16_gemv.py, tiled, rows <= 16), bf16 `F.linear` (cuBLAS), and the floor = bytes the
+kernel must read (4-bit weights, fp16 scales, packed zeros, activations) / the measured copy bandwidth.
+CUDA-graph timed (`do_bench_cudagraph`), each call on the next of enough weight copies to span 256 MiB, so
+weights come from HBM as in a decode step
 (an H100's L2 holds 50 MB: the o / qkv / down weights would otherwise stay in it between calls);
 --l2-resident times one copy, like the 2026-11-25 run in bench/results/w4a16_h100/.
 """
@@ -25,50 +26,60 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
-from pagedserve.kernels.w4a16_gemm import Tiles, default_tiles, w4a16_matmul
+from pagedserve.kernels.w4a16_gemm import Tiles, default_tiled_tiles, default_tiles, w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import GemvTiles, default_gemv_tiles, w4a16_gemv
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
 SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K; 0 = auto)
+    "decode": [(16, 64, 128, 4, 4, 0), (16, 128, 128, 4, 4, 0), (16, 128, 128, 8, 3, 0)],
+    "mid": [(64, 64, 64, 4, 4, 0), (64, 128, 64, 4, 3, 0), (64, 128, 128, 8, 3, 0)],
+    "prefill": [(128, 128, 32, 8, 3, 1), (128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1)],
+}
+TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K; 0 = auto)
     "decode": [
-        (16, 64, 128, 4, 4, 0),
-        (16, 32, 128, 4, 4, 0),
-        (16, 128, 128, 4, 4, 0),
-        (16, 64, 64, 4, 4, 0),
-        (16, 64, 128, 4, 4, 1),
-        (16, 128, 128, 8, 3, 0),
-        (16, 256, 64, 8, 3, 0),
+        (16, 128, 1, 4, 3, 0),
+        (16, 64, 1, 4, 3, 0),
+        (16, 256, 1, 8, 3, 0),
+        (16, 128, 1, 4, 4, 0),
+        (16, 128, 1, 4, 2, 0),
+        (16, 128, 1, 4, 3, 1),
+        (16, 64, 0, 4, 3, 0),
     ],
     "mid": [
-        (64, 64, 64, 4, 4, 0),
-        (64, 128, 64, 4, 3, 0),
-        (64, 128, 128, 8, 3, 0),
-        (32, 128, 128, 4, 3, 0),
-        (64, 64, 128, 4, 4, 1),
+        (64, 128, 1, 4, 3, 0),
+        (64, 64, 1, 4, 3, 0),
+        (64, 256, 1, 8, 3, 0),
+        (64, 128, 0, 4, 3, 0),
+        (64, 64, 0, 4, 4, 0),
+        (32, 128, 1, 4, 3, 0),
+        (64, 128, 1, 4, 3, 1),
     ],
     "prefill": [
-        (128, 128, 32, 8, 3, 1),
-        (128, 128, 64, 8, 3, 1),
-        (128, 256, 64, 8, 3, 1),
-        (64, 128, 64, 4, 4, 1),
-        (128, 64, 64, 4, 4, 1),
+        (128, 128, 0, 8, 3, 1),
+        (128, 256, 0, 8, 3, 1),
+        (64, 128, 0, 4, 3, 1),
+        (128, 128, 0, 4, 3, 1),
+        (256, 128, 1, 8, 3, 1),
     ],
 }
 
 
 GEMV_MAX_ROWS = 16  # timed up to here (Int4Linear uses it up to kernels/w4a16_gemv.MAX_ROWS)
-GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K; 0 = auto): 10 x 12 timings, ~2 min
-    (64, 128, 4, 3, 0),
-    (128, 128, 4, 3, 0),
-    (256, 128, 8, 3, 0),
-    (128, 64, 4, 3, 0),
-    (32, 128, 2, 3, 0),
-    (128, 128, 8, 3, 0),
-    (128, 128, 4, 1, 0),
-    (128, 128, 4, 3, 1),
-    (128, 128, 4, 3, 4),
-    (128, 128, 4, 3, 16),
+GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, stages, SPLIT_K, MAGIC; split 0 = auto)
+    (512, 4, 1, 0, 0),
+    (512, 4, 1, 16, 0),
+    (256, 2, 1, 0, 0),
+    (256, 2, 2, 0, 0),
+    (256, 2, 3, 0, 0),
+    (256, 2, 4, 0, 0),
+    (256, 2, 3, 0, 1),
+    (512, 4, 3, 0, 0),
+    (256, 4, 3, 0, 0),
+    (128, 1, 3, 0, 0),
+    (256, 2, 3, 4, 0),
+    (256, 2, 3, 8, 0),
+    (256, 2, 3, 16, 0),
 ]
 ROTATE_BYTES = 256 << 20
 Weight = tuple[torch.Tensor, ...]
@@ -108,7 +119,11 @@ def _time_tiles(x: torch.Tensor, fmt: str, weights: list[Weight], candidates: li
     """µs per call of each GEMM tile choice."""
 
     def timed(tiles: Tiles) -> float:
-        return rotated_us(lambda w: w4a16_matmul(x, w[0], w[1], w[2], None, GROUP, fmt, 1, tiles), weights)
+        try:
+            return rotated_us(lambda w: w4a16_matmul(x, w[0], w[1], w[2], None, GROUP, fmt, 1, tiles), weights)
+        except OutOfResources as e:  # a sweep tile too large for this GPU's registers / shared memory
+            print(f"  {fmt} {tiles}: {e}", flush=True)
+            return float("inf")
 
     return {tiles: timed(tiles) for tiles in candidates}
 
@@ -136,15 +151,17 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
     bf16 = copies((torch.randn(n, k, device="cuda", dtype=torch.bfloat16),), rotate)
     result: dict[str, object] = {"bf16_us": rotated_us(lambda w: F.linear(x, w[0]), bf16)}
     del bf16
-    for fmt in () if args.gemv_sweep else ("awq", "gptq"):
-        candidates = SWEEP[_row_class(rows)] if args.sweep else [default_tiles(rows)]
+    for fmt in () if args.gemv_sweep else ("awq", "gptq", "tiled") if args.awq else ("gptq", "tiled"):
+        sweep, default = (TILED_SWEEP, default_tiled_tiles(rows)) if fmt == "tiled" else (SWEEP, default_tiles(rows))
+        candidates = sweep[_row_class(rows)] if args.sweep else [default]
+        # random codes are as good a weight in one layout as in another; AWQ's shape differs
         timed = _time_tiles(x, fmt, copies(packed(k, n, fmt), rotate), candidates)
         best = min(timed, key=lambda t: timed[t])
         result[f"{fmt}_us"], result[f"{fmt}_tiles"] = timed[best], list(best)
-        result[f"{fmt}_default_us"] = timed.get(default_tiles(rows))
+        result[f"{fmt}_default_us"] = timed.get(default)
     if rows <= GEMV_MAX_ROWS:
         gemv_candidates = GEMV_SWEEP if args.gemv_sweep else [default_gemv_tiles(rows)]
-        gemv = _time_gemv(x, copies(packed(k, n, "gptq"), rotate), gemv_candidates)
+        gemv = _time_gemv(x, copies(packed(k, n, "tiled"), rotate), gemv_candidates)
         best_gemv = min(gemv, key=lambda t: gemv[t])
         result["gemv_us"], result["gemv_tiles"] = gemv[best_gemv], list(best_gemv)
         result["gemv_default_us"] = gemv.get(default_gemv_tiles(rows))
@@ -161,25 +178,28 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,64,256")
     parser.add_argument("--sweep", action="store_true", help="time each GEMM tile candidate, report the best")
     parser.add_argument("--gemv-sweep", action="store_true", help="time each GEMV tile / split candidate, no GEMM")
+    parser.add_argument("--awq", action="store_true", help="also time the GEMM on AWQ's checkpoint layout")
     parser.add_argument("--l2-resident", action="store_true", help="time one weight copy (L2 hits between calls)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
+    formats = ("awq", "gptq", "tiled", "gemv")
     print(
-        f"{'M':>5} {'linear':>8} {'bf16':>8} {'awq':>8} {'gptq':>8} {'gemv':>8} {'floor':>8} {'best/floor':>10} "
-        f"{'vs bf16':>8}  best gemv tiles (BLOCK_N, BLOCK_K, warps, stages, split)"
+        f"{'M':>5} {'linear':>8} {'bf16':>8} " + " ".join(f"{f:>8}" for f in formats) + f" {'floor':>8} "
+        f"{'best/floor':>10} {'vs bf16':>8}  best of the served kernels (tiled GEMM, GEMV); their tiles"
     )
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (k, n) in SHAPES.items():
             r = measure(rows, k, n, bandwidth, args)
             results.append({"rows": rows, "linear": name, "k": k, "n": n, **r})
-            ours = {f: float(r[f"{f}_us"]) for f in ("awq", "gptq", "gemv") if f"{f}_us" in r}  # type: ignore[arg-type]
-            best, floor, bf16 = min(ours.values()), float(r["floor_us"]), float(r["bf16_us"])  # type: ignore[arg-type]
-            cells = " ".join(f"{ours[f]:8.1f}" if f in ours else f"{'-':>8}" for f in ("awq", "gptq", "gemv"))
+            ours = {f: float(r[f"{f}_us"]) for f in formats if f"{f}_us" in r}  # type: ignore[arg-type]
+            served = [ours[f] for f in ("tiled", "gemv") if f in ours]
+            best, floor, bf16 = min(served), float(r["floor_us"]), float(r["bf16_us"])  # type: ignore[arg-type]
+            cells = " ".join(f"{ours[f]:8.1f}" if f in ours else f"{'-':>8}" for f in formats)
             print(
                 f"{rows:5d} {name:>8} {bf16:8.1f} {cells} {floor:8.1f} {floor / best:10.0%} {bf16 / best:7.2f}x  "
-                f"{r.get('gemv_tiles', '')}",
+                f"{r.get('tiled_tiles', '')} {r.get('gemv_tiles', '')}",
                 flush=True,
             )
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,81 @@ def _w4a16_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K (0: auto)
+@triton.jit
+def _w4a16_tiled_kernel(
+    x_ptr,
+    qweight_ptr,  # [K/8, N] int32, tiled: packed row 16t + j, nibble i = input 128t + 16i + j
+    qzeros_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    group_size,
+    zero_offset,
+    k_per_split,  # a multiple of 128
+    stride_xm,
+    stride_qw,
+    stride_qz,
+    stride_s,
+    stride_om,
+    SLICE_GROUPS: tl.constexpr,  # groups smaller than a tile: a scale per slice of 16 inputs
+    SWAP: tl.constexpr,  # out^T = W^T x^T: the weight is the MMA's wide side, few rows its narrow one
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The tiled layout's GEMM: per tile of 128 inputs one [16, BLOCK_N] load; slice i of it is rows 16i.. of the
+    tile, dequantised as it is and fed to an MMA of depth 16, with no reshape of the nibbles."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_j = tl.arange(0, 16)
+    zero_shift = (offs_n % 8) * 4
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for kt in range(k_start, tl.minimum(k_start + k_per_split, K), 128):
+        rows = kt // 8 + offs_j
+        if SWAP:  # [BLOCK_N, 16]
+            packed = tl.load(qweight_ptr + rows[None, :] * stride_qw + offs_n[:, None], mask=mask_n[:, None], other=0)
+        else:  # [16, BLOCK_N]
+            packed = tl.load(qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :], mask=mask_n[None, :], other=0)
+        for i in tl.static_range(8):
+            if SLICE_GROUPS or i == 0:  # w = q * s - z * s, per column of the group
+                group = (kt + 16 * i) // group_size
+                scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
+                zero_scaled = -(((zeros >> zero_shift) & 0xF) + zero_offset).to(tl.float32) * scale
+            q = ((packed >> (4 * i)) & 0xF).to(tl.float32)
+            offs_k = kt + 16 * i + offs_j
+            if SWAP:
+                w = (q * scale[:, None] + zero_scaled[:, None]).to(x_ptr.dtype.element_ty)
+                x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=mask_m[None, :], other=0.0)
+                acc += tl.dot(w, x)
+            else:
+                w = (q * scale[None, :] + zero_scaled[None, :]).to(x_ptr.dtype.element_ty)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                acc += tl.dot(x, w)
+    if SWAP:
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = mask_m[None, :] & mask_n[:, None]
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:  # partial sums of K slices meet in a float32 buffer
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K (tiled: SWAP), warps, stages, SPLIT_K (0: auto)
 _TARGET_PROGRAMS = 264  # two per SM of an H100: enough loads in flight to stream the weight
 
 
@@ -124,6 +198,61 @@ def default_tiles(m: int) -> Tiles:
     return 128, 128, 64, 8, 3, 1
 
 
+def default_tiled_tiles(m: int) -> Tiles:
+    """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
+    side (SWAP), with split-K when the columns alone give too few programs."""
+    if m <= 16:
+        return 16, 128, 1, 4, 3, 0
+    if m <= 64:  # the H100 sweep's best for 3 of the 4 8B linears at M = 64 (bench/results/w4a16_tiled_h100/)
+        return 32, 128, 1, 4, 3, 0
+    return 128, 128, 0, 8, 3, 1
+
+
+def _tiled_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    out: torch.Tensor,
+    tiles: Tiles,
+) -> torch.Tensor:
+    (m, k), n = x.shape, out.shape[1]
+    assert k % 128 == 0 and group_size % 16 == 0, (k, group_size)
+    block_m, block_n, swap, warps, stages, split = tiles
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split or split_k(grid_mn, k, 256, _TARGET_PROGRAMS)  # slices of >= 2 tiles
+    k_per_split = triton.cdiv(triton.cdiv(k, split), 128) * 128
+    target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    _w4a16_tiled_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x,
+        qweight,
+        qzeros,
+        scales,
+        target,
+        m,
+        n,
+        k,
+        group_size,
+        zero_offset,
+        k_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        qzeros.stride(0),
+        scales.stride(0),
+        target.stride(0),
+        SLICE_GROUPS=group_size < 128,
+        SWAP=bool(swap),
+        SPLIT_K=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out if split == 1 else out.copy_(target)
+
+
 def w4a16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -131,7 +260,7 @@ def w4a16_matmul(
     scales: torch.Tensor,
     g_idx: torch.Tensor | None,
     group_size: int,
-    fmt: str,
+    fmt: str,  # "awq", "gptq" (checkpoint layouts) or "tiled" (what Int4Linear repacks to)
     zero_offset: int = 0,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
@@ -142,6 +271,9 @@ def w4a16_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if fmt == "tiled":
+        assert g_idx is None, "the tiled layout has its groups in order"
+        return _tiled_matmul(x, qweight, qzeros, scales, group_size, zero_offset, out, tiles or default_tiled_tiles(m))
     block_m, block_n, block_k, warps, stages, split = tiles or default_tiles(m)
     block_k = min(block_k, group_size)  # a K tile never straddles two groups (group sizes are powers of two)
     assert group_size % block_k == 0 and block_n % 8 == 0, (group_size, block_k, block_n)

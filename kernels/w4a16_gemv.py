@@ -1,15 +1,20 @@
-"""W4A16 GEMV for decode (M <= 8 rows): y = x @ dequant(W), W packed K-major (GPTQ's layout), no tl.dot.
+"""W4A16 GEMV for decode (one row): y = x @ dequant(W), W in the tiled 4-bit layout, no tl.dot.
 
-tl.dot's smallest tile has 16 rows, so at M = 1 the GEMM (kernels/w4a16_gemm.py) pays for 16x the products
-and its dequantisation bounds it (bench/results/w4a16_h100/summary.md). Here each program owns BLOCK_N
-output columns and a slice of K; every weight is unpacked once and multiplied by each of the M rows on the
-CUDA cores, with the zero point and scale folded out of the inner loop (one group per K tile):
+tl.dot's smallest tile has 16 rows, so at M = 1 the GEMM (kernels/w4a16_gemm.py) pays for 16x the products.
+Here each program owns BLOCK_N output columns and a slice of K; every weight is unpacked once and multiplied
+by x on the CUDA cores, with the zero point and scale folded out of the inner loop (one group per slice of 16):
 
     sum_{k in g} x[m,k] s[g,n] (q[k,n] - z[g,n])  =  s[g,n] (sum_{k in g} x[m,k] q[k,n] - z[g,n] sum_{k in g} x[m,k])
 
-    qweight [K/8, N] int32: nibble i of row r is input 8r + i, so a row of packed ints is contiguous along N
-    program (n-tile, k-slice):  for each BLOCK_K tile of its slice:  q [BLOCK_K/8, 8, BLOCK_N] <- shifts of one
-                                [BLOCK_K/8, BLOCK_N] load;  acc[m, :] += per-group folded partial sums
+    qweight [K/8, N] int32, tiled (services/engine/models/int4_repack.py): packed row 16t + j, nibble i holds
+    input 128t + 16i + j.  program (n-tile, k-slice), per tile t of 128 inputs:
+        packed = qweight[16t : 16t + 16, n-tile]                       one coalesced [16, BLOCK_N] load
+        for i in 0..7:  acc2 += x[128t + 16i : +16, None] * ((packed >> 4i) & 0xF)     FMAs, no reshape
+        acc += s * (sum(acc2, axis 0) - z * sum(x of the tile))          (per slice when groups are < 128)
+
+With BLOCK_N = 4 x 32 x num_warps a thread holds all 16 rows of its columns: the row sums stay in registers and
+the loop has no shared memory and no barrier (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
+shared-memory round trip in every K step).
 
 Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
 [SPLIT_K, M, N], then counts itself in on its column tile's counter; the slice that arrives last adds the
@@ -17,8 +22,6 @@ partials in slice order, stores the output and resets the counter to zero for th
 kernel cost ~3 µs a linear, 11% of a batch-1 8B decode step on an H100). The counters are one int32 per
 column tile, shared by every GEMV on the device: calls must not overlap on two streams (the engine runs its
 forward on one), and `reserve_split_counters` allocates them before CUDA graphs are captured.
-Layouts other than plain GPTQ reach this kernel through a load-time repack (services/engine/models/int4.py):
-AWQ's column packing is unpacked and packed along K, act order's rows are sorted by group (x is gathered).
 """
 
 from __future__ import annotations
@@ -29,11 +32,31 @@ import triton.language as tl
 
 from pagedserve.kernels.launch_config import split_k
 
+TILE_ROWS = 128  # inputs per tile of the layout (models/int4_repack.TILE_ROWS)
+
+
+@triton.jit
+def _codes(packed, i: tl.constexpr, MAGIC: tl.constexpr):
+    """Nibble i of each int32 as float32; MAGIC: through the bits of 2^23 + q instead of a conversion."""
+    q = (packed >> (4 * i)) & 0xF
+    if MAGIC:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return q.to(tl.float32)
+
+
+@triton.jit
+def _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset):
+    """Scale and zero point (float32, [BLOCK_N]) of one group."""
+    scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
+    zero = (((zeros >> ((offs_n % 8) * 4)) & 0xF) + zero_offset).to(tl.float32)
+    return scale, zero
+
 
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [M, K] fp16 / bf16 / fp32
-    qweight_ptr,  # [K/8, N] int32, nibble i of row r = input 8r + i
+    qweight_ptr,  # [K/8, N] int32, tiled
     qzeros_ptr,  # [K/G, N/8] int32, nibble j = column 8c + j (stored z - zero_offset)
     scales_ptr,  # [K/G, N]
     out_ptr,  # [M, N]
@@ -44,47 +67,60 @@ def _w4a16_gemv_kernel(
     K,
     group_size,
     zero_offset,
-    k_per_split,  # a multiple of BLOCK_K
+    k_per_split,  # a multiple of 128
     stride_xm,
     stride_qw,
     stride_qz,
     stride_s,
     stride_om,
     stride_osplit,
-    BLOCK_M: tl.constexpr,  # next power of two >= M
+    BLOCK_M: tl.constexpr,  # next power of two >= M (each row unpacks the tile again: meant for M = 1)
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides the group size: a tile lies in one group
+    SLICE_GROUPS: tl.constexpr,  # groups smaller than a tile: a scale per slice of 16 inputs
+    MAGIC: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_K // 8)  # packed rows of a tile
-    nibble = tl.arange(0, 8)
-    zero_shift = (offs_n % 8) * 4
+    offs_j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        rows = k0 // 8 + offs_r
-        packed = tl.load(
-            qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
-            mask=(rows < K // 8)[:, None] & mask_n[None, :],
-            other=0,
-        )  # [BLOCK_K/8, BLOCK_N]
-        q = ((packed[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF).to(tl.float32)  # [BLOCK_K/8, 8, BLOCK_N]
-        group = k0 // group_size
-        scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
-        zero = (((zeros >> zero_shift) & 0xF) + zero_offset).to(tl.float32)  # [BLOCK_N]
-        offs_k = k0 + offs_r[:, None] * 8 + nibble[None, :]  # [BLOCK_K/8, 8], input 8r + i as q holds it
-        for m in tl.static_range(BLOCK_M):  # each row reuses the unpacked q
+    # software-pipelined: the next STAGES - 1 weight tiles stream into shared memory while this one is summed
+    for kt in tl.range(k_start, tl.minimum(k_start + k_per_split, K), 128, num_stages=STAGES):
+        rows = kt // 8 + offs_j
+        packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :])
+        for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1)  # rows past M (BLOCK_M is a power of two) repeat the last; never stored
-            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            dot = tl.sum(tl.sum(x[:, :, None] * q, axis=1), axis=0)  # [BLOCK_N]: sum_k x[m, k] q[k, n]
-            x_sum = tl.sum(tl.sum(x, axis=1), axis=0)
-            part = (dot - x_sum * zero) * scale
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((16,), dtype=tl.float32)
+            for i in tl.static_range(8):
+                q = _codes(packed, i, MAGIC)
+                x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + offs_j).to(tl.float32)
+                if SLICE_GROUPS:
+                    scale, zero = _group_params(
+                        qzeros_ptr,
+                        scales_ptr,
+                        (kt + 16 * i) // group_size,
+                        stride_qz,
+                        stride_s,
+                        offs_n,
+                        mask_n,
+                        zero_offset,
+                    )
+                    part += scale * (tl.sum(x[:, None] * q, axis=0) - zero * tl.sum(x, axis=0))
+                else:
+                    acc2 += x[:, None] * q
+                    x_sum += x
+            if not SLICE_GROUPS:
+                scale, zero = _group_params(
+                    qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+                )
+                part = scale * (tl.sum(acc2, axis=0) - zero * tl.sum(x_sum, axis=0))
             if BLOCK_M == 1:
                 acc += part[None, :]
             else:
@@ -105,19 +141,16 @@ def _w4a16_gemv_kernel(
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, or the next replay of a graph
 
 
-GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K (0: auto)
+GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, num_warps, num_stages, SPLIT_K (0: auto), MAGIC (0/1)
 # Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above. An H100 (bench/results/w4a16_gemv_h100/):
 # at M = 1 the GEMV took 0.55-0.70x the GEMM's time; at M = 4 and 8 it was 7-33x slower (the per-row loop).
 MAX_ROWS = 1
-_TARGET_PROGRAMS = 528  # four per SM of an H100: enough loads in flight to stream the weight
-_MIN_K_PER_SPLIT = 256
+_TARGET_PROGRAMS = 528  # four per SM of an H100
 
 
 def default_gemv_tiles(m: int) -> GemvTiles:
-    """A guess until an H100 sweep (bench/w4a16_gemm.py --gemv-sweep) says better: narrower tiles as rows grow."""
-    if m <= 2:
-        return 128, 128, 4, 3, 0
-    return 64, 128, 4, 3, 0
+    """256 columns over 2 warps (a thread holds all 16 rows of 4 columns), three tiles in flight a program."""
+    return 256, 2, 3, 0, 0
 
 
 _COUNTERS = 8192  # column tiles: N up to 8192 * BLOCK_N
@@ -133,28 +166,27 @@ def reserve_split_counters(device: torch.device) -> torch.Tensor:
 
 
 def w4a16_gemv(
-    x: torch.Tensor,  # [M, K], M <= 8 (any M works; the products grow with it)
-    qweight: torch.Tensor,  # [K/8, N] int32
+    x: torch.Tensor,  # [M, K], meant for M = 1 (any M works; each row unpacks the weight again)
+    qweight: torch.Tensor,  # [K/8, N] int32, tiled (models/int4_repack.tile_rows)
     qzeros: torch.Tensor,  # [K/G, N/8] int32
     scales: torch.Tensor,  # [K/G, N]
     group_size: int,
     zero_offset: int = 0,
     tiles: GemvTiles | None = None,
 ) -> torch.Tensor:
-    """x @ the K-major packed weight -> [M, N] in x's dtype (groups of consecutive rows: no act order here)."""
+    """x @ the tiled packed weight -> [M, N] in x's dtype (groups of consecutive rows, G % 16 == 0, K % 128 == 0)."""
     m, k = x.shape
     n = scales.shape[1]
     assert x.stride(1) == 1 and qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
     assert qweight.shape == (k // 8, n) and k % group_size == 0, (qweight.shape, k, n, group_size)
+    assert k % TILE_ROWS == 0 and group_size % 16 == 0, (k, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps, stages, split = tiles or default_gemv_tiles(m)
-    block_k = min(block_k, group_size)
-    assert group_size % block_k == 0 and block_k % 8 == 0, (group_size, block_k)
+    block_n, warps, stages, split, magic = tiles or default_gemv_tiles(m)
     num_tiles = triton.cdiv(n, block_n)
-    split = split or split_k(num_tiles, k, max(block_k, _MIN_K_PER_SPLIT), _TARGET_PROGRAMS)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = split or split_k(num_tiles, k, max(stages, 1) * TILE_ROWS, _TARGET_PROGRAMS)  # a full pipeline
+    k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
     partial, counters = out, out  # unread with one slice
     if split > 1:
         assert num_tiles <= _COUNTERS, (n, block_n)
@@ -182,8 +214,10 @@ def w4a16_gemv(
         m * n,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        SLICE_GROUPS=group_size < TILE_ROWS,
+        MAGIC=bool(magic),
         SPLIT_K=split,
+        STAGES=stages,
         num_warps=warps,
         num_stages=stages,
     )

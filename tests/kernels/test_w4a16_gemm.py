@@ -1,6 +1,7 @@
 """The W4A16 GEMM kernel vs x @ W for the W the AWQ / GPTQ tensors mean (written from the formats'
 specifications in tests/models/int4_checkpoints.py): decode and prefill tile sizes, ragged edges,
-GPTQ act order, fp16/bf16 on CUDA (fp32 in the interpreter)."""
+GPTQ act order, the tiled layout Int4Linear repacks to (both MMA orientations, groups of 32-128),
+fp16/bf16 on CUDA (fp32 in the interpreter)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.kernels.w4a16_gemm import Tiles, w4a16_matmul
+from pagedserve.services.engine.models.int4_repack import tile_rows
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
 
 
-@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
+@pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True), ("tiled", False)])
 @pytest.mark.parametrize(("m", "k", "n", "group"), [(1, 256, 128, 128), (5, 256, 96, 64), (70, 128, 200, 32)])
 def test_w4a16_matches_the_dequantized_weight(
     device: torch.device, fmt: str, act_order: bool, m: int, k: int, n: int, group: int
@@ -24,15 +26,48 @@ def test_w4a16_matches_the_dequantized_weight(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k).to(device, dtype)
     g_idx = tensors.get("g_idx")
+    qweight = tile_rows(tensors["qweight"]) if fmt == "tiled" else tensors["qweight"]
     got = w4a16_matmul(
         x,
-        tensors["qweight"].to(device),
+        qweight.to(device),
         tensors["qzeros"].to(device),
         tensors["scales"].to(device, dtype),
         None if g_idx is None else g_idx.to(device),
         group,
         fmt,
-        zero_offset=1 if fmt == "gptq" else 0,
+        zero_offset=0 if fmt == "awq" else 1,
+    )
+    want = x.float() @ meaning.to(device)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("m", "tiles"),
+    [
+        (3, (16, 32, 1, 4, 2, 2)),  # few rows on the MMA's narrow side, 2 K slices
+        (20, (32, 64, 0, 4, 2, 1)),  # rows as the MMA's tall side
+        (40, (16, 32, 1, 4, 1, 0)),  # 3 row tiles, split chosen
+    ],
+)
+@pytest.mark.parametrize("group", [32, 128])
+def test_tiled_gemm_orientations_and_splits(device: torch.device, m: int, tiles: Tiles, group: int) -> None:
+    torch.manual_seed(2)
+    k, n = 384, 96
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = gptq_tensors(weight, group)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(m, k).to(device, dtype)
+    got = w4a16_matmul(
+        x,
+        tile_rows(tensors["qweight"]).to(device),
+        tensors["qzeros"].to(device),
+        tensors["scales"].to(device, dtype),
+        None,
+        group,
+        "tiled",
+        zero_offset=1,
+        tiles=tiles,
     )
     want = x.float() @ meaning.to(device)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4

@@ -1,6 +1,7 @@
-"""The decode W4A16 GEMV vs x @ W for the W the GPTQ tensors mean (tests/models/int4_checkpoints.py): 1-8 rows,
-ragged N and K, group sizes 32/128, asymmetric and symmetric zeros, split-K, and the layouts that reach it
-through the load-time repack (AWQ, GPTQ act order), where the tl.dot GEMM reads the repacked layout too.
+"""The decode W4A16 GEMV vs x @ W for the W the GPTQ tensors mean (tests/models/int4_checkpoints.py), on the
+tiled layout they are repacked to (models/int4_repack.tile_rows): 1-8 rows, ragged N, group sizes 32/64/128,
+asymmetric and symmetric zeros, split-K, both code conversions, and the layouts that reach it through the
+load-time repack (AWQ, GPTQ act order), where the tl.dot GEMM reads the repacked layout too.
 fp16/bf16 on CUDA, fp32 in the interpreter."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ pytest.importorskip("triton")
 from pagedserve.kernels.w4a16_gemm import w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import GemvTiles, reserve_split_counters, w4a16_gemv
 from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.int4_repack import tile_rows
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, pack_columns, pack_rows
 
 
@@ -41,9 +43,10 @@ def _dtype(device: torch.device) -> torch.dtype:
     ("m", "k", "n", "group", "tiles"),
     [
         (1, 384, 200, 128, None),  # three groups, a ragged last n-tile
-        (3, 256, 72, 32, (32, 32, 4, 1, 4)),  # split over K into 4 slices of two groups
-        (8, 384, 136, 128, (64, 64, 4, 1, 3)),  # 3 slices, two K tiles per group
-        (5, 96, 40, 32, (64, 32, 4, 1, 8)),  # more slices than K tiles: empty slices add zeros
+        (3, 256, 72, 32, (32, 4, 1, 2, 0)),  # 2 slices of 4 groups each
+        (8, 384, 136, 128, (64, 4, 1, 3, 1)),  # 3 slices, the codes through their float bits
+        (5, 128, 40, 32, (64, 2, 1, 4, 0)),  # more slices than tiles: empty slices add zeros
+        (1, 512, 64, 64, (32, 1, 1, 2, 1)),  # groups of two slices of 16
     ],
 )
 def test_gemv_matches_the_dequantized_weight(
@@ -56,7 +59,7 @@ def test_gemv_matches_the_dequantized_weight(
     x = torch.randn(m, k).to(device, dtype)
     got = w4a16_gemv(
         x,
-        tensors["qweight"].to(device),
+        tile_rows(tensors["qweight"]).to(device),
         tensors["qzeros"].to(device),
         tensors["scales"].to(device, dtype),
         group,
@@ -76,7 +79,7 @@ def test_gemv_in_half_precision(device: torch.device) -> None:
     tensors, meaning = gptq_tensors(weight, 128)
     x = torch.randn(4, 512).to(device, torch.float16)
     qweight, qzeros, scales = (tensors[t].to(device) for t in ("qweight", "qzeros", "scales"))
-    got = w4a16_gemv(x, qweight, qzeros, scales, 128, zero_offset=1)
+    got = w4a16_gemv(x, tile_rows(qweight), qzeros, scales, 128, zero_offset=1)
     _check(got, x.float() @ meaning.to(device))
 
 
@@ -93,7 +96,7 @@ def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: s
     for name, tensor in tensors.items():
         layer.load_weight(name, tensor.to(device), None)
     layer.finish_loading()
-    assert layer.packed_fmt == "gptq" and layer.act_order is None and layer.qweight.shape == (k // 8, n)
+    assert layer.packed_fmt == "tiled" and layer.act_order is None and layer.qweight.shape == (k // 8, n)
     assert (layer.input_perm is not None) == act_order
     # exact in fp32; in fp16 (CUDA) the layer's scales are rounded before (q - z) * s: up to 2^-10 apart (H100)
     atol = 1e-6 if dtype == torch.float32 else 2e-3
@@ -102,8 +105,8 @@ def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: s
     x_stored = x if layer.input_perm is None else x.index_select(1, layer.input_perm)
     packed = (layer.qweight.data, layer.qzeros.data, layer.scales.data)
     want = x.float() @ meaning.to(device)
-    _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 32, 4, 1, 2)), want)
-    _check(w4a16_matmul(x_stored, *packed, None, group, "gptq", layer.zero_offset), want)
+    _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 4, 1, 2, 0)), want)
+    _check(w4a16_matmul(x_stored, *packed, None, group, "tiled", layer.zero_offset), want)
 
 
 def test_split_k_counters_reset_between_calls(device: torch.device) -> None:
@@ -113,13 +116,13 @@ def test_split_k_counters_reset_between_calls(device: torch.device) -> None:
     dtype = _dtype(device)
     weight = torch.randn(256, 96) * 0.05
     tensors, meaning = gptq_tensors(weight, 32)
-    qweight, qzeros, scales = tensors["qweight"].to(device), tensors["qzeros"].to(device), tensors["scales"]
+    qweight, qzeros, scales = tile_rows(tensors["qweight"]).to(device), tensors["qzeros"].to(device), tensors["scales"]
     scales = scales.to(device, dtype)
     x = torch.randn(1, 256).to(device, dtype)
-    tiles: GemvTiles = (32, 32, 4, 1, 4)  # 3 column tiles x 4 slices
+    tiles: GemvTiles = (32, 4, 1, 2, 0)  # 3 column tiles x 2 slices
     first = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
     half = (x[:, :128].contiguous(), qweight[:16].contiguous(), qzeros[:4].contiguous(), scales[:4].contiguous())
-    other = w4a16_gemv(*half, 32, zero_offset=1, tiles=(32, 32, 4, 1, 2))  # the first 128 inputs, 2 slices
+    other = w4a16_gemv(*half, 32, zero_offset=1, tiles=(32, 4, 1, 1, 0))  # the first 128 inputs (one tile)
     again = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
     assert torch.equal(first, again)
     assert not reserve_split_counters(x.device).any()

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine.models.int4 import Int4Linear, dequantize, int4_format, quantize_linears_int4
-from pagedserve.services.engine.models.int4_repack import group_sort
-from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+from pagedserve.services.engine.models.int4_repack import group_sort, tile_rows
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, pack_rows
 
 K, N, GROUP = 256, 96, 64
 
@@ -103,9 +103,9 @@ def test_decoder_linears_are_swapped_and_the_head_is_not() -> None:
 
 
 @pytest.mark.parametrize(("fmt", "act_order"), [("awq", False), ("gptq", False), ("gptq", True)])
-def test_finish_loading_repacks_to_k_major_and_keeps_the_weight(fmt: str, act_order: bool) -> None:
-    """AWQ becomes GPTQ's row packing and act order's groups consecutive (x gathered by input_perm): exactly the
-    same W, and the same x @ W from the layer's (CPU) forward."""
+def test_finish_loading_repacks_to_the_tiled_layout_and_keeps_the_weight(fmt: str, act_order: bool) -> None:
+    """AWQ becomes GPTQ's row packing, act order's groups consecutive (x gathered by input_perm), then the rows
+    interleaved in tiles: exactly the same W, and the same x @ W from the layer's (CPU) forward."""
     torch.manual_seed(4)
     weight = torch.randn(K, N) * 0.05
     tensors, meaning = _tensors(fmt, weight, act_order)
@@ -114,7 +114,7 @@ def test_finish_loading_repacks_to_k_major_and_keeps_the_weight(fmt: str, act_or
     for name, tensor in tensors.items():
         layer.load_weight(name, tensor, None)
     layer.finish_loading()
-    assert layer.packed_fmt == "gptq" and layer.qweight.shape == (K // 8, N) and layer.act_order is None
+    assert layer.packed_fmt == "tiled" and layer.qweight.shape == (K // 8, N) and layer.act_order is None
     assert (layer.input_perm is not None) == act_order
     torch.testing.assert_close(layer.dequantized(), meaning, rtol=0, atol=1e-6)
     x = torch.randn(2, K)
@@ -126,3 +126,17 @@ def test_act_order_with_uneven_groups_stays_for_the_gemm() -> None:
     g_idx = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.int32)
     assert group_sort(g_idx, 4) is None
     assert torch.equal(group_sort(torch.tensor([1, 0, 1, 0], dtype=torch.int32), 2), torch.tensor([1, 3, 0, 2]))
+
+
+def test_the_tiled_layout_by_hand() -> None:
+    """Packed row 16t + j, nibble i holds input 128t + 16i + j (models/int4_repack.py), checked on codes that
+    name their own input row; dequantize reads it back in input order."""
+    k, n = 256, 8
+    codes = (torch.arange(k).view(-1, 1) * 7 + torch.arange(n).view(1, -1)) % 16  # a code per (row, column)
+    tiled = tile_rows(pack_rows(codes))
+    for t, j, i in [(0, 0, 0), (0, 3, 1), (1, 15, 7), (1, 2, 5), (0, 15, 7)]:
+        word = tiled[16 * t + j]
+        assert torch.equal((word >> (4 * i)) & 0xF, codes[128 * t + 16 * i + j].to(torch.int32))
+    zeros = torch.zeros(k // 128, n // 8, dtype=torch.int32)
+    scales = torch.ones(k // 128, n)
+    assert torch.equal(dequantize("tiled", tiled, zeros, scales, None, 128), codes.float())

@@ -17,6 +17,7 @@ from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.int4_repack import can_tile
 from pagedserve.services.engine.models.quantized_experts import Fp8Experts, Int4Experts
 from tests.models.paged_driver import PagedDriver
 
@@ -55,7 +56,8 @@ def test_random_int4_linears_dequantise_to_small_weights(method: str) -> None:
     linears = _of(model, Int4Linear)
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of the tiny shape's 2 layers
     for linear in linears:
-        assert isinstance(linear, Int4Linear) and linear.packed_fmt == "gptq"  # AWQ repacked like a checkpoint
+        assert isinstance(linear, Int4Linear)  # AWQ repacked like a checkpoint, tiled where the shape allows
+        assert linear.packed_fmt == ("tiled" if can_tile(linear.in_features, linear.group_size) else "gptq")
         assert linear.act_order is None and linear.input_perm is None  # g_idx is the plain k // G
         _assert_weight_like(linear.dequantized())
     logits = _logits(model)

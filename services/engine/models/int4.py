@@ -13,7 +13,8 @@ with  y = x @ W. They differ in how the nibbles are packed into int32:
 `Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies on CUDA with the
 Triton GEMV (kernels/w4a16_gemv.py) for one row (decode at batch 1), the fused dequantise-GEMM above;
 elsewhere it dequantises and uses torch. Once loaded (`finish_loading`), AWQ is repacked to GPTQ's K-major
-layout and act order's rows sorted by group (models/int4_repack.py), so both kernels read one plain layout.
+layout, act order's rows sorted by group, and the rows interleaved in tiles of 128 (models/int4_repack.py),
+so both kernels read one layout.
 Fused q/k/v and gate/up load as output-column shards, like the full-precision layers.
 """
 
@@ -27,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.expert_quant import pack_int4
-from pagedserve.services.engine.models.int4_repack import group_sort, k_major, pack_columns
+from pagedserve.services.engine.models.int4_repack import (
+    can_tile,
+    group_sort,
+    k_major,
+    pack_columns,
+    tile_rows,
+    tiled_order,
+)
 from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
@@ -54,7 +62,7 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(
-    fmt: str,
+    fmt: str,  # "awq", "gptq" or "tiled" (models/int4_repack.py)
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
@@ -64,7 +72,9 @@ def dequantize(
 ) -> torch.Tensor:
     """The weight W [K, N] as `scales`' dtype (the reference the kernel is checked against)."""
     q = unpack_columns(qweight, "awq") if fmt == "awq" else unpack_rows(qweight)
-    zeros = unpack_columns(qzeros, fmt) + zero_offset
+    if fmt == "tiled":  # stored row m holds input tiled_order[m]
+        q = q[torch.argsort(tiled_order(q.shape[0]).to(q.device))]
+    zeros = unpack_columns(qzeros, "awq" if fmt == "awq" else "gptq") + zero_offset
     groups = g_idx.long() if g_idx is not None else torch.arange(q.shape[0], device=q.device) // group_size
     return ((q - zeros[groups]).to(scales.dtype)) * scales[groups]
 
@@ -126,7 +136,7 @@ class Int4Linear(nn.Module):
         self._g_idx_loaded = False
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
         self.shard_offsets = shard_offsets or {}
-        self.packed_fmt = fmt  # the tensors' layout: "gptq" (K-major) once finish_loading repacked AWQ
+        self.packed_fmt = fmt  # the tensors' layout: "tiled" (or "gptq") once finish_loading repacked them
         # Act order sorted at load: the stored row i is input row input_perm[i] ([K] int64; None: no gather).
         self.input_perm: torch.Tensor | None
         self.register_buffer("input_perm", None, persistent=False)
@@ -164,8 +174,9 @@ class Int4Linear(nn.Module):
         return weight
 
     def finish_loading(self) -> None:
-        """Repack, once every shard is in, into the K-major layout with consecutive groups (exact): AWQ's
-        column packing becomes GPTQ's row packing; act order's rows are sorted by group (x is then gathered)."""
+        """Repack, once every shard is in, into the kernels' layout (exact): AWQ's column packing becomes GPTQ's
+        row packing; act order's rows are sorted by group (x is then gathered); then the rows are interleaved in
+        tiles of 128 (models/int4_repack.py) where whole tiles and groups of >= 16 allow it."""
         k, n = self.in_features, self.out_features
         qweight = self.qweight.data
         if qweight.is_cuda:  # the GEMV's split-K counters exist before any CUDA graph is captured
@@ -190,6 +201,9 @@ class Int4Linear(nn.Module):
             self.g_idx.data.copy_(self.plain_groups())
             self.has_act_order = False
             self.input_perm = perm
+        if self.packed_fmt == "gptq" and self.act_order is None and can_tile(k, self.group_size):
+            self.qweight.data = tile_rows(self.qweight.data)
+            self.packed_fmt = "tiled"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -201,7 +215,7 @@ class Int4Linear(nn.Module):
             if self.input_perm is not None:
                 x2 = x2.index_select(1, self.input_perm)
             g_idx, fmt = self.act_order, self.packed_fmt
-            if x2.shape[0] <= MAX_ROWS and g_idx is None and fmt == "gptq":
+            if x2.shape[0] <= MAX_ROWS and fmt == "tiled":
                 out = w4a16_gemv(x2, self.qweight, self.qzeros, self.scales, self.group_size, self.zero_offset)
             else:
                 out = w4a16_matmul(
