@@ -66,20 +66,13 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
 
 
 GEMV_MAX_ROWS = 16  # timed up to here (Int4Linear uses it up to kernels/w4a16_gemv.MAX_ROWS)
-GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, stages, SPLIT_K, MAGIC; split 0 = auto)
-    (512, 4, 1, 0, 0),
-    (512, 4, 1, 16, 0),
-    (256, 2, 1, 0, 0),
-    (256, 2, 2, 0, 0),
-    (256, 2, 3, 0, 0),
-    (256, 2, 4, 0, 0),
-    (256, 2, 3, 0, 1),
-    (512, 4, 3, 0, 0),
-    (256, 4, 3, 0, 0),
-    (128, 1, 3, 0, 0),
-    (256, 2, 3, 4, 0),
-    (256, 2, 3, 8, 0),
-    (256, 2, 3, 16, 0),
+GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, SPLIT_K; 0 = auto)
+    (512, 4, 0),
+    (512, 4, 16),
+    (256, 2, 0),
+    (256, 4, 0),
+    (1024, 8, 0),
+    (128, 1, 0),
 ]
 ROTATE_BYTES = 256 << 20
 Weight = tuple[torch.Tensor, ...]

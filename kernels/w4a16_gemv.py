@@ -36,15 +36,6 @@ TILE_ROWS = 128  # inputs per tile of the layout (models/int4_repack.TILE_ROWS)
 
 
 @triton.jit
-def _codes(packed, i: tl.constexpr, MAGIC: tl.constexpr):
-    """Nibble i of each int32 as float32; MAGIC: through the bits of 2^23 + q instead of a conversion."""
-    q = (packed >> (4 * i)) & 0xF
-    if MAGIC:
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return q.to(tl.float32)
-
-
-@triton.jit
 def _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset):
     """Scale and zero point (float32, [BLOCK_N]) of one group."""
     scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -77,9 +68,7 @@ def _w4a16_gemv_kernel(
     BLOCK_M: tl.constexpr,  # next power of two >= M (each row unpacks the tile again: meant for M = 1)
     BLOCK_N: tl.constexpr,
     SLICE_GROUPS: tl.constexpr,  # groups smaller than a tile: a scale per slice of 16 inputs
-    MAGIC: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -89,8 +78,7 @@ def _w4a16_gemv_kernel(
     offs_j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    # software-pipelined: the next STAGES - 1 weight tiles stream into shared memory while this one is summed
-    for kt in tl.range(k_start, tl.minimum(k_start + k_per_split, K), 128, num_stages=STAGES):
+    for kt in range(k_start, tl.minimum(k_start + k_per_split, K), 128):
         rows = kt // 8 + offs_j
         packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :])
         for m in tl.static_range(BLOCK_M):
@@ -99,7 +87,7 @@ def _w4a16_gemv_kernel(
             acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((16,), dtype=tl.float32)
             for i in tl.static_range(8):
-                q = _codes(packed, i, MAGIC)
+                q = ((packed >> (4 * i)) & 0xF).to(tl.float32)
                 x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + offs_j).to(tl.float32)
                 if SLICE_GROUPS:
                     scale, zero = _group_params(
@@ -141,7 +129,7 @@ def _w4a16_gemv_kernel(
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call, or the next replay of a graph
 
 
-GemvTiles = tuple[int, int, int, int, int]  # BLOCK_N, num_warps, num_stages, SPLIT_K (0: auto), MAGIC (0/1)
+GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
 # Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above. An H100 (bench/results/w4a16_gemv_h100/):
 # at M = 1 the GEMV took 0.55-0.70x the GEMM's time; at M = 4 and 8 it was 7-33x slower (the per-row loop).
 MAX_ROWS = 1
@@ -149,8 +137,9 @@ _TARGET_PROGRAMS = 528  # four per SM of an H100
 
 
 def default_gemv_tiles(m: int) -> GemvTiles:
-    """256 columns over 2 warps (a thread holds all 16 rows of 4 columns), three tiles in flight a program."""
-    return 256, 2, 3, 0, 0
+    """512 columns over 4 warps: a thread holds all 16 rows of 4 columns (one 16-byte load a row). The best of
+    the H100 and H200 sweeps for the large 8B linears, within 2% on the small ones (w4a16_tiled_h100/)."""
+    return 512, 4, 0
 
 
 _COUNTERS = 8192  # column tiles: N up to 8192 * BLOCK_N
@@ -183,9 +172,9 @@ def w4a16_gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, warps, stages, split, magic = tiles or default_gemv_tiles(m)
+    block_n, warps, split = tiles or default_gemv_tiles(m)
     num_tiles = triton.cdiv(n, block_n)
-    split = split or split_k(num_tiles, k, max(stages, 1) * TILE_ROWS, _TARGET_PROGRAMS)  # a full pipeline
+    split = split or split_k(num_tiles, k, TILE_ROWS, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
     partial, counters = out, out  # unread with one slice
     if split > 1:
@@ -215,10 +204,7 @@ def w4a16_gemv(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         SLICE_GROUPS=group_size < TILE_ROWS,
-        MAGIC=bool(magic),
         SPLIT_K=split,
-        STAGES=stages,
         num_warps=warps,
-        num_stages=stages,
     )
     return out

@@ -1,6 +1,6 @@
 """The decode W4A16 GEMV vs x @ W for the W the GPTQ tensors mean (tests/models/int4_checkpoints.py), on the
 tiled layout they are repacked to (models/int4_repack.tile_rows): 1-8 rows, ragged N, group sizes 32/64/128,
-asymmetric and symmetric zeros, split-K, both code conversions, and the layouts that reach it through the
+asymmetric and symmetric zeros, split-K, and the layouts that reach it through the
 load-time repack (AWQ, GPTQ act order), where the tl.dot GEMM reads the repacked layout too.
 fp16/bf16 on CUDA, fp32 in the interpreter."""
 
@@ -43,10 +43,10 @@ def _dtype(device: torch.device) -> torch.dtype:
     ("m", "k", "n", "group", "tiles"),
     [
         (1, 384, 200, 128, None),  # three groups, a ragged last n-tile
-        (3, 256, 72, 32, (32, 4, 1, 2, 0)),  # 2 slices of 4 groups each
-        (8, 384, 136, 128, (64, 4, 1, 3, 1)),  # 3 slices, the codes through their float bits
-        (5, 128, 40, 32, (64, 2, 1, 4, 0)),  # more slices than tiles: empty slices add zeros
-        (1, 512, 64, 64, (32, 1, 1, 2, 1)),  # groups of two slices of 16
+        (3, 256, 72, 32, (32, 4, 2)),  # 2 slices of 4 groups each
+        (8, 384, 136, 128, (64, 4, 3)),  # 3 slices of one tile
+        (5, 128, 40, 32, (64, 2, 4)),  # more slices than tiles: empty slices add zeros
+        (1, 512, 64, 64, (32, 1, 2)),  # groups of two slices of 16
     ],
 )
 def test_gemv_matches_the_dequantized_weight(
@@ -105,7 +105,7 @@ def test_repacked_layers_feed_the_gemv_and_the_gemm(device: torch.device, fmt: s
     x_stored = x if layer.input_perm is None else x.index_select(1, layer.input_perm)
     packed = (layer.qweight.data, layer.qzeros.data, layer.scales.data)
     want = x.float() @ meaning.to(device)
-    _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 4, 1, 2, 0)), want)
+    _check(w4a16_gemv(x_stored, *packed, group, layer.zero_offset, tiles=(32, 4, 2)), want)
     _check(w4a16_matmul(x_stored, *packed, None, group, "tiled", layer.zero_offset), want)
 
 
@@ -119,10 +119,10 @@ def test_split_k_counters_reset_between_calls(device: torch.device) -> None:
     qweight, qzeros, scales = tile_rows(tensors["qweight"]).to(device), tensors["qzeros"].to(device), tensors["scales"]
     scales = scales.to(device, dtype)
     x = torch.randn(1, 256).to(device, dtype)
-    tiles: GemvTiles = (32, 4, 1, 2, 0)  # 3 column tiles x 2 slices
+    tiles: GemvTiles = (32, 4, 2)  # 3 column tiles x 2 slices
     first = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
     half = (x[:, :128].contiguous(), qweight[:16].contiguous(), qzeros[:4].contiguous(), scales[:4].contiguous())
-    other = w4a16_gemv(*half, 32, zero_offset=1, tiles=(32, 4, 1, 1, 0))  # the first 128 inputs (one tile)
+    other = w4a16_gemv(*half, 32, zero_offset=1, tiles=(32, 4, 1))  # the first 128 inputs (one tile)
     again = w4a16_gemv(x, qweight, qzeros, scales, 32, zero_offset=1, tiles=tiles)
     assert torch.equal(first, again)
     assert not reserve_split_counters(x.device).any()
