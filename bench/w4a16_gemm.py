@@ -145,7 +145,7 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
     result: dict[str, object] = {"bf16_us": rotated_us(lambda w: F.linear(x, w[0]), bf16)}
     del bf16
     for fmt in () if args.gemv_sweep else ("awq", "gptq", "tiled") if args.awq else ("gptq", "tiled"):
-        sweep, default = (TILED_SWEEP, default_tiled_tiles(rows)) if fmt == "tiled" else (SWEEP, default_tiles(rows))
+        sweep, default = (TILED_SWEEP, default_tiled_tiles(rows, n)) if fmt == "tiled" else (SWEEP, default_tiles(rows))
         candidates = sweep[_row_class(rows)] if args.sweep else [default]
         # random codes are as good a weight in one layout as in another; AWQ's shape differs
         timed = _time_tiles(x, fmt, copies(packed(k, n, fmt), rotate), candidates)

@@ -187,6 +187,7 @@ def _w4a16_tiled_kernel(
 
 Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K (tiled: SWAP), warps, stages, SPLIT_K (0: auto)
 _TARGET_PROGRAMS = 264  # two per SM of an H100: enough loads in flight to stream the weight
+_FULL_GRID = 132  # one program per SM of an H100
 
 
 def default_tiles(m: int) -> Tiles:
@@ -198,14 +199,15 @@ def default_tiles(m: int) -> Tiles:
     return 128, 128, 64, 8, 3, 1
 
 
-def default_tiled_tiles(m: int) -> Tiles:
+def default_tiled_tiles(m: int, n: int) -> Tiles:
     """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
-    side (SWAP), with split-K when the columns alone give too few programs."""
-    if m <= 16:
-        return 16, 128, 1, 4, 3, 0
-    if m <= 64:  # the H100 sweep's best for 3 of the 4 8B linears at M = 64 (bench/results/w4a16_tiled_h100/)
-        return 32, 128, 1, 4, 3, 0
-    return 128, 128, 0, 8, 3, 1
+    side (SWAP); when the row and column tiles alone fill the GPU (e.g. the 8B gate_up's 224 column tiles) no
+    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/)."""
+    if m > 64:
+        return 128, 128, 0, 8, 3, 1
+    block_m = 16 if m <= 16 else 64 if triton.cdiv(n, 128) >= _FULL_GRID else 32
+    split = 1 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= _FULL_GRID else 0
+    return block_m, 128, 1, 4, 3, split
 
 
 def _tiled_matmul(
@@ -273,7 +275,8 @@ def w4a16_matmul(
         return out
     if fmt == "tiled":
         assert g_idx is None, "the tiled layout has its groups in order"
-        return _tiled_matmul(x, qweight, qzeros, scales, group_size, zero_offset, out, tiles or default_tiled_tiles(m))
+        tiles = tiles or default_tiled_tiles(m, n)
+        return _tiled_matmul(x, qweight, qzeros, scales, group_size, zero_offset, out, tiles)
     block_m, block_n, block_k, warps, stages, split = tiles or default_tiles(m)
     block_k = min(block_k, group_size)  # a K tile never straddles two groups (group sizes are powers of two)
     assert group_size % block_k == 0 and block_n % 8 == 0, (group_size, block_k, block_n)
