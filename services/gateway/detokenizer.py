@@ -2,7 +2,9 @@
 
 `tokenizers`' DecodeStream holds back bytes until they form whole characters. Stop strings are
 matched on the text; the last `longest_stop - 1` characters are held back while streaming so a
-stop string split across tokens is never half-sent.
+stop string split across tokens is never half-sent. The last token flushes both: bytes that never
+formed a character end the text as U+FFFD, as decoding the whole output would give (a choice made
+only of such bytes, e.g. a random model repeating a lone UTF-8 lead byte, is not left empty).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class ChoiceText:
             piece = self._stream.step(backend, token_id)
             if piece:
                 self.text += piece
+        if is_last and not self.is_stopped:
+            self.text += self._held_bytes_text(backend)
         if self.stop_strings and not self.is_stopped:
             found = self._find_stop()
             if found is not None:
@@ -70,6 +74,19 @@ class ChoiceText:
         delta = self.text[self.num_sent : end]
         self.num_sent = end
         return TextDelta(delta, "stop" if self.is_stopped else None)
+
+    def _held_bytes_text(self, backend: Any) -> str:
+        """What the stream still holds (bytes of no whole character), decoded with replacement characters."""
+        context = self.prompt_token_ids[-_CONTEXT_TOKENS:]
+        skip = self.skip_special_tokens
+        whole = backend.decode(context + self.token_ids, skip_special_tokens=skip)
+        prefix = backend.decode(context, skip_special_tokens=skip)
+        output = (
+            whole[len(prefix) :]
+            if whole.startswith(prefix)
+            else backend.decode(self.token_ids, skip_special_tokens=skip)
+        )
+        return output[len(self.text) :] if output.startswith(self.text) else ""
 
     def _find_stop(self) -> tuple[int, str] | None:
         """(where the first stop string begins, which one), or None."""

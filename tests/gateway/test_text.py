@@ -62,3 +62,14 @@ def test_without_a_match_everything_held_back_is_flushed_at_the_end(tokenizer: A
     deltas = feed(choice, ids)
     assert "".join(deltas) == TEXT and not choice.is_stopped
     assert deltas[0] == "", "the start could still begin the stop string, so it is held back"
+
+
+def test_bytes_that_never_form_a_character_end_the_text_as_replacement_characters(tokenizer: Any) -> None:
+    """A lone UTF-8 lead byte repeated (what a random-weight model may generate) is held back while streaming
+    and flushed at the last token as decoding the whole output gives it: the choice is never left empty."""
+    lead_byte = tokenizer.convert_tokens_to_ids("â")  # byte-level BPE's token for the byte 0xE2 alone
+    ids = tokenizer.encode("ok") + [lead_byte] * 3
+    choice = ChoiceText(tokenizer, tokenizer.encode("Say:"), [])
+    deltas = feed(choice, ids)
+    assert deltas[-1] and "\ufffd" in deltas[-1]
+    assert "".join(deltas) == tokenizer.decode(ids) == "ok" + tokenizer.decode([lead_byte] * 3)
