@@ -185,9 +185,76 @@ def _w4a16_tiled_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_tiled_kernel(
+    qweight_ptr,  # [K/8, N] int32, tiled
+    qzeros_ptr,
+    scales_ptr,
+    out_ptr,  # [K, N]
+    N,
+    group_size,
+    zero_offset,
+    stride_qw,
+    stride_qz,
+    stride_s,
+    stride_o,
+    BLOCK_N: tl.constexpr,
+):
+    """One tile of 128 inputs x BLOCK_N columns: its [16, BLOCK_N] packed rows to 128 rows of weights."""
+    tile = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_j = tl.arange(0, 16)
+    packed = tl.load(qweight_ptr + (tile * 16 + offs_j)[:, None] * stride_qw + offs_n[None, :], mask=mask_n[None, :])
+    for i in tl.static_range(8):
+        rows = tile * 128 + 16 * i + offs_j
+        group = (tile * 128 + 16 * i) // group_size
+        scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
+        zero = (((zeros >> ((offs_n % 8) * 4)) & 0xF) + zero_offset).to(tl.float32)
+        w = (((packed >> (4 * i)) & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]
+        out = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[None, :])
+
+
+def dequantize_tiled(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The tiled layout's weight W [K, N] in `dtype` (for prefill-sized GEMMs: cuBLAS on it beats dequantising
+    in every M tile once M is in the hundreds)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    block_n = 128
+    _dequantize_tiled_kernel[(k // 128, triton.cdiv(n, block_n))](
+        qweight,
+        qzeros,
+        scales,
+        out,
+        n,
+        group_size,
+        zero_offset,
+        qweight.stride(0),
+        qzeros.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
 Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K (tiled: SWAP), warps, stages, SPLIT_K (0: auto)
 _TARGET_PROGRAMS = 264  # two per SM of an H100: enough loads in flight to stream the weight
 _FULL_GRID = 132  # one program per SM of an H100
+# Above this many rows the tiled layout is dequantised once to x's dtype and cuBLAS multiplies: at 256 rows on
+# an H100 the fused GEMM and dequantise + cuBLAS cost about the same on the 8B linears, and the fused one
+# dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
+DEQUANTIZE_ABOVE_ROWS = 256
 
 
 def default_tiles(m: int) -> Tiles:
@@ -275,6 +342,9 @@ def w4a16_matmul(
         return out
     if fmt == "tiled":
         assert g_idx is None, "the tiled layout has its groups in order"
+        if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
+            weight = dequantize_tiled(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
+            return torch.matmul(x, weight, out=out)
         tiles = tiles or default_tiled_tiles(m, n)
         return _tiled_matmul(x, qweight, qzeros, scales, group_size, zero_offset, out, tiles)
     block_m, block_n, block_k, warps, stages, split = tiles or default_tiles(m)

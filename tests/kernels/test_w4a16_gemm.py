@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedserve.kernels.w4a16_gemm import Tiles, w4a16_matmul
+from pagedserve.kernels.w4a16_gemm import DEQUANTIZE_ABOVE_ROWS, Tiles, dequantize_tiled, w4a16_matmul
+from pagedserve.services.engine.models.int4 import dequantize
 from pagedserve.services.engine.models.int4_repack import tile_rows
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
 
@@ -94,6 +95,26 @@ def test_w4a16_split_over_k_adds_up(device: torch.device, fmt: str, tiles: Tiles
         zero_offset=1 if fmt == "gptq" else 0,
         tiles=tiles,
     )
+    want = x.float() @ meaning.to(device)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_prefill_rows_dequantise_the_tiled_weight_once(device: torch.device, group: int) -> None:
+    """Above DEQUANTIZE_ABOVE_ROWS rows the tiled weight is dequantised (kernel = the torch reference, exactly
+    in fp32) and multiplied by cuBLAS / torch."""
+    torch.manual_seed(3)
+    k, n, m = 256, 80, DEQUANTIZE_ABOVE_ROWS + 9
+    tensors, meaning = gptq_tensors(torch.randn(k, n) * 0.05, group)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    qweight, qzeros = tile_rows(tensors["qweight"]).to(device), tensors["qzeros"].to(device)
+    scales = tensors["scales"].to(device, dtype)
+    weight = dequantize_tiled(qweight, qzeros, scales, group, 1, dtype)
+    want_weight = dequantize("tiled", qweight, qzeros, scales.float(), None, group, 1)
+    torch.testing.assert_close(weight.float(), want_weight, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+    x = torch.randn(m, k).to(device, dtype)
+    got = w4a16_matmul(x, qweight, qzeros, scales, None, group, "tiled", zero_offset=1)
     want = x.float() @ meaning.to(device)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
