@@ -41,7 +41,10 @@ def measure(engine: Engine, prompt_len: int, requests: int, profiler: cProfile.P
             profiler.disable()
         launched = time.perf_counter()
         # the call's host phases (read directly: with async scheduling no step has finished yet to count)
-        call_phases = {p: 1e3 * sec for kind in engine.profile.host_s.values() for p, sec in kind.items()}
+        call_phases: dict[str, float] = {}
+        for kind in engine.profile.host_s.values():
+            for phase, sec in kind.items():
+                call_phases[phase] = call_phases.get(phase, 0.0) + 1e3 * sec
         while engine.has_unfinished():
             engine.step()
         if i >= 5:

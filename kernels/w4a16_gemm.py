@@ -8,7 +8,9 @@
 The weight is read once per M-tile at 4 bits (plus a scale and zero per group): at decode sizes (M <=
 64) the GEMM is bound by those bytes, a quarter of bf16's. Layouts (see services/engine/models/int4.py):
 AWQ packs eight output columns per int32 in the order 0 2 4 6 1 3 5 7, GPTQ eight input rows
-sequentially, with zeros stored minus one (v1) and an optional act-order g_idx.
+sequentially, with zeros stored minus one (v1) and an optional act-order g_idx; "tiled" is what Int4Linear
+repacks them to (models/int4_repack.py), read by `_w4a16_tiled_kernel` a [16, N] slice per nibble, and above
+DEQUANTIZE_ABOVE_ROWS rows dequantised whole once (`dequantize_tiled`) for cuBLAS.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def _w4a16_tiled_kernel(
     stride_qz,
     stride_s,
     stride_om,
-    SLICE_GROUPS: tl.constexpr,  # groups smaller than a tile: a scale per slice of 16 inputs
+    SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     SWAP: tl.constexpr,  # out^T = W^T x^T: the weight is the MMA's wide side, few rows its narrow one
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -311,7 +313,7 @@ def _tiled_matmul(
         qzeros.stride(0),
         scales.stride(0),
         target.stride(0),
-        SLICE_GROUPS=group_size < 128,
+        SLICE_GROUPS=group_size % 128 != 0,
         SWAP=bool(swap),
         SPLIT_K=split,
         BLOCK_M=block_m,

@@ -67,7 +67,7 @@ def _w4a16_gemv_kernel(
     stride_osplit,
     BLOCK_M: tl.constexpr,  # next power of two >= M (each row unpacks the tile again: meant for M = 1)
     BLOCK_N: tl.constexpr,
-    SLICE_GROUPS: tl.constexpr,  # groups smaller than a tile: a scale per slice of 16 inputs
+    SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -130,8 +130,9 @@ def _w4a16_gemv_kernel(
 
 
 GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
-# Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above. An H100 (bench/results/w4a16_gemv_h100/):
-# at M = 1 the GEMV took 0.55-0.70x the GEMM's time; at M = 4 and 8 it was 7-33x slower (the per-row loop).
+# Int4Linear uses the GEMV up to this many rows, the tl.dot GEMM above. On an H100 at M = 1 the GEMV takes
+# 0.63-0.80x the tiled GEMM's time (bench/results/w4a16_tiled_h100/); each further row unpacks the weight again
+# (the old layout's GEMV was 7-33x slower than its GEMM at M = 4 and 8: bench/results/w4a16_gemv_h100/).
 MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100
 
@@ -203,7 +204,7 @@ def w4a16_gemv(
         m * n,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
-        SLICE_GROUPS=group_size < TILE_ROWS,
+        SLICE_GROUPS=group_size % TILE_ROWS != 0,
         SPLIT_K=split,
         num_warps=warps,
     )

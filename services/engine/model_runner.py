@@ -33,6 +33,7 @@ from pagedserve.services.engine.kv_cache_groups import KVCacheGroup, layer_group
 from pagedserve.services.engine.kv_offload import HostKVCaches, KVTransfers, num_host_slots
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.int4 import largest_dequantized_bytes
 from pagedserve.services.engine.outputs import TokenLogprob
 from pagedserve.services.engine.parallel.step_broadcast import StepSender
 from pagedserve.services.engine.request import Request
@@ -402,8 +403,10 @@ def _cuda_kv_budget_bytes(model: CausalLM, config: Config, max_model_len: int) -
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, other processes
-    # The mixed graphs' shared pool holds about the largest one's activations, beside the eager steps' own.
+    # The mixed graphs' shared pool holds about the largest one's activations, beside the eager steps' own, and
+    # a whole dequantised 4-bit weight (not proportional to tokens) when a graph's step dequantises one.
     graph_pool = activation_peak * min(config.runner.num_graph_tokens, num_tokens) // num_tokens
+    graph_pool += largest_dequantized_bytes(model)
     budget = int(total * config.cache.gpu_memory_utilization) - used - activation_peak - graph_pool
     log.info(
         "KV cache budget %.2f GiB (used %.2f, activation peak %.2f, mixed-step graphs %.2f)",

@@ -47,6 +47,7 @@ class ChoiceText:
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
     skip_special_tokens: bool = True
     _stream: Any = None
+    _num_held: int = 0  # trailing tokens the stream has not turned into text yet (bytes of no whole character)
 
     def __post_init__(self) -> None:
         self._stream = DecodeStream(
@@ -61,8 +62,12 @@ class ChoiceText:
             piece = self._stream.step(backend, token_id)
             if piece:
                 self.text += piece
-        if is_last and not self.is_stopped:
+                self._num_held = 0
+            else:
+                self._num_held += 1
+        if is_last and self._num_held and not self.is_stopped:
             self.text += self._held_bytes_text(backend)
+            self._num_held = 0
         if self.stop_strings and not self.is_stopped:
             found = self._find_stop()
             if found is not None:
@@ -76,17 +81,13 @@ class ChoiceText:
         return TextDelta(delta, "stop" if self.is_stopped else None)
 
     def _held_bytes_text(self, backend: Any) -> str:
-        """What the stream still holds (bytes of no whole character), decoded with replacement characters."""
-        context = self.prompt_token_ids[-_CONTEXT_TOKENS:]
+        """The held tokens' text, bytes of no whole character as U+FFFD: decoded after a few tokens before them
+        (as the stream decodes, so a leading space comes out right), only those: O(held), not O(output)."""
+        ids = (self.prompt_token_ids[-_CONTEXT_TOKENS:] + self.token_ids)[-(self._num_held + _CONTEXT_TOKENS) :]
+        before = ids[: -self._num_held]
         skip = self.skip_special_tokens
-        whole = backend.decode(context + self.token_ids, skip_special_tokens=skip)
-        prefix = backend.decode(context, skip_special_tokens=skip)
-        output = (
-            whole[len(prefix) :]
-            if whole.startswith(prefix)
-            else backend.decode(self.token_ids, skip_special_tokens=skip)
-        )
-        return output[len(self.text) :] if output.startswith(self.text) else ""
+        whole, prefix = backend.decode(ids, skip_special_tokens=skip), backend.decode(before, skip_special_tokens=skip)
+        return whole[len(prefix) :] if whole.startswith(prefix) else ""
 
     def _find_stop(self) -> tuple[int, str] | None:
         """(where the first stop string begins, which one), or None."""

@@ -51,7 +51,7 @@ def test_w4a16_matches_the_dequantized_weight(
         (40, (16, 32, 1, 4, 1, 0)),  # 3 row tiles, split chosen
     ],
 )
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [32, 128, 192])  # 192: a group ends inside a tile of 128
 def test_tiled_gemm_orientations_and_splits(device: torch.device, m: int, tiles: Tiles, group: int) -> None:
     torch.manual_seed(2)
     k, n = 384, 96

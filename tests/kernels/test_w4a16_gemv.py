@@ -47,6 +47,7 @@ def _dtype(device: torch.device) -> torch.dtype:
         (8, 384, 136, 128, (64, 4, 3)),  # 3 slices of one tile
         (5, 128, 40, 32, (64, 2, 4)),  # more slices than tiles: empty slices add zeros
         (1, 512, 64, 64, (32, 1, 2)),  # groups of two slices of 16
+        (1, 384, 72, 192, (64, 2, 3)),  # a group ends inside a tile
     ],
 )
 def test_gemv_matches_the_dequantized_weight(

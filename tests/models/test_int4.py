@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from pagedserve.services.engine.models.int4 import Int4Linear, dequantize, int4_format, quantize_linears_int4
+from pagedserve.services.engine.models.int4 import (
+    Int4Linear,
+    dequantize,
+    int4_format,
+    largest_dequantized_bytes,
+    quantize_linears_int4,
+)
 from pagedserve.services.engine.models.int4_repack import group_sort, tile_rows
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, pack_rows
 
@@ -140,3 +146,19 @@ def test_the_tiled_layout_by_hand() -> None:
     zeros = torch.zeros(k // 128, n // 8, dtype=torch.int32)
     scales = torch.ones(k // 128, n)
     assert torch.equal(dequantize("tiled", tiled, zeros, scales, None, 128), codes.float())
+
+
+def test_the_largest_tiled_weight_is_what_a_prefill_step_dequantises() -> None:
+    """The KV budget sets aside the biggest tiled layer's whole weight in the activation dtype (graph scratch);
+    layers left in GPTQ's layout (K not whole tiles) are never dequantised whole."""
+    model = nn.Module()
+    model.small = Int4Linear(256, 64, False, torch.bfloat16, "gptq", 64)
+    model.big = Int4Linear(256, 160, False, torch.bfloat16, "gptq", 64)
+    model.untiled = Int4Linear(192, 512, False, torch.bfloat16, "gptq", 64)
+    for layer in (model.small, model.big, model.untiled):
+        tensors, _ = gptq_tensors(torch.randn(layer.in_features, layer.out_features) * 0.05, 64)
+        for name, tensor in tensors.items():
+            layer.load_weight(name, tensor, None)
+        layer.finish_loading()
+    assert model.untiled.packed_fmt == "gptq" and model.big.packed_fmt == "tiled"
+    assert largest_dequantized_bytes(model) == 256 * 160 * 2

@@ -10,11 +10,13 @@ with  y = x @ W. They differ in how the nibbles are packed into int32:
                           qzeros  [K/G, N/8] sequential nibbles, stored as z - 1 ("gptq_v2": as z)
                           scales  [K/G, N];  g_idx [K] (act order: any row to any group; else k // G)
 
-`Int4Linear` keeps the packed tensors (4 bits a weight on the device) and multiplies on CUDA with the
-Triton GEMV (kernels/w4a16_gemv.py) for one row (decode at batch 1), the fused dequantise-GEMM above;
-elsewhere it dequantises and uses torch. Once loaded (`finish_loading`), AWQ is repacked to GPTQ's K-major
-layout, act order's rows sorted by group, and the rows interleaved in tiles of 128 (models/int4_repack.py),
-so both kernels read one layout.
+`Int4Linear` keeps the packed tensors (4 bits a weight on the device). Once loaded (`finish_loading`), AWQ is
+repacked to GPTQ's K-major layout, act order's rows sorted by group, and the rows interleaved in tiles of 128
+(models/int4_repack.py). On CUDA a tiled layer multiplies with the Triton GEMV (kernels/w4a16_gemv.py) for
+one row (decode at batch 1), the fused dequantise-GEMM up to 256 rows, and above that by dequantising the
+weight once for cuBLAS (kernels/w4a16_gemm.py); a layer that cannot be tiled (K not whole tiles of 128,
+act order with uneven groups) keeps GPTQ's layout and the GEMM for every M. Elsewhere it dequantises and
+uses torch.
 Fused q/k/v and gate/up load as output-column shards, like the full-precision layers.
 """
 
@@ -277,6 +279,19 @@ def quantize_linears_int4(
         return Int4Linear.like(linear, fmt, group_size or linear.in_features, zero_offset)
 
     return replace_decoder_linears(model, make, keep)
+
+
+def largest_dequantized_bytes(model: nn.Module) -> int:
+    """Bytes of the largest weight the W4A16 GEMM dequantises whole for a prefill-sized step
+    (kernels/w4a16_gemm.DEQUANTIZE_ABOVE_ROWS): scratch that a CUDA graph's memory pool keeps."""
+    return max(
+        (
+            m.in_features * m.out_features * m.scales.element_size()
+            for m in model.modules()
+            if isinstance(m, Int4Linear) and m.packed_fmt == "tiled"
+        ),
+        default=0,
+    )
 
 
 def linear_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
