@@ -374,8 +374,16 @@ class Frontend:
             await asyncio.wait(spawned, timeout=2.0)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.redis.aclose()
+        # Bounded: a task that does not end on cancel (or a Redis close that hangs) must not keep the worker
+        # from exiting; the supervisor kills a worker that outlives its stop grace (seen once in CI).
+        if self._tasks:
+            _, stuck = await asyncio.wait(list(self._tasks), timeout=_STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("gateway stop: %d tasks still running after cancel: %s", len(stuck), _names(stuck))
+        try:
+            await asyncio.wait_for(self.redis.aclose(), _STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("gateway stop: closing Redis took over %.0f s; leaving it", _STOP_TIMEOUT_S)
 
     async def tokenizer_for(self, model: str, source: str | None) -> Any:
         return (await self.tokenizers.get(model, source))[0]
@@ -603,3 +611,10 @@ def check_runner(entry: ModelEntry, req: ChatRequest | CompletionRequest) -> Non
     else:
         message = f"The model '{req.model}' is an embedding model: it serves /v1/embeddings only, not generation"
     raise APIError(400, message, param="model", code="model_not_supported")
+
+
+_STOP_TIMEOUT_S = 3.0
+
+
+def _names(tasks: set[asyncio.Task[Any]]) -> str:
+    return ", ".join(sorted(t.get_name() + ":" + repr(t.get_coro()) for t in tasks))
