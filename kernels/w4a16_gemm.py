@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.launch_config import split_k
+from pagedserve.kernels.w4a16_gemv import _group_params
 
 
 @triton.jit
@@ -147,7 +148,6 @@ def _w4a16_tiled_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_j = tl.arange(0, 16)
-    zero_shift = (offs_n % 8) * 4
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -162,9 +162,8 @@ def _w4a16_tiled_kernel(
         for i in tl.static_range(8):
             if SLICE_GROUPS or i == 0:  # w = q * s - z * s, per column of the group
                 group = (kt + 16 * i) // group_size
-                scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
-                zero_scaled = -(((zeros >> zero_shift) & 0xF) + zero_offset).to(tl.float32) * scale
+                scale, zero = _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset)
+                zero_scaled = -zero * scale
             q = ((packed >> (4 * i)) & 0xF).to(tl.float32)
             offs_k = kt + 16 * i + offs_j
             if SWAP:
@@ -211,9 +210,7 @@ def _dequantize_tiled_kernel(
     for i in tl.static_range(8):
         rows = tile * 128 + 16 * i + offs_j
         group = (tile * 128 + 16 * i) // group_size
-        scale = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zeros = tl.load(qzeros_ptr + group * stride_qz + offs_n // 8, mask=mask_n, other=0)
-        zero = (((zeros >> ((offs_n % 8) * 4)) & 0xF) + zero_offset).to(tl.float32)
+        scale, zero = _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset)
         w = (((packed >> (4 * i)) & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]
         out = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[None, :])
@@ -279,28 +276,31 @@ def default_tiled_tiles(m: int, n: int) -> Tiles:
     return block_m, 128, 1, 4, 3, split
 
 
-def _tiled_matmul(
+def _launch_split_k(
+    kernel: triton.JITFunction,
     x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],  # qweight, qzeros, scales (and g_idx for the checkpoint layouts)
+    out: torch.Tensor,
     group_size: int,
     zero_offset: int,
-    out: torch.Tensor,
-    tiles: Tiles,
+    block_m: int,
+    block_n: int,
+    k_tile: int,  # slices hold whole K tiles
+    min_slice: int,
+    split: int,  # 0: enough K slices for _TARGET_PROGRAMS programs
+    **meta: int | bool,
 ) -> torch.Tensor:
+    """Launches a W4A16 GEMM over (M tiles, N tiles, K slices). With more than one slice the partial sums meet in
+    a zeroed float32 buffer (atomic adds) copied to `out` after."""
     (m, k), n = x.shape, out.shape[1]
-    assert k % 128 == 0 and group_size % 16 == 0, (k, group_size)
-    block_m, block_n, swap, warps, stages, split = tiles
-    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split or split_k(grid_mn, k, 256, _TARGET_PROGRAMS)  # slices of >= 2 tiles
-    k_per_split = triton.cdiv(triton.cdiv(k, split), 128) * 128
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split = split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
     target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    _w4a16_tiled_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+    qweight, qzeros, scales = weights[:3]
+    kernel[(grid_m, grid_n, split)](
         x,
-        qweight,
-        qzeros,
-        scales,
+        *weights,
         target,
         m,
         n,
@@ -313,13 +313,10 @@ def _tiled_matmul(
         qzeros.stride(0),
         scales.stride(0),
         target.stride(0),
-        SLICE_GROUPS=group_size % 128 != 0,
-        SWAP=bool(swap),
         SPLIT_K=split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=warps,
-        num_stages=stages,
+        **meta,
     )
     return out if split == 1 else out.copy_(target)
 
@@ -347,41 +344,43 @@ def w4a16_matmul(
         if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
             weight = dequantize_tiled(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
             return torch.matmul(x, weight, out=out)
-        tiles = tiles or default_tiled_tiles(m, n)
-        return _tiled_matmul(x, qweight, qzeros, scales, group_size, zero_offset, out, tiles)
+        block_m, block_n, swap, warps, stages, split = tiles or default_tiled_tiles(m, n)
+        assert k % 128 == 0 and group_size % 16 == 0, (k, group_size)
+        return _launch_split_k(
+            _w4a16_tiled_kernel,
+            x,
+            (qweight, qzeros, scales),
+            out,
+            group_size,
+            zero_offset,
+            block_m,
+            block_n,
+            k_tile=128,
+            min_slice=256,  # slices of >= 2 tiles
+            split=split,
+            SLICE_GROUPS=group_size % 128 != 0,
+            SWAP=bool(swap),
+            num_warps=warps,
+            num_stages=stages,
+        )
     block_m, block_n, block_k, warps, stages, split = tiles or default_tiles(m)
     block_k = min(block_k, group_size)  # a K tile never straddles two groups (group sizes are powers of two)
     assert group_size % block_k == 0 and block_n % 8 == 0, (group_size, block_k, block_n)
-    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split or split_k(grid_mn, k, 4 * block_k, _TARGET_PROGRAMS)  # slices of >= 4 K tiles
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _w4a16_kernel[grid](
+    return _launch_split_k(
+        _w4a16_kernel,
         x,
-        qweight,
-        qzeros,
-        scales,
-        g_idx if g_idx is not None else qzeros,
-        target,
-        m,
-        n,
-        k,
+        (qweight, qzeros, scales, g_idx if g_idx is not None else qzeros),
+        out,
         group_size,
         zero_offset,
-        k_per_split,
-        x.stride(0),
-        qweight.stride(0),
-        qzeros.stride(0),
-        scales.stride(0),
-        target.stride(0),
+        block_m,
+        block_n,
+        k_tile=block_k,
+        min_slice=4 * block_k,  # slices of >= 4 K tiles
+        split=split,
         IS_AWQ=fmt == "awq",
         HAS_G_IDX=g_idx is not None,
-        SPLIT_K=split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
     )
-    return out if split == 1 else out.copy_(target)
