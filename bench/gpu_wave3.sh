@@ -4,7 +4,8 @@
 # and speculative-decoding benchmarks. Installs nothing from the network (carried wheels only).
 #
 #   OUT=/tmp/out bash bench/gpu_wave3.sh                 # from the repo root on the GPU machine
-#   PARTS=tests,mxfp4,lora,oracle,ngram,graphs,structured SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2 for ngram
+#   PARTS=tests,mxfp4,lora,oracle,ngram,graphs,structured SMOL=build/smol-model  # which parts; SMOL: the real SmolLM2
+#     for ngram, a model directory or the packaged .gguf (converted there; carry the gguf wheel in build/wheels-gguf)
 #   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1; PARTS=w4a16 W4A16_ARGS='--rows 1,4,8 --gemv-sweep'
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1   # issue 20's shapes (bench/model_shapes.py), one per call
@@ -18,9 +19,10 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-build/triton-cache}
-if [ -d build/wheels-cp312 ] && ! python3 -c "import pydantic_settings" 2> /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site build/wheels-cp312/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+# Carried wheels (build/wheels-*/: the services' packages, gguf for SMOL=*.gguf), once per machine.
+if compgen -G "build/wheels-*/*.whl" > /dev/null; then
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site build/wheels-*/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/env.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt" 2>&1

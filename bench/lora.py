@@ -142,6 +142,7 @@ def profile_decode(engine: Engine, prompt: list[int], name: str | None, num_step
         engine.step()
     counts = {"kernels": 0, "lora_kernels": 0, "fills": 0}
     times = {"kernels": 0.0, "lora_kernels": 0.0, "fills": 0.0}
+    by_kernel: dict[str, float] = {}  # LoRA GPU µs per step, shrink and expand apart
     for event in prof.events():
         if event.device_type != DeviceType.CUDA:
             continue
@@ -153,6 +154,9 @@ def profile_decode(engine: Engine, prompt: list[int], name: str | None, num_step
             else None
         )
         elapsed = event.time_range.elapsed_us()
+        if kind == "lora_kernels":
+            name = "shrink" if "_shrink_kernel" in event.name else "expand"
+            by_kernel[name] = by_kernel.get(name, 0.0) + elapsed
         counts["kernels"] += 1
         times["kernels"] += elapsed
         if kind is not None:
@@ -162,6 +166,7 @@ def profile_decode(engine: Engine, prompt: list[int], name: str | None, num_step
         "steps": num_steps,
         **{f"{key}_per_step": round(value / num_steps, 1) for key, value in counts.items()},
         **{f"{key}_gpu_us_per_step": round(value / num_steps, 1) for key, value in times.items()},
+        "lora_gpu_us_per_step_by_kernel": {key: round(value / num_steps, 1) for key, value in by_kernel.items()},
     }
 
 

@@ -162,7 +162,9 @@ def _w4a16_tiled_kernel(
         for i in tl.static_range(8):
             if SLICE_GROUPS or i == 0:  # w = q * s - z * s, per column of the group
                 group = (kt + 16 * i) // group_size
-                scale, zero = _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset)
+                scale, zero = _group_params(
+                    qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, mask_n, zero_offset
+                )
                 zero_scaled = -zero * scale
             q = ((packed >> (4 * i)) & 0xF).to(tl.float32)
             offs_k = kt + 16 * i + offs_j

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,47 @@ def test_split_shrink_adds_into_a_zeroed_column_view_of_a_wider_buffer(device: t
     tol = 1e-4 if device.type == "cpu" else 3e-2
     torch.testing.assert_close(view.cpu(), want, atol=tol, rtol=tol)
     assert bool((workspace[:, :n] == 0).all()) and bool((workspace[:, 2 * n :] == 5.0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and graph capture are CUDA's")
+def test_lora_linear_overlaps_its_shrink_inside_a_captured_graph() -> None:
+    """LoRALinear on CUDA forks each decode-sized shrink onto a side stream beside the base projection and joins
+    before the expand; captured in a graph and replayed for a new mix of slots, it equals the torch reference."""
+    from pagedserve.services.engine.lora.layers import LoRABatch, LoRALinear
+
+    gen = torch.Generator().manual_seed(3)
+    device, dtype, k, slices, max_loras, rank = torch.device("cuda"), torch.bfloat16, 1024, [(0, 256), (256, 64)], 3, 16
+    base = torch.nn.Linear(k, 320, bias=False).to(device, dtype)
+
+    def layer(batch: LoRABatch) -> LoRALinear:
+        linear = LoRALinear(base, k, slices, max_loras, rank, batch, dtype, device)
+        for slot in range(max_loras):
+            for index, (_, width) in enumerate(slices):
+                a, b = torch.randn(rank, k, generator=gen), torch.randn(width, rank, generator=gen) * 0.1
+                linear.load_slice(slot, index, a.to(device, dtype), b.to(device, dtype))
+        return linear
+
+    kernel_batch = LoRABatch(8, max_loras, device)
+    fast = layer(kernel_batch)
+    kernel_batch.allocate_workspace()
+    reference_batch = LoRABatch(8, max_loras, device, ops=lora_reference)
+    slow = layer(reference_batch)
+    slow.lora_a.copy_(fast.lora_a)
+    slow.lora_b.copy_(fast.lora_b)
+    assert kernel_batch.side_stream is not None
+    x = torch.randn(4, k, generator=gen).to(device, dtype)
+    kernel_batch.prepare(np.array([0, -1, 2, 2]))
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # compile the kernels before the capture
+        fast(x)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fast(x)
+    for token_slots in ([0, -1, 2, 2], [1, 1, -1, 0]):
+        slots = np.array(token_slots)
+        kernel_batch.prepare(slots)
+        reference_batch.prepare(slots)
+        graph.replay()
+        torch.testing.assert_close(y, slow(x), atol=5e-2, rtol=2e-2)

@@ -15,7 +15,8 @@ return the base output, and the graphs (cuda_graphs.py) replay their base varian
 
 Decode-sized steps (<= SPLIT_K_MAX_TOKENS tokens) split the shrink's K and add partial sums into a zeroed
 output; every projection then writes its own columns of one step-wide workspace, which the first projection
-zeroes (one memset per step instead of one per projection):
+zeroes (one memset per step instead of one per projection). On CUDA their shrinks run on a side stream,
+overlapping the base projection (also inside captured graphs: a fork and join per projection):
 
     workspace  [SPLIT_K_MAX_TOKENS, sum of slices * max_rank]  fp32
                | l0.qkv (3R) | l0.o (R) | l0.gate_up (2R) | l0.down (R) | l1.qkv | ...
@@ -54,6 +55,9 @@ class LoRABatch:
                 ops = lora
         self.ops: ModuleType = ops
         self.num_workspace_rows = 0 if ops is lora_reference else min(max_num_tokens, ops.SPLIT_K_MAX_TOKENS)
+        # Decode-sized steps run each shrink on this stream beside the base projection (both read only x), and
+        # the expand after both: the small shrink's few µs hide under the weight-bound base GEMM.
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and ops is not lora_reference else None
         self.num_workspace_columns = 0
         self.workspace: torch.Tensor | None = None  # [num_workspace_rows, num_workspace_columns] fp32
 
@@ -112,10 +116,10 @@ class LoRALinear(nn.Module):
         self.zeroes_workspace = self.workspace_start == 0  # the first projection a forward runs (layer 0's qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in_features]
-        y: torch.Tensor = self.base(x)
         batch = self.batch
         if not batch.applies:
-            return y
+            base: torch.Tensor = self.base(x)
+            return base
         num_tokens, num_columns = x.shape[0], len(self.slices) * self.max_rank
         workspace = batch.workspace
         is_zeroed = workspace is not None and num_tokens <= workspace.shape[0]
@@ -125,8 +129,17 @@ class LoRALinear(nn.Module):
             shrunk = workspace[:num_tokens, self.workspace_start : self.workspace_start + num_columns]
         else:
             shrunk = torch.empty(num_tokens, num_columns, dtype=torch.float32, device=x.device)
-        ops = batch.ops
-        ops.lora_shrink(x, self.lora_a, shrunk, batch.sorted_token_ids, batch.slot_starts, is_zeroed)
+        ops, side = batch.ops, batch.side_stream
+        if side is not None and is_zeroed:  # fork after the workspace's zeroing, join before the expand
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                ops.lora_shrink(x, self.lora_a, shrunk, batch.sorted_token_ids, batch.slot_starts, is_zeroed)
+            y: torch.Tensor = self.base(x)
+            main.wait_stream(side)
+        else:
+            y = self.base(x)
+            ops.lora_shrink(x, self.lora_a, shrunk, batch.sorted_token_ids, batch.slot_starts, is_zeroed)
         ops.lora_expand(shrunk, self.lora_b, y, batch.sorted_token_ids, batch.slot_starts, self.slice_ends)
         return y
 
