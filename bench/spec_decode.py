@@ -15,15 +15,18 @@ Two parts, each against plain decoding (the default engine: on CUDA async schedu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
 import gc
 import itertools
 import json
 import platform
+import pstats
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +93,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Run the prompts together (greedy, fixed length); decode time counts from the step that gave every
-    sequence its first token."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def timed_decode(engine: Engine, prompts: list[list[int]], max_tokens: int, until_eos: bool = False) -> dict[str, Any]:
+    """Run the prompts together (greedy; fixed length, or up to max_tokens ending at EOS); decode time counts
+    from the step that gave every sequence its first token, per token after the first of the longest."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not until_eos)
     ids = [f"bench-{next(_ids)}" for _ in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     for request_id, prompt in zip(ids, prompts):
@@ -108,7 +111,7 @@ def timed_decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> d
     sync(engine.device)
     end = time.perf_counter()
     assert first_done is not None
-    decode_tokens = max_tokens - 1  # per sequence, after the first
+    decode_tokens = max(len(t) for t in tokens.values()) - 1  # per sequence, after the first
     seconds = end - first_done
     return {
         "tokens": [tokens[i] for i in ids],
@@ -124,6 +127,7 @@ def engine_for(model: CausalLM, model_dir: Path, args: argparse.Namespace, spec:
         "device": args.device,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": max(args.batches),
+        "profile_steps": True,  # host phases and GPU time per step kind (CUDA events read with the results)
     }
     if spec is not None:
         settings["speculative_config"] = json.dumps({**spec, "num_speculative_tokens": k})
@@ -167,24 +171,51 @@ def run_ngram(args: argparse.Namespace) -> dict[str, Any]:
     timed_decode(plain, [prompt], 8)  # warm both (first-call costs), then measure
     timed_decode(fast, [prompt], 8)
     fast.speculative = SpeculativeDecoding(NgramProposer(2, 4), args.ngram_k, fast.max_model_len)  # fresh counters
-    base = timed_decode(plain, [prompt], args.ngram_tokens)
-    spec_run = timed_decode(fast, [prompt], args.ngram_tokens)
+    plain.profile.reset()
+    fast.profile.reset()
+    base = timed_decode(plain, [prompt], args.ngram_tokens, until_eos=True)
+    with _profiled(args.cprofile):
+        spec_run = timed_decode(fast, [prompt], args.ngram_tokens, until_eos=True)
+    plain_ids, spec_ids = base["tokens"][0], spec_run["tokens"][0]
     row = {
         "part": "ngram",
         "model": str(args.model or "SmolLM2-135M-Instruct"),
         "k": args.ngram_k,
         "batch": 1,
         "prompt_tokens": len(prompt),
-        "output_tokens": args.ngram_tokens,
+        "dtype": args.dtype,
+        "output_tokens": len(plain_ids),
+        "spec_output_tokens": len(spec_ids),
         "plain_itl_ms": base["itl_ms"],
         "spec_itl_ms": spec_run["itl_ms"],
         "speedup": base["itl_ms"] / spec_run["itl_ms"],
-        "same_output": base["tokens"] == spec_run["tokens"],
+        "same_output": plain_ids == spec_ids,
+        "first_difference": next((i for i, (a, b) in enumerate(zip(plain_ids, spec_ids)) if a != b), None),
         "output_text": tokenizer.decode(spec_run["tokens"][0][:80]),
         **acceptance(fast),
+        "plain_profile_per_step": plain.profile.summary(),
+        "spec_profile_per_step": fast.profile.summary(),
     }
     release(plain, fast)
     return row
+
+
+@contextlib.contextmanager
+def _profiled(path: str | None) -> Iterator[None]:
+    """cProfile the block into `path` (40 functions by own time, 60 by cumulative), or nothing without a path."""
+    if path is None:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        with open(path, "w") as out:
+            stats = pstats.Stats(profiler, stream=out)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(60)
 
 
 def shape_model(args: argparse.Namespace) -> tuple[CausalLM, Path]:
@@ -281,7 +312,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8,32", help="oracle: concurrent sequences")
     parser.add_argument("--corruption", default="0,0.2,0.5", help="oracle: share of drafted tokens made wrong")
     parser.add_argument("--ngram-k", type=int, default=4)
-    parser.add_argument("--ngram-tokens", type=int, default=200, help="ngram: output tokens")
+    parser.add_argument("--ngram-tokens", type=int, default=400, help="ngram: output tokens at most (ends at EOS)")
+    parser.add_argument(
+        "--cprofile", default=None, help="cProfile into this text file: ngram's speculative run, else the oracle part"
+    )
     parser.add_argument("--oracle-tokens", type=int, default=128, help="oracle: output tokens per sequence")
     parser.add_argument("--prompt-len", type=int, default=128, help="oracle: prompt tokens")
     parser.add_argument(
@@ -313,7 +347,8 @@ def main() -> None:
         rows.append(run_ngram(args))
         print(_line(rows[-1]), flush=True)
     if "oracle" in parts:
-        rows += run_oracle(args)
+        with _profiled(args.cprofile if "ngram" not in parts else None):
+            rows += run_oracle(args)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {
         "benchmark": "spec_decode",
