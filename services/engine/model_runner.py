@@ -263,6 +263,8 @@ class ModelRunner:
         drafts = [s.spec_token_ids for s in scheduled if s.is_sampling]
         if any(drafts):  # speculative decoding: logits at every draft position (spec_decode/verify.py)
             verified = verify(self.sampler, logits, sampling_requests, drafts, self.spec.vocab_size)
+            if marks is not None:
+                marks.sample_done.record()
             profile.mark("sample")
             return StepHandle(kind, num_tokens, None, None, None, [], 0, marks, prompt_chunks, pooled_chunks, verified)
         meta = self.sampling_metadata.get(sampling_requests, self.spec.vocab_size, self.device)

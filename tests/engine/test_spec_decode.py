@@ -226,3 +226,21 @@ def test_sampling_with_drafts_keeps_the_models_distribution(tiny_model: CausalLM
     outcomes = sorted({tuple(c.token_ids) for c in plain.choices + spec.choices})
     table = [[sum(tuple(c.token_ids) == o for c in r.choices) for o in outcomes] for r in (plain, spec)]
     assert chi2_contingency(table).pvalue > 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU phases are timed by CUDA events")
+def test_profiled_verify_steps_time_their_gpu_phases(tiny_model_dir: Path) -> None:
+    """--profile-steps with drafts: a verify step records every GPU mark (reading them raised before)."""
+    config = Config.of(
+        model=str(tiny_model_dir),
+        device="cuda",
+        num_kv_blocks=128,
+        speculative_config=json.dumps(NGRAM),
+        profile_steps=True,
+    )
+    engine = Engine(config)
+    _outputs(engine, GREEDY)
+    summary = engine.profile.summary()
+    assert engine.stats().num_spec_drafts > 0
+    assert sum(kind["steps"] for kind in summary.values()) > 0
+    assert all(kind["gpu_ms"]["sample"] >= 0 for kind in summary.values())
