@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
+from pagedserve.kernels import w4a16_gemm
 from pagedserve.kernels.w4a16_gemm import Tiles, default_tiled_tiles, default_tiles, w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import GemvTiles, default_gemv_tiles, w4a16_gemv
 
@@ -152,6 +153,12 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
         best = min(timed, key=lambda t: timed[t])
         result[f"{fmt}_us"], result[f"{fmt}_tiles"] = timed[best], list(best)
         result[f"{fmt}_default_us"] = timed.get(default)
+        if fmt == "tiled" and not args.sweep:  # the same tiles unpacking in float32 (before the PTX unpacking)
+            w4a16_gemm.UNPACK_WITH_ASM = False
+            try:
+                result["tiled_f32_us"] = _time_tiles(x, fmt, copies(packed(k, n, fmt), rotate), [default])[default]
+            finally:
+                w4a16_gemm.UNPACK_WITH_ASM = True
     if rows <= GEMV_MAX_ROWS:
         gemv_candidates = GEMV_SWEEP if args.gemv_sweep else [default_gemv_tiles(rows)]
         gemv = _time_gemv(x, copies(packed(k, n, "tiled"), rotate), gemv_candidates)
@@ -176,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
-    formats = ("awq", "gptq", "tiled", "gemv")
+    formats = ("awq", "gptq", "tiled_f32", "tiled", "gemv")
     print(
         f"{'M':>5} {'linear':>8} {'bf16':>8} " + " ".join(f"{f:>8}" for f in formats) + f" {'floor':>8} "
         f"{'best/floor':>10} {'vs bf16':>8}  best of the served kernels (tiled GEMM, GEMV); their tiles"
