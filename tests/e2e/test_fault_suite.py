@@ -246,7 +246,9 @@ def test_streams_moved_during_a_drain_finish_and_free_their_slots(stack: Stack) 
         assert max(s.longest_gap_s for s in streamed) < DOOMED_TTL_S + 2.5
         assert exit_code == 0
         assert exited - done < 5  # the drain ended with the streams: no moved request kept its slot
-        assert exited - signalled < DRAIN_TIMEOUT_S / 3
+        # and not by the drain timeout (how long the streams themselves take depends on the machine's load:
+        # CI once saw them end 9.45 s after the SIGTERM on two busy cores, the gateway 2.29 s later)
+        assert exited - signalled < DRAIN_TIMEOUT_S - 5
         checked = time.time()  # a heartbeat from before the gateway exited could still show its requests
         still_runs = "the engine still runs requests of the drained gateway"
         wait_for(lambda: engine_idle(stack, ENGINE, since=checked), 10, still_runs)
