@@ -9,8 +9,9 @@ The weight is read once per M-tile at 4 bits (plus a scale and zero per group): 
 64) the GEMM is bound by those bytes, a quarter of bf16's. Layouts (see services/engine/models/int4.py):
 AWQ packs eight output columns per int32 in the order 0 2 4 6 1 3 5 7, GPTQ eight input rows
 sequentially, with zeros stored minus one (v1) and an optional act-order g_idx; "tiled" is what Int4Linear
-repacks them to (models/int4_repack.py), read by `_w4a16_tiled_kernel` a [16, N] slice per nibble, and above
-DEQUANTIZE_ABOVE_ROWS rows dequantised whole once (`dequantize_tiled`) for cuBLAS.
+repacks them to (models/int4_repack.py), read by `_w4a16_tiled_kernel` a [16, N] slice per nibble (on CUDA
+unpacked by a few lines of PTX, `_unpack_tile`), and above DEQUANTIZE_ABOVE_ROWS rows dequantised whole once
+(`dequantize_tiled`) for cuBLAS.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _w4a16_kernel(
 # that number plus the nibble, exactly; subtracting (magic + zero) is exact too, and one multiply by the scale
 # rounds once, as the float32 path does. Two weights per instruction (bf16x2 / f16x2) and no int-to-float
 # conversion: ~2 instructions a weight instead of ~6.5 (shift, sign-extend, I2F, FMA, half a pack, address).
-# $8, $9: two packed int32 (nibble i -> slice i); $10: (magic + zero) x2; $11: scale x2; $0..$7: slices 0..7.
+# $8, $9: two packed int32 (nibble i -> slice i); $10: -(magic + zero) x2; $11: scale x2; $0..$7: slices 0..7.
 _UNPACK_ASM = """
 {
 .reg .b32 lo, hi, t, one, nz;
