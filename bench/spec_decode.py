@@ -191,7 +191,7 @@ def run_ngram(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": base["itl_ms"] / spec_run["itl_ms"],
         "same_output": plain_ids == spec_ids,
         "first_difference": next((i for i, (a, b) in enumerate(zip(plain_ids, spec_ids)) if a != b), None),
-        "output_text": tokenizer.decode(spec_run["tokens"][0][:80]),
+        "output_text": tokenizer.decode(spec_ids[:80]),
         **acceptance(fast),
         "plain_profile_per_step": plain.profile.summary(),
         "spec_profile_per_step": fast.profile.summary(),

@@ -175,28 +175,21 @@ _UNPACK_FP16 = tl.constexpr(
 
 @triton.jit
 def _unpack_tile(packed, scale, zero, IS_FP16: tl.constexpr):
-    """The 8 weight slices of a tile ([16, N] or [N, 16] packed int32 -> 8 tensors of x's 16-bit type); `scale`,
-    `zero` broadcast to packed's shape (float32)."""
-    if IS_FP16:
-        neg_magic_zero = -(zero + 1024.0).to(tl.float16)
-        return tl.inline_asm_elementwise(
-            _UNPACK_FP16,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-            [packed, neg_magic_zero, scale.to(tl.float16)],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        neg_magic_zero = -(zero + 128.0).to(tl.bfloat16)
-        return tl.inline_asm_elementwise(
-            _UNPACK_BF16,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-            [packed, neg_magic_zero, scale.to(tl.bfloat16)],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
+    """The 8 weight slices of a tile ([16, N] or [N, 16] packed int32 -> 8 tensors of x's 16-bit type); `scale`
+    and `zero` (float32) broadcast to packed's shape."""
+    dtype: tl.constexpr = tl.float16 if IS_FP16 else tl.bfloat16
+    magic: tl.constexpr = 1024.0 if IS_FP16 else 128.0
+    asm: tl.constexpr = _UNPACK_FP16 if IS_FP16 else _UNPACK_BF16
+    scale = tl.broadcast_to(scale.to(dtype), packed.shape)
+    neg_magic_zero = tl.broadcast_to(-(zero + magic).to(dtype), packed.shape)
+    return tl.inline_asm_elementwise(
+        asm,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        [packed, neg_magic_zero, scale],
+        dtype=(scale.dtype,) * 8,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -249,17 +242,11 @@ def _w4a16_tiled_kernel(
             scale, zero = _group_params(
                 qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
             )
-            if SWAP:
-                scale_b, zero_b = (
-                    tl.broadcast_to(scale[:, None], packed.shape),
-                    tl.broadcast_to(zero[:, None], packed.shape),
-                )
+            if SWAP:  # per column of the weight: its rows of packed (SWAP) or its columns
+                scale, zero = scale[:, None], zero[:, None]
             else:
-                scale_b, zero_b = (
-                    tl.broadcast_to(scale[None, :], packed.shape),
-                    tl.broadcast_to(zero[None, :], packed.shape),
-                )
-            slices = _unpack_tile(packed, scale_b, zero_b, x_ptr.dtype.element_ty == tl.float16)
+                scale, zero = scale[None, :], zero[None, :]
+            slices = _unpack_tile(packed, scale, zero, x_ptr.dtype.element_ty == tl.float16)
             for i in tl.static_range(8):
                 offs_k = kt + 16 * i + offs_j
                 if SWAP:
