@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.launch_config import split_k
-from pagedserve.kernels.w4a16_gemv import _group_params
+from pagedserve.kernels.w4a16_gemv import _group_params, _store_split_k, reserve_split_counters
 
 
 @triton.jit
@@ -32,6 +32,8 @@ def _w4a16_kernel(
     scales_ptr,
     g_idx_ptr,
     out_ptr,
+    partial_ptr,  # [SPLIT_K, M, N] fp32 (SPLIT_K > 1)
+    counter_ptr,  # [>= M tiles x N tiles] int32, zero between calls (SPLIT_K > 1)
     M,
     N,
     K,
@@ -43,6 +45,7 @@ def _w4a16_kernel(
     stride_qz,
     stride_s,
     stride_om,
+    stride_osplit,
     IS_AWQ: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -108,11 +111,10 @@ def _w4a16_kernel(
             scales = tl.load(scales_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             w = q.to(tl.float32) * scales[None, :] - (zeros.to(tl.float32) * scales)[None, :]
         acc += tl.dot(x, w.to(x.dtype))
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K > 1:  # partial sums of K slices meet in a float32 buffer
-        tl.atomic_add(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tile = pid_m * tl.num_programs(1) + pid_n
+    _store_split_k(acc, out_ptr, partial_ptr, counter_ptr, out_offs, mask, tile, pid_k, stride_osplit, SPLIT_K)
 
 
 # Marlin-style unpacking (CUDA only): a nibble ORed into the exponent pattern of 128 (bf16) or 1024 (fp16) is
@@ -199,6 +201,8 @@ def _w4a16_tiled_kernel(
     qzeros_ptr,
     scales_ptr,
     out_ptr,
+    partial_ptr,  # [SPLIT_K, M, N] fp32 (SPLIT_K > 1)
+    counter_ptr,  # [>= M tiles x N tiles] int32, zero between calls (SPLIT_K > 1)
     M,
     N,
     K,
@@ -210,6 +214,7 @@ def _w4a16_tiled_kernel(
     stride_qz,
     stride_s,
     stride_om,
+    stride_osplit,
     SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     UNPACK_ASM: tl.constexpr,  # CUDA, 16-bit x, whole-tile groups: _unpack_tile (else float32 arithmetic)
     SWAP: tl.constexpr,  # out^T = W^T x^T: the weight is the MMA's wide side, few rows its narrow one
@@ -274,15 +279,13 @@ def _w4a16_tiled_kernel(
                     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
                     acc += tl.dot(x, w)
     if SWAP:
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
         mask = mask_m[None, :] & mask_n[:, None]
     else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:  # partial sums of K slices meet in a float32 buffer
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tile = pid_m * tl.num_programs(1) + pid_n
+    _store_split_k(acc, out_ptr, partial_ptr, counter_ptr, out_offs, mask, tile, pid_k, stride_osplit, SPLIT_K)
 
 
 @triton.jit
@@ -390,18 +393,25 @@ def _launch_split_k(
     split: int,  # 0: enough K slices for _TARGET_PROGRAMS programs
     **meta: int | bool,
 ) -> torch.Tensor:
-    """Launches a W4A16 GEMM over (M tiles, N tiles, K slices). With more than one slice the partial sums meet in
-    a zeroed float32 buffer (atomic adds) copied to `out` after."""
+    """Launches a W4A16 GEMM over (M tiles, N tiles, K slices). With more than one slice each writes a float32
+    partial and the last of a tile's slices sums them into `out` (w4a16_gemv's deterministic split-K: no
+    zero-filled buffer, no copy after)."""
     (m, k), n = x.shape, out.shape[1]
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split = split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
-    target = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    partial, counters = out, out  # unread with one slice
+    if split > 1:
+        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = reserve_split_counters(x.device)
+        assert grid_m * grid_n <= counters.numel(), (m, n, block_m, block_n)
     qweight, qzeros, scales = weights[:3]
     kernel[(grid_m, grid_n, split)](
         x,
         *weights,
-        target,
+        out,
+        partial,
+        counters,
         m,
         n,
         k,
@@ -412,13 +422,14 @@ def _launch_split_k(
         qweight.stride(0),
         qzeros.stride(0),
         scales.stride(0),
-        target.stride(0),
+        out.stride(0),
+        m * n,
         SPLIT_K=split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         **meta,
     )
-    return out if split == 1 else out.copy_(target)
+    return out
 
 
 def w4a16_matmul(

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.kernels.w4a16_gemm import DEQUANTIZE_ABOVE_ROWS, Tiles, dequantize_tiled, w4a16_matmul
+from pagedserve.kernels.w4a16_gemv import reserve_split_counters
 from pagedserve.services.engine.models.int4 import dequantize
 from pagedserve.services.engine.models.int4_repack import tile_rows
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
@@ -59,20 +60,18 @@ def test_tiled_gemm_orientations_and_splits(device: torch.device, m: int, tiles:
     tensors, meaning = gptq_tensors(weight, group)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k).to(device, dtype)
-    got = w4a16_matmul(
-        x,
+    packed = (
         tile_rows(tensors["qweight"]).to(device),
         tensors["qzeros"].to(device),
         tensors["scales"].to(device, dtype),
-        None,
-        group,
-        "tiled",
-        zero_offset=1,
-        tiles=tiles,
     )
+    got = w4a16_matmul(x, *packed, None, group, "tiled", zero_offset=1, tiles=tiles)
     want = x.float() @ meaning.to(device)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    # split-K sums in slice order and leaves every tile's counter at zero: a second call gives the same bits
+    assert not reserve_split_counters(x.device).any()
+    assert torch.equal(w4a16_matmul(x, *packed, None, group, "tiled", zero_offset=1, tiles=tiles), got)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])

@@ -181,7 +181,7 @@ class Int4Linear(nn.Module):
         tiles of 128 (models/int4_repack.py) where whole tiles and groups of >= 16 allow it."""
         k, n = self.in_features, self.out_features
         qweight = self.qweight.data
-        if qweight.is_cuda:  # the GEMV's split-K counters exist before any CUDA graph is captured
+        if qweight.is_cuda:  # the split-K counters (GEMV and GEMM) exist before any CUDA graph is captured
             from pagedserve.kernels.w4a16_gemv import reserve_split_counters
 
             reserve_split_counters(qweight.device)
