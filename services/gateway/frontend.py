@@ -36,6 +36,7 @@ from pagedserve.services.gateway.registry import ModelEntry, ModelRegistry
 from pagedserve.services.gateway.router import Delta, Disconnected, ResponseRouter
 from pagedserve.services.gateway.token_text import TokenTexts
 from pagedserve.services.gateway.tokenizers import TokenizerCache
+from pagedserve.services.gateway.worker_readiness import WorkerReadiness
 from pagedserve.shared import streams, telemetry
 from pagedserve.shared.config import Config
 from pagedserve.shared.outage import OutageLog
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _WATCH_INTERVAL_S = 1.0  # how often a waiting request checks that its engine is still alive
 _MAX_MIGRATIONS = 3
+_READY_PUBLISH_S = 0.25  # how often a gateway worker tells the others whether it is ready
 _ABORT_WAIT_S = 1.0  # how long a request that failed before acceptance waits for its abort to be recorded
 
 
@@ -305,8 +307,9 @@ class Generation:
 
 
 class Frontend:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, workers: WorkerReadiness | None = None) -> None:
         self.settings = settings = config.gateway
+        self.workers = workers  # with --workers N: every worker's readiness (worker_readiness.py)
         self.routing = config.routing
         self.redis = streams.connect(config.routing.url, settings.redis_max_connections)
         self.publisher = Publisher(self.redis)  # every XADD of every request, pipelined
@@ -349,13 +352,25 @@ class Frontend:
             for entry in self.registry.live_models():
                 if not self.tokenizers.is_loading(entry.name) and not self.tokenizers.has(entry.name):
                     self._spawn(self._warm_tokenizer(entry.name, entry.model_source))
-            await asyncio.sleep(self.settings.registry_refresh_s)
+            if self.workers is not None:  # the other workers' /ready reads it even if no probe reaches this one
+                self.workers.publish(self.is_ready())
+            await asyncio.sleep(min(self.settings.registry_refresh_s, _READY_PUBLISH_S))
 
     async def _warm_tokenizer(self, model: str, source: str | None) -> None:
         try:
             await self.tokenizers.get(model, source)
         except Exception as exc:  # the first request for the model retries and reports it
             log.warning("could not load the tokenizer of %s: %s", model, exc)
+        if self.workers is not None:
+            self.workers.publish(self.is_ready())
+
+    def is_ready_everywhere(self) -> bool:
+        """This worker is ready, and so is every other worker of the gateway (one process: this one)."""
+        is_ready = self.is_ready()
+        if self.workers is None:
+            return is_ready
+        self.workers.publish(is_ready)
+        return is_ready and self.workers.all_ready()
 
     def is_ready(self) -> bool:
         """Redis is up, the gateway is not draining, and it can serve a live model without first loading

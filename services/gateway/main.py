@@ -6,7 +6,8 @@
 
 A worker that dies is replaced under the same index (and gateway id), within a restart budget.
 Each worker is a whole gateway: its own response stream, router and publisher, so workers share
-nothing but the port. One Python process tops out near 17k streamed tokens/s; workers add to that.
+nothing but the port and a byte each of readiness (worker_readiness.py: /ready holds for all or
+none). One Python process tops out near 17k streamed tokens/s; workers add to that.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client import multiprocess
 
 from pagedserve.services.gateway.app import build_app
 from pagedserve.services.gateway.drain import DrainingServer
+from pagedserve.services.gateway.worker_readiness import WorkerReadiness
 from pagedserve.shared.config import Config
 from pagedserve.shared.ids import new_id
 from pagedserve.shared.telemetry import setup_logging, setup_tracing
@@ -47,11 +49,12 @@ def main(config: Config) -> None:
         serve(config)
 
 
-def serve(config: Config) -> None:
-    """One gateway process; uvicorn picks uvloop and httptools (both installed) for its loop and parser."""
+def serve(config: Config, workers: WorkerReadiness | None = None) -> None:
+    """One gateway process; uvicorn picks uvloop and httptools (both installed) for its loop and parser.
+    `workers`: this worker's slot in the supervisor's readiness flags (run_workers)."""
     settings = config.gateway
     sock = listening_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
-    app = build_app(config)
+    app = build_app(config, workers)
     server_config = uvicorn.Config(
         app,
         log_level=settings.uvicorn_log_level,
@@ -95,8 +98,13 @@ def run_workers(config: Config) -> None:
     signal.signal(signal.SIGTERM, on_signal)  # before the first spawn: no worker is left behind by an early signal
     signal.signal(signal.SIGINT, on_signal)
 
+    ready_flags = context.RawArray("b", settings.workers or 1)  # worker_readiness.py: each worker's own /ready
+
     def start(index: int) -> multiprocessing.process.BaseProcess:
-        worker = context.Process(target=_worker, args=(worker_config(config, index),), name=f"gateway-{index}")
+        ready_flags[index] = 0  # a replacement is not ready until it says so
+        worker = context.Process(
+            target=_worker, args=(worker_config(config, index), ready_flags, index), name=f"gateway-{index}"
+        )
         worker.start()
         return worker
 
@@ -133,6 +141,7 @@ def run_workers(config: Config) -> None:
                 continue
             if worker.pid not in restarts.gone:
                 restarts.gone.add(worker.pid)
+                ready_flags[index] = 0  # the others answer /ready with 503 until it is replaced and warm
                 multiprocess.mark_process_dead(worker.pid, metrics_dir)  # its live gauges stop counting
             if received:  # stopping: a worker that ends now is not replaced
                 continue
@@ -193,7 +202,7 @@ def worker_config(config: Config, index: int) -> Config:
     return config.replace(gateway_id=f"{config.gateway.gateway_id}-{index}", workers=1, reuse_port=True)
 
 
-def _worker(config: Config) -> None:
+def _worker(config: Config, ready_flags: Any, index: int) -> None:
     setup_logging("gateway", config.observability.log_level)
     setup_tracing("gateway", console=config.observability.trace_console)
-    serve(config)
+    serve(config, WorkerReadiness(ready_flags, index))

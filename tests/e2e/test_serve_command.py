@@ -92,6 +92,8 @@ def test_serve_starts_everything_and_sigint_stops_everything(smollm2_dir: Path, 
         while "pagedserve: ready" not in (tmp_path / "serve.log").read_text():  # said only once it is so
             assert serve.poll() is None and time.monotonic() < deadline, "serve never said it was ready"
             time.sleep(0.2)
+        # ready on every worker (each call a new connection): one still loading a tokenizer keeps all at 503
+        assert [httpx.get(f"{base_url}/ready", timeout=5).status_code for _ in range(8)] == [200] * 8
         time.sleep(2)  # a few more answers from both workers after the first listing
         stop_polling.set()
         poller.join()
