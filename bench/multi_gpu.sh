@@ -3,6 +3,7 @@
 # run them in order on one machine (the tensor-parallel report accumulates in $WORK).
 #
 #   OUT=/tmp/out PART=tp8b    bash bench/multi_gpu.sh  # TP=1 vs TP=2 on the Llama-3.1-8B shape, and fp32 reference
+#   OUT=/tmp/out PART=tpsizes bash bench/multi_gpu.sh  # TP=1, 2 and 4 (4+ GPUs) on the 8B shape at 256 concurrent
 #   OUT=/tmp/out PART=tp70b   bash bench/multi_gpu.sh  # Llama-3.1-70B shape at TP=2: offline, then served
 #   OUT=/tmp/out PART=scaling bash bench/multi_gpu.sh  # one gateway over 1 and 2 engine replicas (8B shape)
 #
@@ -72,6 +73,15 @@ case "${PART:-tp8b}" in
     echo "tensor_parallel rc=$?"
     cp bench/results/tensor_parallel_cuda.* "$OUT/" 2> /dev/null
     tail -n 30 "$OUT/tp8b.log"
+    ;;
+  tpsizes)  # TP=1, 2 and (with 4+ GPUs) 4 at 256 concurrent (issue 23): throughput and single-stream ITL
+    phases=8b-tp1,8b-tp2
+    [[ $NUM_GPUS -ge 4 ]] && phases=$phases,8b-tp4
+    timeout 560 python3 -m bench.tensor_parallel --phases "$phases" --num-requests 256 --work-dir "$WORK/tp" \
+      > "$OUT/tpsizes.log" 2>&1
+    echo "tensor_parallel rc=$?"
+    cp bench/results/tensor_parallel_cuda.* "$OUT/" 2> /dev/null
+    tail -n 30 "$OUT/tpsizes.log"
     ;;
   tp70b)
     timeout 300 python3 -m bench.tensor_parallel --phases 70b-tp2 --work-dir "$WORK/tp" > "$OUT/tp70b.log" 2>&1
