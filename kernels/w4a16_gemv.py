@@ -99,43 +99,47 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     SPLIT_K: tl.constexpr,
+    ROWS: tl.constexpr,  # packed rows of a tile loaded and unpacked at a time (16 or 8): fewer live registers
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    offs_j = tl.arange(0, 16)
+    offs_j = tl.arange(0, ROWS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for kt in range(k_start, tl.minimum(k_start + k_per_split, K), 128):
-        rows = kt // 8 + offs_j
-        packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :])
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1)  # rows past M (BLOCK_M is a power of two) repeat the last; never stored
             part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-            x_sum = tl.zeros((16,), dtype=tl.float32)
-            x_bias = tl.zeros((16,), dtype=tl.float32)  # sum of x * the codes' bias
-            for i in tl.static_range(8):
-                q = _biased_nibble(packed, i)  # bias + q, exact
-                x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + offs_j).to(tl.float32)
-                if SLICE_GROUPS:
-                    scale, zero = _group_params(
-                        qzeros_ptr,
-                        scales_ptr,
-                        (kt + 16 * i) // group_size,
-                        stride_qz,
-                        stride_s,
-                        offs_n,
-                        mask_n,
-                        zero_offset,
-                    )
-                    part += scale * (tl.sum(x[:, None] * q, axis=0) - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
-                else:
-                    acc2 += x[:, None] * q
-                    x_sum += x
-                    x_bias += x * _nibble_bias(i)
+            acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((ROWS,), dtype=tl.float32)
+            x_bias = tl.zeros((ROWS,), dtype=tl.float32)  # sum of x * the codes' bias
+            for h in tl.static_range(16 // ROWS):  # the tile's 16 packed rows, ROWS at a time
+                rows = kt // 8 + h * ROWS + offs_j
+                packed = tl.load(
+                    qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :]
+                )
+                for i in tl.static_range(8):
+                    q = _biased_nibble(packed, i)  # bias + q, exact
+                    x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + h * ROWS + offs_j).to(tl.float32)
+                    if SLICE_GROUPS:
+                        scale, zero = _group_params(
+                            qzeros_ptr,
+                            scales_ptr,
+                            (kt + 16 * i) // group_size,
+                            stride_qz,
+                            stride_s,
+                            offs_n,
+                            mask_n,
+                            zero_offset,
+                        )
+                        part += scale * (tl.sum(x[:, None] * q, axis=0) - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
+                    else:
+                        acc2 += x[:, None] * q
+                        x_sum += x
+                        x_bias += x * _nibble_bias(i)
             if not SLICE_GROUPS:
                 scale, zero = _group_params(
                     qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
@@ -174,6 +178,7 @@ GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
 # (the old layout's GEMV was 7-33x slower than its GEMM at M = 4 and 8: bench/results/w4a16_gemv_h100/).
 MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100
+GEMV_ROWS = 8  # packed rows a load brings: 160 registers a thread against 244 for 16 (w4a16_tiled_h100/gemv_bits/rows/)
 
 
 def default_gemv_tiles(m: int) -> GemvTiles:
@@ -245,6 +250,7 @@ def w4a16_gemv(
         BLOCK_N=block_n,
         SLICE_GROUPS=group_size % TILE_ROWS != 0,
         SPLIT_K=split,
+        ROWS=GEMV_ROWS,
         num_warps=warps,
     )
     return out
