@@ -1,6 +1,6 @@
 """Where the server processes' Python time goes, from bench/serve_gpu.sh's PYSPY samples (py-spy raw format).
 
-    python3 -m bench.pyspy_report DIR        # DIR holds pyspy_processes.txt and pyspy_<pid>.txt
+    python3 -m bench.pyspy_report DIR        # DIR holds pyspy_processes.txt and pyspy_<pid>.txt (or .txt.gz)
 
 Per process: the share of samples each thread was seen running, then the functions with the most samples
 on top of the stack (self) and anywhere in it (inclusive), as a share of that process's samples. py-spy
@@ -10,6 +10,7 @@ records running threads only (no --idle), so a thread's share says how busy it w
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,8 @@ def frame_name(frame: str) -> str:
 def read_stacks(path: Path) -> list[tuple[str, list[str], int]]:
     """(thread, frames outermost first, samples) per line of a raw py-spy file."""
     stacks = []
-    for line in path.read_text().splitlines():
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         head, _, count = line.rpartition(" ")
         thread, _, rest = head.partition(";")
         if count.isdigit():
@@ -42,8 +44,7 @@ def report(path: Path, top: int) -> str:
     for thread, frames, n in stacks:
         threads[thread] += n
         names = [frame_name(f) for f in frames if f]
-        if names:
-            own[names[-1]] += n
+        own[names[-1] if names else "(no Python frame: native code, or a stack py-spy could not read)"] += n
         for name in set(names):
             inclusive[name] += n
     lines = [f"samples {total}; threads: " + ", ".join(f"{t} {n / total:.0%}" for t, n in threads.most_common())]
@@ -62,8 +63,8 @@ def main() -> None:
     for line in listing.read_text().splitlines() if listing.exists() else []:
         pid, _, command = line.partition(" ")
         names[pid] = command.strip()
-    for path in sorted(args.dir.glob("pyspy_*.txt")):
-        pid = path.stem.removeprefix("pyspy_")
+    for path in sorted([*args.dir.glob("pyspy_*.txt"), *args.dir.glob("pyspy_*.txt.gz")]):
+        pid = path.name.split(".")[0].removeprefix("pyspy_")
         if pid.isdigit():
             print(f"== {pid}: {names.get(pid, '?')}\n{report(path, args.top)}\n")
 

@@ -8,14 +8,15 @@ by x on the CUDA cores, with the zero point and scale folded out of the inner lo
 
     qweight [K/8, N] int32, tiled (services/engine/models/int4_repack.py): packed row 16t + j, nibble i holds
     input 128t + 16i + j.  program (n-tile, k-slice), per tile t of 128 inputs:
-        packed = qweight[16t : 16t + 16, n-tile]                       one coalesced [16, BLOCK_N] load
-        for i in 0..7:  acc2 += x[128t + 16i : +16, None] * (b_i + nibble i of packed)    FMAs, no reshape
+        packed = qweight[16t + h : 16t + h + ROWS, n-tile]   (h = 0, ROWS, ..)   coalesced [ROWS, BLOCK_N] loads
+        for i in 0..7:  acc2 += x[128t + 16i + h : +ROWS, None] * (b_i + nibble i of packed)   FMAs, no reshape
         acc += s * (sum(acc2, axis 0) - sum_i b_i sum(x_i) - z * sum(x of the tile))   (per slice when G < 128)
 
 The codes become floats b_i + q by bit operations (_biased_nibble), and the biases leave with the zero point.
 
-With BLOCK_N = 4 x 32 x num_warps a thread holds all 16 rows of its columns: the row sums stay in registers and
-the loop has no shared memory and no barrier (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
+With BLOCK_N = 4 x 32 x num_warps a thread holds all ROWS rows of its columns: the row sums stay in registers
+and the loop has no shared memory and no barrier (ROWS = 8, half a tile at a time, keeps half the tile's x live:
+160 registers a thread where 16 took 244) (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
 shared-memory round trip in every K step).
 
 Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
