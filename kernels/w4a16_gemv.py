@@ -15,9 +15,9 @@ by x on the CUDA cores, with the zero point and scale folded out of the inner lo
 The codes become floats b_i + q by bit operations (_biased_nibble), and the biases leave with the zero point.
 
 With BLOCK_N = 4 x 32 x num_warps a thread holds all ROWS rows of its columns: the row sums stay in registers
-and the loop has no shared memory and no barrier (ROWS = 8, half a tile at a time, keeps half the tile's x live:
-160 registers a thread where 16 took 244) (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
-shared-memory round trip in every K step).
+and the loop has no shared memory and no barrier (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
+shared-memory round trip in every K step). ROWS = 8, half a tile at a time, keeps half the tile's x live: 160
+registers a thread where 16 rows took 244.
 
 Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
 [SPLIT_K, M, N], then counts itself in on its column tile's counter; the slice that arrives last adds the
