@@ -80,6 +80,7 @@ def build_host_batch(
     block_size: int,
     pending_rows: Mapping[Request, int] | None = None,  # last token a placeholder -> its sample row
     group_tables: Sequence[Sequence[Sequence[int]]] = (),  # a hybrid cache's other groups: their block tables
+    table_rows: Sequence[BlockTableRows] = (),  # kept between steps: the main table's, then each group's
 ) -> HostBatch:
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -109,11 +110,12 @@ def build_host_batch(
     positions = np.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + starts[seq_of_token]
 
     num_table_blocks = int(-(-seq_lens.max() // block_size))
-    tables = _block_table_array(block_tables, num_seqs, num_table_blocks)
+    tables_of = [rows.build for rows in table_rows] or [_block_table_array] * (1 + len(group_tables))
+    tables = tables_of[0](block_tables, num_seqs, num_table_blocks)
     slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     groups = []
-    for group_block_tables in group_tables:
-        group = _block_table_array(group_block_tables, num_seqs, num_table_blocks)
+    for build, group_block_tables in zip(tables_of[1:], group_tables, strict=True):
+        group = build(group_block_tables, num_seqs, num_table_blocks)
         slots = group[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
         groups.append(GroupBatch(slots, group))
 
@@ -157,6 +159,42 @@ def _block_table_array(block_tables: Sequence[Sequence[int]], num_seqs: int, num
     flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
     tables[np.arange(num_cols) < lengths[:, None]] = flat
     return tables
+
+
+class BlockTableRows:
+    """A block table kept from step to step and rewritten only where a sequence's block list changed.
+
+    `_block_table_array` walks every block id of every sequence each step (at 256 sequences of 768 tokens, 12k
+    ids: 6% of a served engine's host time on an H100). A sequence's list only grows in place (KVCacheManager.
+    reserve_slots extends it) or is replaced by a new list (allocate, a new or resumed sequence), so a row whose
+    list is the same object as last step's needs the ids past those it holds, and most rows need none. Rows hold
+    zeros past their ids, as `_block_table_array`'s do. `build` returns a copy: a step's batch must not change
+    when the next one is built while it runs."""
+
+    def __init__(self) -> None:
+        self._array = np.zeros((0, 0), dtype=np.int32)
+        self._lists: list[Sequence[int] | None] = []  # per row, the list it was written from
+        self._written: list[int] = []  # per row, how many of that list's ids it holds
+
+    def build(self, block_tables: Sequence[Sequence[int]], num_seqs: int, num_cols: int) -> np.ndarray:
+        rows, cols = self._array.shape
+        if num_seqs > rows or num_cols > cols:  # grown (columns doubling: sequences lengthen a block at a time)
+            rows, cols = max(num_seqs, rows), max(num_cols, 2 * cols)
+            self._array = np.zeros((rows, cols), dtype=np.int32)
+            self._lists, self._written = [None] * rows, [0] * rows
+        array, lists, written = self._array, self._lists, self._written
+        for row, block_ids in enumerate(block_tables):
+            held, n = written[row], min(len(block_ids), cols)
+            if lists[row] is block_ids:
+                if n > held:
+                    array[row, held:n] = block_ids[held:n]
+            else:
+                array[row, :n] = block_ids[:n]
+                if held > n:
+                    array[row, n:held] = 0
+                lists[row] = block_ids
+            written[row] = n
+        return array[:num_seqs, :num_cols].copy()
 
 
 def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:

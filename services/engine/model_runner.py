@@ -23,6 +23,7 @@ from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.config import kv_cache_torch_dtype, torch_device
 from pagedserve.services.engine.cuda_graphs import StepGraphs, graph_shapes
 from pagedserve.services.engine.input_batch import (
+    BlockTableRows,
     InputBuffers,
     build_host_batch,
     eager_token_bucket,
@@ -155,6 +156,7 @@ class ModelRunner:
         self.host_kv = HostKVCaches(num_slots, self.kv_caches) if num_slots > 0 else None
         self.sampler = Sampler(device, seed)
         self.sampling_metadata = SamplingMetadataCache()
+        self.table_rows = [BlockTableRows() for _ in self.kv_groups]  # block tables updated by what changed
         self.profile = profile or StepProfile()
         self.step_sender = step_sender
         self.lora = lora
@@ -207,7 +209,7 @@ class ModelRunner:
         if kv_transfers and self.host_kv is not None:
             self.host_kv.apply(kv_transfers)
         assert len(group_tables) == len(self.kv_groups) - 1, "block tables for every group"
-        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows, group_tables)
+        batch = build_host_batch(scheduled, block_tables, self.block_size, pending_rows, group_tables, self.table_rows)
         num_tokens = batch.num_tokens
         graph_id = self.graphs.choose(batch) if self.graphs else None
         if graph_id is not None and self.graphs is not None:

@@ -1,6 +1,7 @@
 """The per-step host fast paths give exactly what the general paths give.
 
 - build_host_batch's decode-only token gather and one-shot block-table fill, against a per-row reference;
+- the block table kept between steps (BlockTableRows), against building it afresh each step;
 - the scheduler's in-place decode rows (no allocate call), against allocate on every row;
 - the engine's stop-token prefilter, against checking every row.
 """
@@ -13,7 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedserve.services.engine.input_batch import PLACEHOLDER_TOKEN_ID, HostBatch, build_host_batch
+from pagedserve.services.engine.input_batch import (
+    PLACEHOLDER_TOKEN_ID,
+    BlockTableRows,
+    HostBatch,
+    _block_table_array,
+    build_host_batch,
+)
 from pagedserve.services.engine.kv_cache_manager import KVCacheManager
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.request import Request
@@ -130,6 +137,33 @@ def scheduler_trace(fast: bool, seed: int) -> list[tuple]:
             )
         )
     return trace
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kept_block_table_matches_a_fresh_one_every_step(seed: int) -> None:
+    """Steps of sequences that grow in place (reserve_slots), get new lists (allocate, a new or resumed
+    sequence), reorder, leave and arrive, with tables wider and narrower than the step reads."""
+    rng = random.Random(seed)
+    rows = BlockTableRows()
+    live: list[list[int]] = [[rng.randrange(100) for _ in range(rng.randrange(1, 4))] for _ in range(6)]
+    for _ in range(60):
+        for i, block_ids in enumerate(live):
+            change = rng.random()
+            if change < 0.3:
+                block_ids.extend(rng.randrange(100) for _ in range(rng.randrange(1, 3)))  # in place
+            elif change < 0.45:
+                live[i] = [*block_ids, rng.randrange(100)]  # a new list, as allocate makes
+        if rng.random() < 0.2:
+            rng.shuffle(live)
+        if rng.random() < 0.15 and len(live) > 1:
+            live.pop(rng.randrange(len(live)))
+        if rng.random() < 0.2:
+            live.append([rng.randrange(100) for _ in range(rng.randrange(0, 5))])
+        num_cols = max(map(len, live)) - (1 if rng.random() < 0.2 else 0)  # a step may read fewer blocks
+        num_cols = max(num_cols, 1)
+        want = _block_table_array(live, len(live), num_cols)
+        got = rows.build(live, len(live), num_cols)
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
