@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.launch_config import split_k
-from pagedserve.kernels.w4a16_gemv import _group_params, _store_split_k, reserve_split_counters
+from pagedserve.kernels.w4a16_gemv import _group_params, _store_split_k, split_k_buffers
 
 
 @triton.jit
@@ -400,11 +400,7 @@ def _launch_split_k(
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split = split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
-    partial, counters = out, out  # unread with one slice
-    if split > 1:
-        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = reserve_split_counters(x.device)
-        assert grid_m * grid_n <= counters.numel(), (m, n, block_m, block_n)
+    partial, counters = split_k_buffers(out, split, grid_m * grid_n)
     qweight, qzeros, scales = weights[:3]
     kernel[(grid_m, grid_n, split)](
         x,

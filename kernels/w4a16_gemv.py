@@ -183,7 +183,7 @@ GEMV_ROWS = 8  # packed rows a load brings: 160 registers a thread against 244 f
 
 
 def default_gemv_tiles(m: int) -> GemvTiles:
-    """512 columns over 4 warps: a thread holds all 16 rows of 4 columns (one 16-byte load a row). The best of
+    """512 columns over 4 warps: a thread holds GEMV_ROWS rows of 4 columns (one 16-byte load a row). The best of
     the H100 and H200 sweeps for the large 8B linears, within 2% on the small ones (w4a16_tiled_h100/)."""
     return 512, 4, 0
 
@@ -198,6 +198,16 @@ def reserve_split_counters(device: torch.device) -> torch.Tensor:
     if counters is None:
         counters = _split_counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
     return counters
+
+
+def split_k_buffers(out: torch.Tensor, split: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_store_split_k` needs for `split` K slices over `num_tiles` output tiles: the float32 partials
+    [split, M, N] and the device's tile counters (`out` for both, never read, with one slice)."""
+    if split == 1:
+        return out, out
+    assert num_tiles <= _COUNTERS, (out.shape, num_tiles)
+    partial = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    return partial, reserve_split_counters(out.device)
 
 
 def w4a16_gemv(
@@ -222,11 +232,7 @@ def w4a16_gemv(
     num_tiles = triton.cdiv(n, block_n)
     split = split or split_k(num_tiles, k, TILE_ROWS, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
-    partial, counters = out, out  # unread with one slice
-    if split > 1:
-        assert num_tiles <= _COUNTERS, (n, block_n)
-        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = reserve_split_counters(x.device)
+    partial, counters = split_k_buffers(out, split, num_tiles)
     _w4a16_gemv_kernel[(num_tiles, split)](
         x,
         qweight,
