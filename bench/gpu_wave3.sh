@@ -59,9 +59,24 @@ if has graphs; then  # mixed/prefill-step CUDA graphs on and off: TTFT, throughp
   summary+=("step graphs rc=$?")
 fi
 if has structured; then  # json_schema beside plain requests (issue 23): the grammar worker's cost
-  timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.structured_throughput --tokenizer "${TOKENIZER:-build/smollm2-tokenizer}" \
-    --models smollm2-135m --max-num-batched-tokens 2048 --out-dir "$OUT" > "$OUT/structured.log" 2>&1
-  summary+=("structured rc=$?")
+  # STRUCTURED_RUNS='tag:args;...' (default one run, the engine's settings), e.g. '_before:--fill-threads 1 --switch-interval-ms 5;:'
+  IFS=';' read -ra structured_runs <<< "${STRUCTURED_RUNS:-:}"
+  for run in "${structured_runs[@]}"; do
+    tag=${run%%:*}
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.structured_throughput --tokenizer "${TOKENIZER:-build/smollm2-tokenizer}" \
+      --models smollm2-135m --max-num-batched-tokens 2048 --out-dir "$OUT" --tag "$tag" ${run#*:} \
+      > "$OUT/structured$tag.log" 2>&1
+    summary+=("structured$tag rc=$?")
+  done
+fi
+if has hoststep; then  # host ms per step at 256 rows, half of them json_schema, and all plain (same vocabulary)
+  tok=${TOKENIZER:-build/smollm2-tokenizer}
+  timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --grammar-fraction 0.5 --tokenizer "$tok" \
+    --json "$OUT/host_step_grammar.json" --cprofile "$OUT/host_step_grammar_cprofile.txt" > "$OUT/host_step.log" 2>&1
+  timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --vocab-size 49152 \
+    --json "$OUT/host_step_plain.json" >> "$OUT/host_step.log" 2>&1
+  summary+=("host step rc=$?")
 fi
 if has ngram; then
   timeout "${BENCH_TIMEOUT:-600}" python3 -m bench.spec_decode --parts ngram ${SMOL:+--model "$SMOL"} \
@@ -97,8 +112,11 @@ if has moeq; then  # fp8 and int4 experts in the fused-MoE kernel vs bf16, Qwen3
 fi
 
 cat "$OUT/env.txt"
-for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs structured model_shapes w4a16 moe_fp8 moe_w4a16; do
+for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs model_shapes w4a16 moe_fp8 moe_w4a16; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
+done
+for log in "$OUT"/structured*.log "$OUT"/host_step.log; do
+  [ -f "$log" ] && { echo "--- $log"; tail -n 8 "$log"; }
 done
 for log in "$OUT"/quant_*.log; do
   [ -f "$log" ] && { echo "--- $log"; grep '^|' "$log"; }

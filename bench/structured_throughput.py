@@ -36,6 +36,7 @@ from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_mem
 from pagedserve.services.engine import engine as engine_module
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured import mask_worker
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -253,6 +254,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--repeat-plain", action="store_true", help="a second all-plain run: run-to-run noise")
+    parser.add_argument("--fill-threads", type=int, help="xgrammar's mask-filling threads (default: the engine's)")
+    parser.add_argument(
+        "--switch-interval-ms", type=float, help="the GIL switch interval the mask worker sets (5: Python's default)"
+    )
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.quick:
@@ -262,6 +268,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.fill_threads is not None:
+        mask_worker.FILL_THREADS = args.fill_threads
+    if args.switch_interval_ms is not None:
+        mask_worker.SWITCH_INTERVAL_S = args.switch_interval_ms / 1e3
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
         "environment": {
@@ -277,10 +287,14 @@ def main() -> None:
             "max_num_seqs": args.max_num_seqs,
             "schema": SCHEMA,
         },
+        "grammar_worker": {
+            "fill_threads": mask_worker.FILL_THREADS,
+            "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
+        },
         "models": [],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "structured_throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "")
+    stem = "structured_throughput_" + device.split()[-1].lower() + ("_quick" if args.quick else "") + args.tag
     for name in args.models.split(","):
         report["models"].append(bench_model(name, args))
         (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))  # partial results survive

@@ -46,6 +46,11 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
         (16, 128, 1, 4, 2, 0),
         (16, 128, 1, 4, 3, 1),
         (16, 64, 0, 4, 3, 0),
+        (16, 128, 2, 4, 3, 0),
+        (16, 64, 2, 4, 3, 0),
+        (16, 256, 2, 8, 3, 0),
+        (16, 128, 2, 8, 3, 0),
+        (16, 128, 2, 4, 4, 0),
     ],
     "mid": [
         (64, 128, 1, 4, 3, 0),
@@ -55,6 +60,13 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
         (64, 64, 0, 4, 4, 0),
         (32, 128, 1, 4, 3, 0),
         (64, 128, 1, 4, 3, 1),
+        (64, 128, 2, 4, 3, 0),
+        (64, 64, 2, 4, 3, 0),
+        (64, 128, 2, 8, 3, 0),
+        (64, 256, 2, 8, 3, 0),
+        (32, 128, 2, 4, 3, 0),
+        (64, 64, 2, 4, 4, 0),
+        (64, 128, 2, 4, 3, 1),
     ],
     "prefill": [
         (128, 128, 0, 8, 3, 1),
@@ -147,12 +159,14 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
     del bf16
     for fmt in () if args.gemv_sweep else ("awq", "gptq", "tiled") if args.awq else ("gptq", "tiled"):
         sweep, default = (TILED_SWEEP, default_tiled_tiles(rows, n)) if fmt == "tiled" else (SWEEP, default_tiles(rows))
-        candidates = sweep[_row_class(rows)] if args.sweep else [default]
+        candidates = [*sweep[_row_class(rows)], default] if args.sweep else [default]
+        candidates = list(dict.fromkeys(candidates))  # the default once, timed beside the sweep
         # random codes are as good a weight in one layout as in another; AWQ's shape differs
         timed = _time_tiles(x, fmt, copies(packed(k, n, fmt), rotate), candidates)
         best = min(timed, key=lambda t: timed[t])
         result[f"{fmt}_us"], result[f"{fmt}_tiles"] = timed[best], list(best)
         result[f"{fmt}_default_us"] = timed.get(default)
+        result[f"{fmt}_all_us"] = {",".join(map(str, t)): us for t, us in timed.items()}
         if fmt == "tiled" and not args.sweep:  # the same tiles unpacking in float32 (before the PTX unpacking)
             w4a16_gemm.UNPACK_WITH_ASM = False
             try:

@@ -195,6 +195,34 @@ def _unpack_tile(packed, scale, zero, IS_FP16: tl.constexpr):
 
 
 @triton.jit
+def _float_slices(packed, scale, zero):
+    """The 8 weight slices of a tile in float32 arithmetic (any device; the interpreter too): w = q s - z s."""
+    zero_scaled = -zero * scale
+    return (
+        (packed & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 4) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 8) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 12) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 16) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 20) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 24) & 0xF).to(tl.float32) * scale + zero_scaled,
+        ((packed >> 28) & 0xF).to(tl.float32) * scale + zero_scaled,
+    )
+
+
+@triton.jit
+def _joined(slices):
+    """The 8 [N, 16] slices as one [N, 128] operand whose column 8j + i is column j of slice i (input 16i + j of
+    the tile): three levels of tl.join, so the MMA gets the whole tile in one dot of depth 128."""
+    p0 = tl.join(slices[0], slices[4])
+    p1 = tl.join(slices[1], slices[5])
+    p2 = tl.join(slices[2], slices[6])
+    p3 = tl.join(slices[3], slices[7])
+    n: tl.constexpr = slices[0].shape[0]
+    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (n, 128))
+
+
+@triton.jit
 def _w4a16_tiled_kernel(
     x_ptr,
     qweight_ptr,  # [K/8, N] int32, tiled: packed row 16t + j, nibble i = input 128t + 16i + j
@@ -218,12 +246,14 @@ def _w4a16_tiled_kernel(
     SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     UNPACK_ASM: tl.constexpr,  # CUDA, 16-bit x, whole-tile groups: _unpack_tile (else float32 arithmetic)
     SWAP: tl.constexpr,  # out^T = W^T x^T: the weight is the MMA's wide side, few rows its narrow one
+    JOIN: tl.constexpr,  # SWAP, whole-tile groups: the tile's slices joined into one dot of depth 128
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """The tiled layout's GEMM: per tile of 128 inputs one [16, BLOCK_N] load; slice i of it is rows 16i.. of the
-    tile, dequantised as it is and fed to an MMA of depth 16, with no reshape of the nibbles."""
+    tile, dequantised as it is and fed to an MMA of depth 16 (or, JOIN, all 8 to one MMA of depth 128 against x's
+    rows in the joined order: one wait per tile instead of eight), with no reshape of the nibbles."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -232,6 +262,8 @@ def _w4a16_tiled_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_j = tl.arange(0, 16)
+    r = tl.arange(0, 128)
+    joined_rows = 16 * (r % 8) + r // 8  # JOIN: column 8j + i of the joined slices is input 16i + j
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -243,7 +275,20 @@ def _w4a16_tiled_kernel(
             packed = tl.load(qweight_ptr + rows[None, :] * stride_qw + offs_n[:, None], mask=mask_n[:, None], other=0)
         else:  # [16, BLOCK_N]
             packed = tl.load(qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :], mask=mask_n[None, :], other=0)
-        if UNPACK_ASM:
+        if JOIN:  # SWAP and whole-tile groups
+            scale, zero = _group_params(
+                qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+            )
+            if UNPACK_ASM:
+                slices = _unpack_tile(packed, scale[:, None], zero[:, None], x_ptr.dtype.element_ty == tl.float16)
+            else:
+                slices = _float_slices(packed, scale[:, None], zero[:, None])
+            w = _joined(slices).to(x_ptr.dtype.element_ty)
+            x = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + (kt + joined_rows)[:, None], mask=mask_m[None, :], other=0.0
+            )
+            acc += tl.dot(w, x)
+        elif UNPACK_ASM:
             scale, zero = _group_params(
                 qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
             )
@@ -349,7 +394,8 @@ def dequantize_tiled(
     return out
 
 
-Tiles = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K (tiled: SWAP), warps, stages, SPLIT_K (0: auto)
+# BLOCK_M, BLOCK_N, BLOCK_K (tiled: SWAP, 0 / 1 / 2 = swapped with the slices joined), warps, stages, SPLIT_K (0: auto)
+Tiles = tuple[int, int, int, int, int, int]
 _TARGET_PROGRAMS = 264  # two per SM of an H100: enough loads in flight to stream the weight
 _FULL_GRID = 132  # one program per SM of an H100
 # Above this many rows the tiled layout is dequantised once to x's dtype and cuBLAS multiplies: at 256 rows on
@@ -357,6 +403,7 @@ _FULL_GRID = 132  # one program per SM of an H100
 # dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
 DEQUANTIZE_ABOVE_ROWS = 256
 UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (benchmarks turn it off to compare)
+JOINED_SWAP = 2  # default_tiled_tiles' SWAP at <= 64 rows: slices joined (1: a dot per slice, as before)
 
 
 def default_tiles(m: int) -> Tiles:
@@ -371,12 +418,13 @@ def default_tiles(m: int) -> Tiles:
 def default_tiled_tiles(m: int, n: int) -> Tiles:
     """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
     side (SWAP); when the row and column tiles alone fill the GPU (e.g. the 8B gate_up's 224 column tiles) no
-    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/)."""
+    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/); a tile's slices
+    joined into one dot (SWAP 2) where the group is whole tiles."""
     if m > 64:
         return 128, 128, 0, 8, 3, 1
     block_m = 16 if m <= 16 else 64 if triton.cdiv(n, 128) >= _FULL_GRID else 32
     split = 1 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= _FULL_GRID else 0
-    return block_m, 128, 1, 4, 3, split
+    return block_m, 128, JOINED_SWAP, 4, 3, split
 
 
 def _launch_split_k(
@@ -471,6 +519,7 @@ def w4a16_matmul(
             and x.dtype in (torch.float16, torch.bfloat16)
             and group_size % 128 == 0,
             SWAP=bool(swap),
+            JOIN=swap == 2 and group_size % 128 == 0,
             num_warps=warps,
             num_stages=stages,
         )

@@ -1,6 +1,7 @@
 """The W4A16 GEMM kernel vs x @ W for the W the AWQ / GPTQ tensors mean (written from the formats'
 specifications in tests/models/int4_checkpoints.py): decode and prefill tile sizes, ragged edges,
-GPTQ act order, the tiled layout Int4Linear repacks to (both MMA orientations, groups of 32-128),
+GPTQ act order, the tiled layout Int4Linear repacks to (both MMA orientations, a tile's slices in one dot or
+eight, groups of 32-192),
 fp16/bf16 on CUDA (fp32 in the interpreter)."""
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def test_w4a16_matches_the_dequantized_weight(
         (3, (16, 32, 1, 4, 2, 2)),  # few rows on the MMA's narrow side, 2 K slices
         (20, (32, 64, 0, 4, 2, 1)),  # rows as the MMA's tall side
         (40, (16, 32, 1, 4, 1, 0)),  # 3 row tiles, split chosen
+        (24, (16, 32, 2, 4, 2, 2)),  # the tile's slices joined into one dot (groups of 128; per slice otherwise)
+        (64, (64, 64, 2, 4, 2, 1)),
     ],
 )
 @pytest.mark.parametrize("group", [32, 128, 192])  # 192: a group ends inside a tile of 128
