@@ -403,7 +403,10 @@ _FULL_GRID = 132  # one program per SM of an H100
 # dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
 DEQUANTIZE_ABOVE_ROWS = 256
 UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (benchmarks turn it off to compare)
-JOINED_SWAP = 2  # default_tiled_tiles' SWAP at <= 64 rows: slices joined (1: a dot per slice, as before)
+# default_tiled_tiles' SWAP at <= 64 rows. 2 (a tile's slices joined into one dot) passes the interpreter's tests
+# and compiles for sm_90 to one wgmma wait per tile instead of eight, but has not run on a GPU yet: bench/w4a16_gemm.py
+# --sweep times both before it becomes the default.
+JOINED_SWAP = 1
 
 
 def default_tiles(m: int) -> Tiles:
@@ -418,8 +421,7 @@ def default_tiles(m: int) -> Tiles:
 def default_tiled_tiles(m: int, n: int) -> Tiles:
     """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
     side (SWAP); when the row and column tiles alone fill the GPU (e.g. the 8B gate_up's 224 column tiles) no
-    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/); a tile's slices
-    joined into one dot (SWAP 2) where the group is whole tiles."""
+    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/)."""
     if m > 64:
         return 128, 128, 0, 8, 3, 1
     block_m = 16 if m <= 16 else 64 if triton.cdiv(n, 128) >= _FULL_GRID else 32

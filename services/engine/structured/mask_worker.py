@@ -15,7 +15,6 @@ rows travel to the device, where they are scattered to their rows of the step's 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,11 +26,12 @@ from pagedserve.services.engine.structured.bitmask import TokenBitmask
 from pagedserve.services.engine.structured.state import GrammarState
 
 NUM_HOST_BUFFERS = 2
-# xgrammar fills a step's masks on this many C++ threads (a quarter of the cores, at most 8): at 128 json_schema
-# rows one thread takes ~1.2 ms on an H100 host, a step of a small model ~2.7 ms.
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+# xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
+# 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
+FILL_THREADS = 1
 # The worker's Python between its GIL-free xgrammar calls needs the GIL back from the engine thread, which runs
-# Python between kernels: with the default 5 ms switch interval each hand-back could wait out most of a step.
+# Python between kernels: with the default 5 ms switch interval each hand-back could wait out most of a step
+# (bench/grammar_handback.py, 2 ms of engine Python: 1.2-2.0 ms of join wait at 5 ms, 0.2 ms at 0.5 ms).
 SWITCH_INTERVAL_S = 0.0005
 
 
