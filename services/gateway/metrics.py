@@ -113,6 +113,14 @@ class GatewayMetrics:
         )
         self.vllm = VllmRequestMetrics(r)  # vllm:* latency series, alongside ours
         self._engines: ModelRegistry | None = None
+        self._itl_children: dict[str, tuple[Any, Any]] = {}
+
+    def itl_children(self, model: str) -> tuple[Any, Any]:
+        """The model's inter-token-latency histograms (ours, vLLM's), looked up once: observed per token."""
+        children = self._itl_children.get(model)
+        if children is None:
+            children = self._itl_children[model] = (self.itl.labels(model), self.vllm.itl.labels(model))
+        return children
 
     def track_in_flight(self, source: Callable[[], float]) -> None:
         if self.multiprocess:  # a callback gauge cannot be shared between processes: refreshed per request
@@ -235,7 +243,7 @@ def observe_tokens(metrics: Any, model: str, num_tokens: int, seconds_since_last
     """Inter-token latency: a delta of several tokens (one per step each) spreads its wait over them."""
     if metrics is not None and num_tokens > 0:
         per_token = seconds_since_last / num_tokens
-        ours, theirs = metrics.itl.labels(model), metrics.vllm.itl.labels(model)
+        ours, theirs = metrics.itl_children(model)
         for _ in range(num_tokens):
             ours.observe(per_token)
             theirs.observe(per_token)
