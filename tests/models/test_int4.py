@@ -92,8 +92,9 @@ def test_checkpoint_configs() -> None:
         {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}}
     ) == ("gptq", 128, 0)
     assert int4_format({}) is None and int4_format({"quantization_config": {"quant_method": "fp8"}}) is None
+    assert int4_format({"quantization_config": {"quant_method": "gptq", "bits": 8}}) is None  # models/gptq8.py's
     with pytest.raises(ValueError, match="8-bit"):
-        int4_format({"quantization_config": {"quant_method": "gptq", "bits": 8}})
+        int4_format({"quantization_config": {"quant_method": "awq", "bits": 8}})
     with pytest.raises(ValueError, match="gemv"):
         int4_format({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}})
 

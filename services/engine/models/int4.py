@@ -82,15 +82,17 @@ def dequantize(
 
 
 def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
-    """(format, group size, zero offset) of a 4-bit AWQ/GPTQ checkpoint's config.json, or None; raises
-    ValueError naming what is not supported (other bit widths, AWQ's gemv/marlin packings)."""
+    """(format, group size, zero offset) of a 4-bit AWQ/GPTQ checkpoint's config.json, or None (8-bit GPTQ too);
+    raises ValueError naming what is not supported (other bit widths, AWQ's gemv/marlin packings)."""
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
     if method not in FORMATS:
         return None
     bits = qc.get("bits", qc.get("w_bit"))
+    if method == "gptq" and bits == 8:
+        return None  # models/gptq8.py's
     if bits != 4:
-        raise ValueError(f"quantization: {method} with {bits}-bit weights is not supported (4-bit only)")
+        raise ValueError(f"quantization: {method} with {bits}-bit weights is not supported (4-bit; GPTQ also 8-bit)")
     group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
     if group_size <= 0:
         raise ValueError(f"quantization: {method} group_size {group_size} (per-channel) is not supported")

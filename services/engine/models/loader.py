@@ -26,6 +26,7 @@ from pagedserve.services.engine.models.fp8 import (
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
+from pagedserve.services.engine.models.gptq8 import gptq8_format, gptq8_stream
 from pagedserve.services.engine.models.int4 import Int4Linear, int4_format, quantize_linears_int4, repack_experts
 from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
@@ -39,7 +40,7 @@ from pagedserve.services.engine.models.quantized_experts import (
     int4_act_order,
 )
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
-from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_json
+from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_model_config
 from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded
 from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
@@ -102,6 +103,7 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
 
 
 QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
+GPTQ8 = "gptq-8bit"  # what an 8-bit GPTQ checkpoint resolves to (`--quantization gptq` names it): models/gptq8.py
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
@@ -116,6 +118,8 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
         raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
     if checkpoint_is_mxfp4(cfg):
         return "mxfp4"
+    if gptq8_format(cfg) is not None:
+        return GPTQ8
     if (int4 := int4_format(cfg)) is not None:
         return int4[0]
     if pack_quantized_format(cfg) is not None:
@@ -143,6 +147,9 @@ def _checkpoint_stream(
     """The checkpoint's tensors as the model's modules take them: quantized experts (cfg's
     QUANTIZED_EXPERTS_KEY) in their kernel layout, else dequantised to full precision as they stream in."""
     keep_experts = cfg.get(QUANTIZED_EXPERTS_KEY) is not None
+    if method == GPTQ8:
+        group_size, zero_offset = gptq8_format(cfg) or (0, 0)
+        return gptq8_stream(tensors, group_size, zero_offset, act_order=int4_act_order(cfg))
     if method == "fp8":
         tensors = skip_input_scales(tensors)
         return tensors if keep_experts else dequantize_experts(tensors)
@@ -203,7 +210,7 @@ def load_model(
     kernel's layouts if `quantized_experts`, are dequantised at load if False; None: quantized on CUDA
     (quantized_experts.experts_quantization)."""
     model_dir, device = Path(model_dir), torch.device(device)
-    cfg = read_json(model_dir / "config.json")
+    cfg = read_model_config(model_dir)
     cls = model_class(cfg)
     cfg = cls.normalize_config(cfg)
     if is_bare_decoder(cfg):  # no LM head to load: logits (never asked of a pooling engine) would read the embeddings
@@ -223,7 +230,7 @@ def load_model(
                 shard_model(model, parallel)
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if is_sharded and (method == "fp8" or method in INT4_METHODS):
+        if is_sharded and (method in ("fp8", GPTQ8) or method in INT4_METHODS):
             raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))

@@ -66,6 +66,23 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# Older AutoGPTQ / AutoAWQ exports keep the quantization settings beside config.json, not in it.
+QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """config.json, with a quantization_config taken from quantize_config.json (AutoGPTQ) or quant_config.json
+    (AutoAWQ) when config.json has none; the file's own quant_method wins over the one its name implies."""
+    cfg = read_json(model_dir / "config.json")
+    if cfg.get("quantization_config") or cfg.get("compression_config"):
+        return cfg
+    for name, method in QUANTIZATION_FILES:
+        path = model_dir / name
+        if path.is_file():
+            return {**cfg, "quantization_config": {"quant_method": method, **read_json(path)}}
+    return cfg
+
+
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
 
 
