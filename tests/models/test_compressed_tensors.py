@@ -122,7 +122,7 @@ def test_configs() -> None:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"num_bits": 8}, "8-bit weights"),
+        ({"num_bits": 3}, "3-bit weights"),
         ({"strategy": "tensor"}, "strategy 'tensor'"),
         ({"strategy": "block"}, "strategy 'block'"),
     ],

@@ -15,7 +15,9 @@ import torch
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.models.test_compressed_int8 import _checkpoint as int8_checkpoint
 from tests.models.test_compressed_tensors import _checkpoint as pack_quantized_checkpoint
+from tests.models.test_gptq8 import _checkpoint as gptq8_checkpoint
 from tests.models.test_int4_models import _quantize_checkpoint as int4_checkpoint
 from tests.models.test_mxfp4 import CASE as GPT_OSS_CASE
 from tests.models.test_mxfp4 import write_mxfp4_checkpoint
@@ -37,6 +39,9 @@ CHECKPOINTS: dict[str, tuple[Callable[[Path], object], str | None]] = {
     "gptq-act-order": (lambda d: int4_checkpoint(d, "gptq", True), None),
     "compressed-tensors-w4a16": (lambda d: pack_quantized_checkpoint(d, 32, True, False), None),
     "mxfp4": (_mxfp4, None),
+    "gptq-8bit": (lambda d: gptq8_checkpoint(d, 32, False), None),
+    "compressed-tensors-w8a8-int8": (lambda d: int8_checkpoint(d, "channel", True, False), None),
+    "compressed-tensors-w8a16": (lambda d: int8_checkpoint(d, "group", False, True), None),
 }
 
 

@@ -49,7 +49,9 @@ def pack_quantized_format(cfg: dict[str, Any]) -> PackQuantized | None:
     schemes = [g.get("weights") or {} for g in groups]
     if not schemes or any(s.get("type", "int") != "int" for s in schemes):
         return None  # float (fp8) weights, or nothing quantised: not ours
-    supported = "4-bit int weights, pack-quantized, group or channel strategy, no activation quantization"
+    if all(s.get("num_bits") == 8 for s in schemes):
+        return None  # 8-bit int weights: compressed_int8.py's
+    supported = "4-bit int weights, pack-quantized, group or channel strategy, no activation quantization; 8-bit int"
     if any(s != schemes[0] for s in schemes):
         raise ValueError(f"quantization: compressed-tensors config groups with different weight schemes ({supported})")
     weights = schemes[0]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.compressed_int8 import int8_stream, int8_weights_format
 from pagedserve.services.engine.models.compressed_tensors import gptq_stream, ignored, pack_quantized_format
 from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.fp8 import (
@@ -103,7 +104,10 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict[str, Any], device: torch.d
 
 
 QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
-GPTQ8 = "gptq-8bit"  # what an 8-bit GPTQ checkpoint resolves to (`--quantization gptq` names it): models/gptq8.py
+# What 8-bit int checkpoints resolve to (`--quantization gptq` / `compressed-tensors` name them), dequantised at
+# load: models/gptq8.py, models/compressed_int8.py.
+GPTQ8 = "gptq-8bit"
+CT_INT8 = "compressed-tensors-int8"
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
@@ -120,6 +124,8 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
         return "mxfp4"
     if gptq8_format(cfg) is not None:
         return GPTQ8
+    if int8_weights_format(cfg) is not None:
+        return CT_INT8
     if (int4 := int4_format(cfg)) is not None:
         return int4[0]
     if pack_quantized_format(cfg) is not None:
@@ -150,6 +156,8 @@ def _checkpoint_stream(
     if method == GPTQ8:
         group_size, zero_offset = gptq8_format(cfg) or (0, 0)
         return gptq8_stream(tensors, group_size, zero_offset, act_order=int4_act_order(cfg))
+    if method == CT_INT8 and (int8 := int8_weights_format(cfg)) is not None:
+        return int8_stream(tensors, int8)
     if method == "fp8":
         tensors = skip_input_scales(tensors)
         return tensors if keep_experts else dequantize_experts(tensors)
@@ -230,7 +238,7 @@ def load_model(
                 shard_model(model, parallel)
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if is_sharded and (method in ("fp8", GPTQ8) or method in INT4_METHODS):
+        if is_sharded and (method in ("fp8", GPTQ8, CT_INT8) or method in INT4_METHODS):
             raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
