@@ -230,3 +230,24 @@ def test_an_outage_past_the_grace_ends_the_streams_in_flight() -> None:
     first, second = asyncio.run(scenario())
     assert isinstance(first, Disconnected) and not first.final  # the stream waits for Redis
     assert isinstance(second, Disconnected) and second.final  # the grace is over: it ends with an error
+
+
+def test_next_reply_takes_a_queued_reply_at_once_and_times_out_on_an_empty_queue() -> None:
+    """The per-token wait (frontend._next_reply): what is queued comes back in order without waiting; an empty
+    queue raises TimeoutError after its timeout, and a reply that arrives meanwhile is returned."""
+    from pagedserve.services.gateway.frontend import _next_reply
+
+    async def run() -> None:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue.put_nowait("a")
+        queue.put_nowait("b")
+        assert [await _next_reply(queue, 0.0), await _next_reply(queue, 0.0)] == ["a", "b"]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await _next_reply(queue, 0.05)
+        assert loop.time() - start >= 0.04
+        loop.call_later(0.01, queue.put_nowait, "c")
+        assert await _next_reply(queue, 5.0) == "c"
+
+    asyncio.run(run())
