@@ -1,7 +1,8 @@
 """8-bit GPTQ checkpoints: tensors written from AutoGPTQ's packing (bytes in place of nibbles, zeros stored minus
 one in v1) dequantise to the weight they mean, element by element on hand-packed values; a tiny Llama of them
 (plain groups, act order, one group per channel; settings in config.json or in quantize_config.json) generates
-what HF transformers generates with those weights; bad tensors fail at load naming them."""
+what HF transformers generates with those weights, and so does a MoE of them (experts per expert, as
+Qwen3-30B-A3B-GPTQ-Int8 stores them; routers in full precision); bad tensors fail at load naming them."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.gptq8 import dequantize_gptq8, gptq8_format
 from pagedserve.services.engine.models.int4 import Int4Linear, int4_format
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,3 +164,38 @@ def test_bad_tensors_fail_at_load_naming_them(tmp_path: Path) -> None:
     save_file({k: v for k, v in good.items() if k != "model.layers.0.mlp.down_proj.qzeros"}, str(path))
     with pytest.raises(ValueError, match=r"lack tensors: \{'model.layers.0.mlp.down_proj': \['qzeros'\]\}"):
         load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-qknorm-normtopk", "mixtral-moe-top2-renormalized"])
+def test_an_8bit_moe_checkpoint_matches_hf_on_its_weights(case: str, tmp_path: Path) -> None:
+    source, meant = tmp_path / "source", tmp_path / "meant"
+    build_tiny_model(case, source)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    written, meaning = {}, {}
+    for name, weight in tensors.items():
+        module = name.rsplit(".", 2)[-2]
+        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
+        if not is_linear or module in ROUTER_NAMES:
+            written[name] = meaning[name] = weight.contiguous()
+            continue
+        packed, meant_w = gptq8_tensors(weight.t().contiguous().float(), 16, False, seed=0)
+        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
+        meaning[name] = meant_w.t().contiguous()
+    config = json.loads((source / "config.json").read_text())
+    model_dir = tmp_path / "model"
+    for directory, state in ((model_dir, written), (meant, meaning)):
+        directory.mkdir(exist_ok=True)
+        save_file(state, str(directory / "model.safetensors"))
+    (meant / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(model_dir, dtype="float32", device="cpu", show_progress=False)
+    prompts = {0: [5, 17, 42, 99, 3, 250, 8], 1: [9, 1, 200]}
+    got = PagedDriver(ours).step(prompts)
+    for index, prompt in prompts.items():
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
