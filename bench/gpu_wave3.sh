@@ -9,6 +9,8 @@
 #   GRAPH_MODELS=smollm2-135m,llama-3.1-8b     # the shapes bench/step_graphs.py runs
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1; PARTS=w4a16 W4A16_ARGS='--rows 1,4,8 --gemv-sweep'
 #   PARTS=shapes SHAPE_MODELS=gemma-3-12b SHAPE_TP=1   # issue 20's shapes (bench/model_shapes.py), one per call
+#   PARTS=structured,hoststep,gateway STRUCTURED_RUNS='_before:--fill-threads 1 --switch-interval-ms 5;:'  # issue 23's
+#     structured ratio before/after, the host phases with json_schema rows, the gateway's CPU per token
 #   PARTS=quant QUANT_RUNS='llama-3.1-8b:gptq:1,64;llama-3.1-70b:gptq:1,64'  # model:weights:batches, each a
 #     model_shapes run with a kernel profile (issue 21); PARTS=moeq: the fp8 / int4 fused-MoE kernel timings
 # Logs and JSON go under $OUT; a short summary is printed last.
@@ -70,6 +72,13 @@ if has structured; then  # json_schema beside plain requests (issue 23): the gra
     summary+=("structured$tag rc=$?")
   done
 fi
+if has gateway; then  # the gateway's CPU per streamed token on this host's cores (bench/gateway_stream.py)
+  for mp in "" --multiprocess; do
+    timeout 300 python3 -m bench.gateway_stream --streams 256 --tokens 128 $mp --tokenizer "${TOKENIZER:-build/smollm2-tokenizer}" \
+      --json "$OUT/gateway_stream${mp:+_multiprocess}.json" >> "$OUT/gateway_stream.log" 2>&1
+  done
+  summary+=("gateway stream rc=$?")
+fi
 if has hoststep; then  # host ms per step at 256 rows, half of them json_schema, and all plain (same vocabulary)
   tok=${TOKENIZER:-build/smollm2-tokenizer}
   timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --grammar-fraction 0.5 --tokenizer "$tok" \
@@ -115,7 +124,7 @@ cat "$OUT/env.txt"
 for log in tests mxfp4 lora spec_oracle spec_ngram step_graphs model_shapes w4a16 moe_fp8 moe_w4a16; do
   [ -f "$OUT/$log.log" ] && { echo "--- $log"; tail -n 22 "$OUT/$log.log"; }
 done
-for log in "$OUT"/structured*.log "$OUT"/host_step.log; do
+for log in "$OUT"/structured*.log "$OUT"/host_step.log "$OUT"/gateway_stream.log; do
   [ -f "$log" ] && { echo "--- $log"; tail -n 8 "$log"; }
 done
 for log in "$OUT"/quant_*.log; do
