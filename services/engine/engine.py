@@ -404,8 +404,10 @@ class Engine:
         updated = self.scheduler.update(scheduled, [PLACEHOLDER_TOKEN_ID] * num_sampling)
         positions = self.placeholders.add_last(updated)
         self.profile.mark("update")
-        needs_tokens = any(r.params.reads_output_tokens for r in updated)
-        has_grammar_rows = any(r.grammar is not None for r in updated)
+        needs_tokens = has_grammar_rows = False
+        for r in updated:  # one pass over the step's rows (a per-step cost at hundreds of rows)
+            needs_tokens = needs_tokens or r.reads_output_tokens
+            has_grammar_rows = has_grammar_rows or r.grammar is not None
         return InflightStep(scheduled, handle, updated, positions, needs_tokens, has_grammar_rows)
 
     def _submit_grammar_work(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> GrammarTask | None:

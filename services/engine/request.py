@@ -62,9 +62,11 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model); roots its block hashes
     lora_slot: int = -1  # the device slot holding that adapter, pinned while the request lives (engine)
     seq_id: str = field(init=False)  # "request_id#index": the KV cache's key, read every step
+    reads_output_tokens: bool = field(init=False)  # params.reads_output_tokens, read every step
 
     def __post_init__(self) -> None:
         self.seq_id = f"{self.request_id}#{self.index}"
+        self.reads_output_tokens = self.params.reads_output_tokens
 
     @classmethod
     def create(
