@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.engine.models.gptq8 import unpack_bytes
+
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
-_BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
 _QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 _ACTIVATION_PARTS = ("input_scale", "input_zero_point")
 
@@ -73,11 +74,9 @@ def int8_weights_format(cfg: dict[str, Any]) -> Int8Weights | None:
 
 
 def unpack_int8(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """pack_to_int32's 8-bit words (value i at bits 8i, stored + 128) along `dim` (1: the inputs) -> signed values."""
-    values = ((packed[..., None] >> _BYTE_SHIFTS.to(packed.device)) & 0xFF) - 128  # [R, C, 4]
-    if dim == 0:
-        return values.permute(0, 2, 1).reshape(-1, packed.shape[1])
-    return values.reshape(packed.shape[0], -1)
+    """pack_to_int32's 8-bit words (value i at bits 8i, stored + 128) along `dim` (1: the inputs) -> signed values:
+    GPTQ's byte packing (gptq8.unpack_bytes) less the offset."""
+    return unpack_bytes(packed, dim) - 128
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int) -> torch.Tensor:
