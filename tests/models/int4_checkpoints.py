@@ -3,8 +3,17 @@ v1 packing), independently of the loader's unpacking: what a downloaded checkpoi
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from tests.models.tiny_models import build_tiny_model
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i <- column AWQ_PACK_ORDER[i] of the eight
 
@@ -171,3 +180,36 @@ def pack_quantized_config(group_size: int, symmetric: bool, act_order: bool = Fa
         },
         "ignore": ["lm_head"],
     }
+
+
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_quantized_llama(
+    model_dir: Path,
+    quantize: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+    quantization_config: dict[str, Any] | None,
+) -> PreTrainedModel:
+    """A tiny Llama whose decoder linears are rewritten by `quantize` (HF's weight [N, K] -> the linear's checkpoint
+    tensors and the [N, K] weight they mean); returns HF's model holding the meant weights (the oracle).
+    `quantization_config` goes into config.json (None: the caller writes the settings elsewhere)."""
+    hf = build_tiny_model("llama-gqa-tied-llama3rope-sharded", model_dir)
+    for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
+        path.unlink()
+    written = {}
+    for name, weight in hf.state_dict().items():
+        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            continue  # tied: the checkpoint holds the embedding once
+        if not name.endswith(".weight") or name.split(".")[-2] not in QUANTIZED_LINEARS:
+            written[name] = weight.contiguous()
+            continue
+        tensors, meaning = quantize(weight)
+        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in tensors.items()})
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(meaning)
+    save_file(written, str(model_dir / "model.safetensors"))
+    if quantization_config is not None:
+        config = json.loads((model_dir / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (model_dir / "config.json").write_text(json.dumps(config))
+    return hf

@@ -6,7 +6,6 @@ weights the checkpoint means; bad tensors fail at load naming them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +22,10 @@ from pagedserve.services.engine.models.compressed_tensors import pack_quantized_
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
-from tests.models.tiny_models import build_tiny_model, hf_greedy
+from tests.models.int4_checkpoints import _to_int32, write_quantized_llama
+from tests.models.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _to_int32(values: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy((values & 0xFFFFFFFF).astype(np.uint32).view(np.int32).copy())
 
 
 def pack8(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -120,25 +115,11 @@ def test_configs() -> None:
 
 
 def _checkpoint(model_dir: Path, strategy: str, symmetric: bool, packed: bool) -> PreTrainedModel:
-    hf = build_tiny_model("llama-gqa-tied-llama3rope-sharded", model_dir)
-    for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
-        path.unlink()
-    written = {}
-    for name, weight in hf.state_dict().items():
-        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
-            continue
-        if not name.endswith(".weight") or name.split(".")[-2] not in LINEARS:
-            written[name] = weight.contiguous()
-            continue
-        tensors, meaning = int8_tensors(weight, strategy, symmetric, packed)
-        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in tensors.items()})
-        with torch.no_grad():
-            hf.get_parameter(name).copy_(meaning)
-    save_file(written, str(model_dir / "model.safetensors"))
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = int8_config(strategy, symmetric, packed)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return hf
+    return write_quantized_llama(
+        model_dir,
+        lambda weight: int8_tensors(weight, strategy, symmetric, packed),
+        int8_config(strategy, symmetric, packed),
+    )
 
 
 @pytest.mark.parametrize(

@@ -24,15 +24,11 @@ from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
+from tests.models.int4_checkpoints import _to_int32, write_quantized_llama
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _to_int32(values: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy((values & 0xFFFFFFFF).astype(np.uint32).view(np.int32).copy())
 
 
 def pack_rows8(q: torch.Tensor) -> torch.Tensor:
@@ -107,28 +103,15 @@ def test_configs() -> None:
 def _checkpoint(model_dir: Path, group_size: int, act_order: bool, beside: bool = False) -> PreTrainedModel:
     """A tiny Llama whose decoder linears are 8-bit GPTQ; returns HF's model with the weights the checkpoint
     means. `beside`: the settings go in quantize_config.json (older AutoGPTQ exports), not config.json."""
-    hf = build_tiny_model("llama-gqa-tied-llama3rope-sharded", model_dir)
-    for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
-        path.unlink()
-    written = {}
-    for name, weight in hf.state_dict().items():
-        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
-            continue
-        if not name.endswith(".weight") or name.split(".")[-2] not in LINEARS:
-            written[name] = weight.contiguous()
-            continue
+
+    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         tensors, meaning = gptq8_tensors(weight.t().contiguous(), group_size, act_order, seed=weight.shape[1])
-        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in tensors.items()})
-        with torch.no_grad():
-            hf.get_parameter(name).copy_(meaning.t())
-    save_file(written, str(model_dir / "model.safetensors"))
+        return tensors, meaning.t()
+
     settings = {"bits": 8, "group_size": group_size or -1, "desc_act": act_order, "sym": False}
+    hf = write_quantized_llama(model_dir, quantize, None if beside else {"quant_method": "gptq", **settings})
     if beside:
         (model_dir / "quantize_config.json").write_text(json.dumps(settings))
-    else:
-        config = json.loads((model_dir / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "gptq", **settings}
-        (model_dir / "config.json").write_text(json.dumps(config))
     return hf
 
 
