@@ -83,7 +83,7 @@ if has hoststep; then  # host ms per step at 256 rows, half of them json_schema,
   tok=${TOKENIZER:-build/smollm2-tokenizer}
   timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --grammar-fraction 0.5 --tokenizer "$tok" \
     --json "$OUT/host_step_grammar.json" --cprofile "$OUT/host_step_grammar_cprofile.txt" > "$OUT/host_step.log" 2>&1
-  timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --vocab-size 49152 \
+  timeout 300 python3 -m bench.host_step --device cuda --async-scheduling --vocab-size 49152 --tokenizer "$tok" \
     --json "$OUT/host_step_plain.json" >> "$OUT/host_step.log" 2>&1
   summary+=("host step rc=$?")
 fi

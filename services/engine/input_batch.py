@@ -178,8 +178,9 @@ class BlockTableRows:
 
     def build(self, block_tables: Sequence[Sequence[int]], num_seqs: int, num_cols: int) -> np.ndarray:
         rows, cols = self._array.shape
-        if num_seqs > rows or num_cols > cols:  # grown (columns doubling: sequences lengthen a block at a time)
-            rows, cols = max(num_seqs, rows), max(num_cols, 2 * cols)
+        if num_seqs > rows or num_cols > cols:  # grown, each side doubling only when it is the one outgrown
+            rows = max(num_seqs, 2 * rows) if num_seqs > rows else rows
+            cols = max(num_cols, 2 * cols) if num_cols > cols else cols
             self._array = np.zeros((rows, cols), dtype=np.int32)
             self._lists, self._written = [None] * rows, [0] * rows
         array, lists, written = self._array, self._lists, self._written
