@@ -1,0 +1,137 @@
+"""Does xgrammar release the GIL in the calls the grammar worker makes? (issue 23's structured output)
+
+The mask worker (services/engine/structured/mask_worker.py) advances a step's matchers and fills their masks on
+a thread beside the engine thread. That only takes the work off the step if the calls run without the GIL.
+Here a pure-Python spinner thread counts while the main thread makes one call (`batch_accept_token`,
+`batch_fill_next_token_bitmask`, and the one-matcher `accept_token` / `fill_next_token_bitmask` in a loop) over
+`--rows` json_schema matchers. The spinner's progress during the call, as a share of its rate alone, says how
+much of the call another Python thread could use: about 100% = GIL released, about 0% = GIL held throughout.
+
+    python -m bench.xgrammar_gil --tokenizer DIR [--rows 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.structured_throughput import SCHEMA
+
+VOCAB = 49152  # the SmolLM2 tokenizer's
+TEXT = '{"rows": [{"id": 12, "name": "abc", "score": 1.5, "tag": "alpha"}, {"id": 3, "name": "de", "score": 2'
+
+
+class Spinner:
+    """A thread counting in Python; `rate()` is its count per second over a window."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        while not self._stop:
+            self.count += 1
+
+    def __enter__(self) -> Spinner:
+        self._thread.start()
+        time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def progress_during(self, call: Callable[[int], Any], token: int) -> tuple[float, int]:
+        """(seconds `call(token)` took, spinner counts during it)."""
+        start_count, start = self.count, time.perf_counter()
+        call(token)
+        return time.perf_counter() - start, self.count - start_count
+
+
+def solo_rate() -> float:
+    with Spinner() as spinner:
+        start_count = spinner.count
+        time.sleep(0.2)
+        return (spinner.count - start_count) / 0.2
+
+
+def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)).compile_json_schema(
+        json.dumps(SCHEMA)
+    )
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+    bitmask = torch.full(xgr.get_bitmask_shape(rows, VOCAB), -1, dtype=torch.int32)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    calls: dict[str, Callable[[int], Any]] = {
+        "batch_accept_token": lambda token: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token] * rows),
+        "batch_fill_next_token_bitmask": lambda _: batch.batch_fill_next_token_bitmask(matchers, bitmask, None),
+        "accept_token (loop)": lambda token: [m.accept_token(token) for m in matchers],
+        "fill_next_token_bitmask (loop)": lambda _: [
+            m.fill_next_token_bitmask(bitmask, i) for i, m in enumerate(matchers)
+        ],
+        "control: time.sleep(0.2 ms)": lambda _: time.sleep(0.0002),  # releases the GIL: the method's ~100%
+    }
+    rate = solo_rate()
+    shares: dict[str, list[float]] = {name: [] for name in calls}
+    millis: dict[str, list[float]] = {name: [] for name in calls}
+    token_ids = tokenizer.encode(TEXT)
+    with Spinner() as spinner:
+        for step, token in enumerate(token_ids):  # every matcher takes the same text, token by token
+            names = ["batch_fill_next_token_bitmask", "fill_next_token_bitmask (loop)"]
+            names.append("batch_accept_token" if step % 2 else "accept_token (loop)")  # one accept per token
+            names.append("control: time.sleep(0.2 ms)")
+            for name in names:
+                seconds, counts = spinner.progress_during(calls[name], token)
+                shares[name].append(counts / seconds / rate)
+                millis[name].append(seconds * 1e3)
+    return {
+        name: {
+            "calls": len(shares[name]),
+            "ms_median": round(statistics.median(millis[name]), 3),
+            "spinner_share_median": round(statistics.median(shares[name]), 3),
+        }
+        for name in calls
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", type=Path, required=True, help="a directory with the SmolLM2 tokenizer")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5, help="as the mask worker sets it")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    import xgrammar as xgr
+
+    results = measure(args.tokenizer, args.rows)
+    print(f"{args.rows} json_schema matchers; a Python spinner's progress during each call (share of its solo rate)")
+    print(f"{'call':34} {'calls':>5} {'ms median':>10} {'spinner share':>14}")
+    for name, r in results.items():
+        print(f"{name:34} {r['calls']:>5} {r['ms_median']:>10.3f} {r['spinner_share_median']:>13.0%}")
+    if args.json:
+        version = getattr(xgr, "__version__", None)
+        if version is None:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("xgrammar")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": args.rows, "xgrammar": version, "calls": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
