@@ -403,9 +403,9 @@ _FULL_GRID = 132  # one program per SM of an H100
 # dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
 DEQUANTIZE_ABOVE_ROWS = 256
 UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (benchmarks turn it off to compare)
-# default_tiled_tiles' SWAP at <= 64 rows. 2 (a tile's slices joined into one dot) passes the interpreter's tests
-# and compiles for sm_90 to one wgmma wait per tile instead of eight, but has not run on a GPU yet: bench/w4a16_gemm.py
-# --sweep times both before it becomes the default.
+# default_tiled_tiles' SWAP at <= 64 rows. 2 (a tile's slices joined into one dot) compiles for sm_90 to one wgmma
+# wait per tile instead of eight and passes the GPU tests, but the H200 sweep of 2026-11-28 found SWAP 1 the best
+# tile for every 8B linear at 16 and 64 rows (bench/results/wave3_h200_2026-11-28/): it stays off.
 JOINED_SWAP = 1
 
 
