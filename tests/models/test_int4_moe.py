@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.services.engine.models import load_model
-from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.int4 import Int4Linear, dequantize_experts, repack_experts
 from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
 from tests.models.paged_driver import PagedDriver
@@ -88,3 +88,22 @@ def test_an_expert_missing_a_tensor_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"4-bit experts lack tensors: .*experts\.3\.up_proj': \['g_idx'\]"):
         load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+
+
+def test_expert_rows_in_act_order_under_desc_act_false_are_refused(tmp_path: Path) -> None:
+    """A checkpoint whose experts' g_idx reorders rows while its config says desc_act: false would load as
+    wrong weights if the g_idx were dropped; it fails naming the tensor, before or after the packed parts."""
+    _write_4bit(MOE_CASES[2], tmp_path, "gptq", True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"experts\.\d+\.\w+_proj\.g_idx: rows in act order, but the config's desc_act"
+    ):
+        load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    linear = "model.layers.1.mlp.experts.3.up_proj"
+    late = [(f"{linear}.{part}", tensors[f"{linear}.{part}"]) for part in ("qweight", "qzeros", "scales", "g_idx")]
+    for stream in (dequantize_experts(late, "gptq", GROUP, 0, False), repack_experts(late, "gptq", GROUP, 0)):
+        with pytest.raises(ValueError, match=rf"{linear}\.g_idx: rows in act order"):
+            list(stream)

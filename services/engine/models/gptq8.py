@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.engine.models.int4 import check_plain_g_idx
+
 _PARTS = ("qweight", "qzeros", "scales")
 _BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
 
@@ -71,7 +73,7 @@ def gptq8_stream(
             yield name, tensor
             continue
         if linear in plain_rows:  # a g_idx after its linear was converted with plain groups
-            _check_plain(name, tensor, plain_rows[linear], group_size)
+            check_plain_g_idx(name, tensor, plain_rows[linear], group_size)
             continue
         parts = pending.setdefault(linear, {})
         parts[part] = tensor
@@ -106,12 +108,6 @@ def _dequantized(
         if tuple(g_idx.shape) != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups:
             raise ValueError(f"{linear}.g_idx: shape {tuple(g_idx.shape)} or groups outside 0..{num_groups - 1}")
         if not act_order:
-            _check_plain(f"{linear}.g_idx", g_idx, k, group_size)
+            check_plain_g_idx(f"{linear}.g_idx", g_idx, k, group_size)
     weight = dequantize_gptq8(qweight, qzeros, scales, g_idx if act_order else None, group_size, zero_offset)
     return weight.t().contiguous()  # [K, N] -> HF's [N, K]
-
-
-def _check_plain(name: str, g_idx: torch.Tensor, k: int, group_size: int) -> None:
-    plain = torch.arange(k) // (group_size or k)
-    if g_idx.shape != plain.shape or not torch.equal(g_idx.long().cpu(), plain):
-        raise ValueError(f"{name}: rows in act order, but the config's desc_act is false")

@@ -315,7 +315,7 @@ def dequantize_experts(
     def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return [(f"{linear}.weight", _dequantized_expert(linear, parts, fmt, group_size, zero_offset, act_order))]
 
-    return _each_expert_linear(tensors, fmt, act_order, convert)
+    return _each_expert_linear(tensors, fmt, group_size, act_order, convert)
 
 
 def repack_experts(
@@ -329,35 +329,45 @@ def repack_experts(
     def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return _repacked_expert(linear, parts, fmt, group_size, zero_offset)
 
-    return _each_expert_linear(tensors, fmt, False, convert)
+    return _each_expert_linear(tensors, fmt, group_size, False, convert)
 
 
 def _each_expert_linear(
     tensors: Iterable[tuple[str, torch.Tensor]],
     fmt: str,
+    group_size: int,
     act_order: bool,
     convert: Callable[[str, dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Gathers each expert linear's qweight/qzeros/scales (and act order's g_idx) in any order, then yields what
     `convert` makes of them; other tensors pass through."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    done: set[str] = set()
+    done: dict[str, int] = {}  # converted expert linears: their number of inputs, to check a late g_idx
     for name, tensor in tensors:
         linear, _, part = name.rpartition(".")
         if ".experts." not in name or part not in (*_PACKED, "g_idx"):
             yield name, tensor
             continue
-        if linear in done:  # a plain g_idx after its expert was converted
+        if linear in done:  # a g_idx after its expert was converted with plain groups: it must be plain
+            check_plain_g_idx(name, tensor, done[linear], group_size)
             continue
         parts = pending.setdefault(linear, {})
         parts[part] = tensor
         if all(p in parts for p in _PACKED) and (fmt != "gptq" or not act_order or "g_idx" in parts):
             del pending[linear]
-            done.add(linear)
+            done[linear] = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
             yield from convert(linear, parts)
     if pending:
         missing = {linear: sorted(set(_PACKED) - set(parts)) or ["g_idx"] for linear, parts in pending.items()}
         raise ValueError(f"4-bit experts lack tensors: {dict(list(missing.items())[:4])}")
+
+
+def check_plain_g_idx(name: str, g_idx: torch.Tensor, num_inputs: int, group_size: int) -> None:
+    """A g_idx the config says is not act order (desc_act false) must be the plain k // G: one that reorders rows
+    would be ignored, silently giving wrong weights."""
+    plain = torch.arange(num_inputs) // (group_size or num_inputs)
+    if g_idx.shape != plain.shape or not torch.equal(g_idx.long().cpu(), plain):
+        raise ValueError(f"{name}: rows in act order, but the config's desc_act is false")
 
 
 def _repacked_expert(
@@ -387,7 +397,10 @@ def _dequantized_expert(
 ) -> torch.Tensor:
     num_inputs = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
     groups = group_size or num_inputs  # 0: per output channel
-    g_idx = parts.get("g_idx") if act_order else None
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and not act_order:  # plain k // G, or rows the config says are not reordered
+        check_plain_g_idx(f"{linear}.g_idx", g_idx, num_inputs, group_size)
+        g_idx = None
     try:
         scales = parts["scales"].float()  # fp16 in checkpoints: the products rounded to fp16 would lose bits
         weight = dequantize(fmt, parts["qweight"], parts["qzeros"], scales, g_idx, groups, zero_offset)
