@@ -189,10 +189,12 @@ def write_quantized_llama(
     model_dir: Path,
     quantize: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
     quantization_config: dict[str, Any] | None,
+    keep_full: Callable[[str], bool] = lambda name: False,
 ) -> PreTrainedModel:
     """A tiny Llama whose decoder linears are rewritten by `quantize` (HF's weight [N, K] -> the linear's checkpoint
     tensors and the [N, K] weight they mean); returns HF's model holding the meant weights (the oracle).
-    `quantization_config` goes into config.json (None: the caller writes the settings elsewhere)."""
+    `quantization_config` goes into config.json (None: the caller writes the settings elsewhere); the weights
+    `keep_full` names (e.g. model.layers.0.mlp.down_proj.weight) stay in full precision."""
     hf = build_tiny_model("llama-gqa-tied-llama3rope-sharded", model_dir)
     for path in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
         path.unlink()
@@ -200,7 +202,7 @@ def write_quantized_llama(
     for name, weight in hf.state_dict().items():
         if name == "lm_head.weight" and hf.config.tie_word_embeddings:
             continue  # tied: the checkpoint holds the embedding once
-        if not name.endswith(".weight") or name.split(".")[-2] not in QUANTIZED_LINEARS:
+        if not name.endswith(".weight") or name.split(".")[-2] not in QUANTIZED_LINEARS or keep_full(name):
             written[name] = weight.contiguous()
             continue
         tensors, meaning = quantize(weight)

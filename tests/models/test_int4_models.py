@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.int4 import Int4Linear
-from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, write_quantized_llama
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -69,3 +69,52 @@ def test_quantization_flag_must_name_the_checkpoints_method(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="quantization 'awq': the checkpoint's weights are 'gptq'"):
         load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantization="awq")
     load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantization="gptq")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "skips", "full", "num_int4"),
+    [
+        # AutoAWQ / transformers: modules whose name contains an entry stay full precision (both down_proj, and
+        # layer 0's fused qkv and o)
+        (
+            "awq",
+            {"modules_to_not_convert": ["down_proj", "layers.0.self_attn"]},
+            ("down_proj", "layers.0.self_attn"),
+            4,
+        ),
+        # GPTQModel: a "-:" dynamic rule's regex names modules it skipped (layer 1's fused gate_up)
+        (
+            "gptq",
+            {"dynamic": {r"-:.*\.layers\.1\.mlp\.(gate|up)_proj": {}}},
+            ("layers.1.mlp.gate", "layers.1.mlp.up"),
+            7,
+        ),
+    ],
+)
+def test_linears_the_checkpoint_left_in_full_precision(
+    tmp_path: Path, fmt: str, skips: dict[str, object], full: tuple[str, ...], num_int4: int
+) -> None:
+    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        w = weight.t().contiguous()
+        tensors, meaning = awq_tensors(w, GROUP) if fmt == "awq" else gptq_tensors(w, GROUP, False, seed=len(w))
+        return tensors, meaning.t()
+
+    settings = {"quant_method": fmt, "bits": 4, "group_size": GROUP, **skips}
+    settings |= {"version": "gemm", "zero_point": True} if fmt == "awq" else {"desc_act": False, "sym": False}
+    hf = write_quantized_llama(tmp_path, quantize, settings, keep_full=lambda name: any(f in name for f in full))
+    ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+    assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == num_int4  # of 2 layers x (qkv, o, gate_up, down)
+    got = PagedDriver(ours).step(PROMPTS)
+    for index, prompt in PROMPTS.items():
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+
+
+def test_gptqmodel_per_module_overrides_are_refused(tmp_path: Path) -> None:
+    _quantize_checkpoint(tmp_path, "gptq", False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {r"+:.*down_proj": {"bits": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPTQModel's per-module overrides .*not supported"):
+        load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)

@@ -146,12 +146,19 @@ def ignored(scheme: PackQuantized) -> Callable[[str], bool]:
             for target in scheme.ignore
         )
 
-    def is_ignored(name: str) -> bool:
+    return any_part(matches)
+
+
+def any_part(matches: Callable[[str], bool]) -> Callable[[str], bool]:
+    """`matches` of a checkpoint's module names, for our module names: a fused linear (qkv_proj, gate_up_proj)
+    matches when any of the checkpoint's parts it holds does."""
+
+    def match_ours(name: str) -> bool:
         prefix, _, leaf = name.rpartition(".")
         parts = [hf for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf] or [leaf]
         return any(matches(f"{prefix}.{part}") for part in parts)
 
-    return is_ignored
+    return match_ours
 
 
 def _int32(tensor: torch.Tensor, suffix: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ Fused q/k/v and gate/up load as output-column shards, like the full-precision la
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.expert_quant import pack_int4
+from pagedserve.services.engine.models.compressed_tensors import any_part
 from pagedserve.services.engine.models.int4_repack import (
     can_tile,
     group_sort,
@@ -101,8 +103,26 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
         if version != "gemm":
             raise ValueError(f"quantization: AWQ version {version!r} is not supported (gemm only)")
         return "awq", group_size, 0
+    overrides = {key: rule for key, rule in (qc.get("dynamic") or {}).items() if not str(key).startswith("-:")}
+    if any(rule.get(field, qc.get(field)) != qc.get(field) for rule in overrides.values() for field in rule):
+        raise ValueError(
+            f"quantization: GPTQModel's per-module overrides (dynamic {sorted(overrides)}) are not supported "
+            "(one bit width and group size for every linear; '-:' rules that skip modules are)"
+        )
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
     return "gptq", group_size, offset
+
+
+def unconverted_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
+    """Which of our linears an AWQ / GPTQ checkpoint left in full precision, or None (all are 4-bit):
+    `modules_to_not_convert` (AutoAWQ, transformers: a module whose name contains one of them) and GPTQModel's
+    `dynamic` rules whose key is "-:<regex>" (modules matching it were skipped)."""
+    qc = cfg.get("quantization_config") or {}
+    contained = [str(key) for key in qc.get("modules_to_not_convert") or ()]
+    skipped = [re.compile(key[2:]) for key in qc.get("dynamic") or {} if str(key).startswith("-:")]
+    if not contained and not skipped:
+        return None
+    return any_part(lambda name: any(key in name for key in contained) or any(p.match(name) for p in skipped))
 
 
 class Int4Linear(nn.Module):

@@ -28,7 +28,13 @@ from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
 from pagedserve.services.engine.models.gptq8 import gptq8_format, gptq8_stream
-from pagedserve.services.engine.models.int4 import Int4Linear, int4_format, quantize_linears_int4, repack_experts
+from pagedserve.services.engine.models.int4 import (
+    Int4Linear,
+    int4_format,
+    quantize_linears_int4,
+    repack_experts,
+    unconverted_linears,
+)
 from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
@@ -144,7 +150,7 @@ def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any]) -> int:
         assert scheme is not None
         return quantize_linears_int4(model, "gptq", scheme.group_size, 0, keep=ignored(scheme))
     fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
-    return quantize_linears_int4(model, fmt, group_size, zero_offset)
+    return quantize_linears_int4(model, fmt, group_size, zero_offset, keep=unconverted_linears(cfg))
 
 
 def _checkpoint_stream(
