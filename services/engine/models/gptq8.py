@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.services.engine.models.int4 import check_plain_g_idx
+from pagedserve.services.engine.models.int4 import check_plain_g_idx, refuse_per_module_overrides
 
 _PARTS = ("qweight", "qzeros", "scales")
 _BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
@@ -31,6 +31,7 @@ def gptq8_format(cfg: dict[str, Any]) -> tuple[int, int] | None:
     qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") != "gptq" or qc.get("bits") != 8:
         return None
+    refuse_per_module_overrides(qc)
     group_size = int(qc.get("group_size", 128))
     return max(group_size, 0), 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
 

@@ -103,14 +103,19 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
         if version != "gemm":
             raise ValueError(f"quantization: AWQ version {version!r} is not supported (gemm only)")
         return "awq", group_size, 0
+    refuse_per_module_overrides(qc)
+    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
+    return "gptq", group_size, offset
+
+
+def refuse_per_module_overrides(qc: dict[str, Any]) -> None:
+    """GPTQModel's `dynamic` rules other than "-:" (skip) give some modules their own bits or group size."""
     overrides = {key: rule for key, rule in (qc.get("dynamic") or {}).items() if not str(key).startswith("-:")}
     if any(rule.get(field, qc.get(field)) != qc.get(field) for rule in overrides.values() for field in rule):
         raise ValueError(
             f"quantization: GPTQModel's per-module overrides (dynamic {sorted(overrides)}) are not supported "
             "(one bit width and group size for every linear; '-:' rules that skip modules are)"
         )
-    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
-    return "gptq", group_size, offset
 
 
 def unconverted_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
