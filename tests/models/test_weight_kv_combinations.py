@@ -17,6 +17,7 @@ from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 from tests.models.test_compressed_int8 import _checkpoint as int8_checkpoint
 from tests.models.test_compressed_tensors import _checkpoint as pack_quantized_checkpoint
+from tests.models.test_fp8_block import write_block_fp8
 from tests.models.test_gptq8 import _checkpoint as gptq8_checkpoint
 from tests.models.test_int4_models import _quantize_checkpoint as int4_checkpoint
 from tests.models.test_mxfp4 import CASE as GPT_OSS_CASE
@@ -42,6 +43,7 @@ CHECKPOINTS: dict[str, tuple[Callable[[Path], object], str | None]] = {
     "gptq-8bit": (lambda d: gptq8_checkpoint(d, 32, False), None),
     "compressed-tensors-w8a8-int8": (lambda d: int8_checkpoint(d, "channel", True, False), None),
     "compressed-tensors-w8a16": (lambda d: int8_checkpoint(d, "group", False, True), None),
+    "fp8-block": (lambda d: write_block_fp8(LLAMA, d, "fp8"), None),
 }
 
 

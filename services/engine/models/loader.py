@@ -24,6 +24,7 @@ from pagedserve.services.engine.models.fp8 import (
     quantize_linears,
     skip_input_scales,
 )
+from pagedserve.services.engine.models.fp8_block import block_fp8_format, block_fp8_stream
 from pagedserve.services.engine.models.gemma import GemmaForCausalLM
 from pagedserve.services.engine.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.services.engine.models.gpt_oss import GptOssForCausalLM
@@ -114,6 +115,7 @@ QUANTIZATIONS = ("none", "fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
 # load: models/gptq8.py, models/compressed_int8.py.
 GPTQ8 = "gptq-8bit"
 CT_INT8 = "compressed-tensors-int8"
+FP8_BLOCK = "fp8-block"  # block-wise FP8 checkpoints, dequantised at load: models/fp8_block.py
 
 
 def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
@@ -136,6 +138,8 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
         return int4[0]
     if pack_quantized_format(cfg) is not None:
         return "compressed-tensors"
+    if block_fp8_format(cfg) is not None:  # before "fp8": `--quantization fp8` names this checkpoint's method too
+        return FP8_BLOCK
     if quantization == "fp8" or checkpoint_is_fp8(cfg):
         return "fp8"
     if quantization == "compressed-tensors":
@@ -164,6 +168,8 @@ def _checkpoint_stream(
         return gptq8_stream(tensors, group_size, zero_offset, act_order=int4_act_order(cfg))
     if method == CT_INT8 and (int8 := int8_weights_format(cfg)) is not None:
         return int8_stream(tensors, int8)
+    if method == FP8_BLOCK and (block := block_fp8_format(cfg)) is not None:
+        return block_fp8_stream(tensors, block)
     if method == "fp8":
         tensors = skip_input_scales(tensors)
         return tensors if keep_experts else dequantize_experts(tensors)
@@ -244,7 +250,7 @@ def load_model(
                 shard_model(model, parallel)
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if is_sharded and (method in ("fp8", GPTQ8, CT_INT8) or method in INT4_METHODS):
+        if is_sharded and (method in ("fp8", GPTQ8, CT_INT8, FP8_BLOCK) or method in INT4_METHODS):
             raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
