@@ -54,6 +54,40 @@ def test_unsupported_architecture_names_the_supported_ones(llama_dir: Path, tmp_
         assert arch in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("quantization_config", "message"),
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"method 'bitsandbytes' is not supported \(awq, gptq"),
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, r"method 'modelopt' is not supported"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4, "strategy": "tensor_group"}}},
+            },
+            r"compressed-tensors weights \['float 4-bit tensor_group'\].*not supported: float 8-bit",
+        ),
+    ],
+)
+@pytest.mark.parametrize("flag", [None, "fp8"])
+def test_weights_no_reader_takes_are_refused_at_start(
+    llama_dir: Path, tmp_path: Path, quantization_config: dict[str, object], message: str, flag: str | None
+) -> None:
+    """Loading them as full precision (or quantizing them online) would serve garbage."""
+    model_dir = copy_with_config(llama_dir, tmp_path / "m", quantization_config=quantization_config)
+    with pytest.raises(ValueError, match=message):
+        load_model(model_dir, show_progress=False, quantization=flag)
+
+
+def test_a_compressed_tensors_config_without_quantized_weights_loads_full_precision(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """An fp8 KV cache's scheme alone (no config group quantizes weights): the weights are as they are."""
+    kv_only = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"type": "float", "num_bits": 8}}
+    model_dir = copy_with_config(llama_dir, tmp_path / "m", quantization_config=kv_only)
+    torch.testing.assert_close(prompt_logits(model_dir), prompt_logits(llama_dir), rtol=0, atol=0)
+
+
 def test_max_model_len_is_checked_against_the_config(llama_dir: Path) -> None:
     assert load_model(llama_dir, show_progress=False).spec.max_model_len == 256
     assert load_model(llama_dir, max_model_len=100, show_progress=False).spec.max_model_len == 100

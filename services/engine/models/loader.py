@@ -140,11 +140,36 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
         return "compressed-tensors"
     if block_fp8_format(cfg) is not None:  # before "fp8": `--quantization fp8` names this checkpoint's method too
         return FP8_BLOCK
-    if quantization == "fp8" or checkpoint_is_fp8(cfg):
+    if checkpoint_is_fp8(cfg):
+        return "fp8"
+    _refuse_unread_weights(qc)  # before online fp8: it would quantize what it misreads
+    if quantization == "fp8":
         return "fp8"
     if quantization == "compressed-tensors":
-        raise ValueError("quantization 'compressed-tensors': only int4 pack-quantized and fp8 weights are supported")
+        raise ValueError("quantization 'compressed-tensors': the checkpoint's weights are not quantized")
     return "none"
+
+
+def _refuse_unread_weights(qc: dict[str, Any]) -> None:
+    """A quantization_config none of the readers above took: its weights would load as garbage, so refuse it
+    (a compressed-tensors config that quantizes no weights, e.g. an fp8 KV cache only, loads as full precision)."""
+    method = qc.get("quant_method")
+    if method is None:
+        return
+    if method == "compressed-tensors":
+        weights = [g.get("weights") for g in (qc.get("config_groups") or {}).values() if g.get("weights")]
+        if not weights:
+            return
+        schemes = {f"{w.get('type', 'int')} {w.get('num_bits')}-bit {w.get('strategy', '')}".strip() for w in weights}
+        found = sorted(schemes)
+        raise ValueError(
+            f"quantization: compressed-tensors weights {found} (format {qc.get('format')!r}) are not supported: "
+            "float 8-bit (tensor, channel or block scales), int 4-bit pack-quantized (W4A16), int 8-bit (W8A8-INT8, "
+            "W8A16)"
+        )
+    raise ValueError(
+        f"quantization: the checkpoint's method {method!r} is not supported (awq, gptq, fp8, compressed-tensors, mxfp4)"
+    )
 
 
 def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any]) -> int:
