@@ -26,10 +26,11 @@ PROMPTS = {0: [5, 17, 42, 99, 3, 250, 8], 1: [9, 1, 200]}
 MOE_CASES = ["mixtral-moe-top2-renormalized", "qwen2_moe-shared-expert-dense-layer0", "qwen3_moe-qknorm-normtopk"]
 
 
-def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool) -> PreTrainedModel:
+def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool, group: int = GROUP) -> PreTrainedModel:
     """The case's checkpoint with its decoder linears (experts too, per expert as checkpoints store them; not
     routers) rewritten as 4-bit tensors; returns HF's model loaded from the weights they mean (the oracle).
-    GPTQ without act order still writes each linear's plain g_idx, as AutoGPTQ does."""
+    GPTQ without act order still writes each linear's plain g_idx, as AutoGPTQ does. `group` 0: GPTQ per output
+    channel (group_size -1 in the config)."""
     source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
     build_tiny_model(case, source)
     tensors: dict[str, torch.Tensor] = {}
@@ -47,8 +48,8 @@ def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool) -> PreTra
         if fmt == "awq":
             packed, meant_w = awq_tensors(w, GROUP)
         else:
-            packed, meant_w = gptq_tensors(w, GROUP, act_order, seed=len(w))
-            packed.setdefault("g_idx", (torch.arange(len(w)) // GROUP).to(torch.int32))
+            packed, meant_w = gptq_tensors(w, group or len(w), act_order, seed=len(w))
+            packed.setdefault("g_idx", (torch.arange(len(w)) // (group or len(w))).to(torch.int32))
         base = name.removesuffix(".weight")
         written.update({f"{base}.{key}": value for key, value in packed.items()})
         meaning[name] = meant_w.t().contiguous()
@@ -60,7 +61,7 @@ def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool) -> PreTra
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
         if fmt == "awq"
-        else {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order, "sym": False}
+        else {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "desc_act": act_order, "sym": False}
     )
     (model_dir / "config.json").write_text(json.dumps(config))
     hf = AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager")
@@ -107,3 +108,16 @@ def test_expert_rows_in_act_order_under_desc_act_false_are_refused(tmp_path: Pat
     for stream in (dequantize_experts(late, "gptq", GROUP, 0, False), repack_experts(late, "gptq", GROUP, 0)):
         with pytest.raises(ValueError, match=rf"{linear}\.g_idx: rows in act order"):
             list(stream)
+
+
+@pytest.mark.parametrize("quantized_experts", [False, True], ids=["dequantised", "packed"])
+def test_per_channel_gptq_loads_and_matches_hf(quantized_experts: bool, tmp_path: Path) -> None:
+    """GPTQ's group_size -1 (one scale and zero per output channel), attention and experts."""
+    hf = _write_4bit(MOE_CASES[2], tmp_path, "gptq", False, group=0)
+    ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantized_experts=quantized_experts)
+    assert any(isinstance(m, Int4Linear) and m.group_size == m.in_features for m in ours.modules())
+    got = PagedDriver(ours).step(PROMPTS)
+    for index, prompt in PROMPTS.items():
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)

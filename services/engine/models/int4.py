@@ -84,8 +84,9 @@ def dequantize(
 
 
 def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
-    """(format, group size, zero offset) of a 4-bit AWQ/GPTQ checkpoint's config.json, or None (8-bit GPTQ too);
-    raises ValueError naming what is not supported (other bit widths, AWQ's gemv/marlin packings)."""
+    """(format, group size (0: per output channel), zero offset) of a 4-bit AWQ/GPTQ checkpoint's config.json, or
+    None (8-bit GPTQ too); raises ValueError naming what is not supported (other bit widths, AWQ's gemv/marlin
+    packings, per-channel AWQ)."""
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
     if method not in FORMATS:
@@ -96,8 +97,9 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
     if bits != 4:
         raise ValueError(f"quantization: {method} with {bits}-bit weights is not supported (4-bit; GPTQ also 8-bit)")
     group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    if group_size <= 0:
-        raise ValueError(f"quantization: {method} group_size {group_size} (per-channel) is not supported")
+    if group_size <= 0 and method == "awq":
+        raise ValueError(f"quantization: AWQ group_size {group_size} (per-channel) is not supported (groups of rows)")
+    group_size = max(group_size, 0)  # GPTQ's -1: one group of each linear's inputs (per output channel)
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
