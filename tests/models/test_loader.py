@@ -59,6 +59,9 @@ def test_unsupported_architecture_names_the_supported_ones(llama_dir: Path, tmp_
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"method 'bitsandbytes' is not supported \(awq, gptq"),
         ({"quant_method": "modelopt", "quant_algo": "FP8"}, r"method 'modelopt' is not supported"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, r"AWQ without zero points"),
+        ({"quant_method": "awq", "bits": 4, "group_size": -1}, r"AWQ group_size -1 \(per-channel\) is not supported"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"gptq with 3-bit weights is not supported"),
         (
             {
                 "quant_method": "compressed-tensors",

@@ -104,6 +104,8 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"quantization: AWQ version {version!r} is not supported (gemm only)")
+        if qc.get("zero_point") is False:  # symmetric AWQ stores no qzeros
+            raise ValueError("quantization: AWQ without zero points (zero_point: false) is not supported")
         return "awq", group_size, 0
     refuse_per_module_overrides(qc)
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
