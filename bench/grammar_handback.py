@@ -2,7 +2,7 @@
 
 The engine thread submits a step's grammar work (advance 128 json_schema matchers by a token, fill their masks)
 to the mask worker, runs `--engine-ms` of pure Python (what a host-bound step does between kernels), then joins.
-The worker's calls (xgrammar's hold the GIL too: bench/xgrammar_gil.py) need it back from the busy engine
+The worker's xgrammar calls run without the GIL, but the Python around them needs it back from the busy engine
 thread; how long that takes is Python's switch interval. Reported: the join's wait (the grammar work left on the
 critical path) and the whole step, per switch interval and fill-thread count. Any machine; no GPU needed.
 

@@ -66,6 +66,7 @@ def solo_rate() -> float:
 
 
 def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
+    """Each call's time alone, then beside the spinner (fresh matchers, the same tokens), and the spinner's share."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
@@ -73,38 +74,49 @@ def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)).compile_json_schema(
         json.dumps(SCHEMA)
     )
-    matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
-    bitmask = torch.full(xgr.get_bitmask_shape(rows, VOCAB), -1, dtype=torch.int32)
-    batch = xgr.BatchGrammarMatcher(max_threads=1)
-    calls: dict[str, Callable[[int], Any]] = {
-        "batch_accept_token": lambda token: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token] * rows),
-        "batch_fill_next_token_bitmask": lambda _: batch.batch_fill_next_token_bitmask(matchers, bitmask, None),
-        "accept_token (loop)": lambda token: [m.accept_token(token) for m in matchers],
-        "fill_next_token_bitmask (loop)": lambda _: [
-            m.fill_next_token_bitmask(bitmask, i) for i, m in enumerate(matchers)
-        ],
-        "control: time.sleep(0.2 ms)": lambda _: time.sleep(0.0002),  # releases the GIL: the method's ~100%
-    }
-    rate = solo_rate()
-    shares: dict[str, list[float]] = {name: [] for name in calls}
-    millis: dict[str, list[float]] = {name: [] for name in calls}
     token_ids = tokenizer.encode(TEXT)
-    with Spinner() as spinner:
-        for step, token in enumerate(token_ids):  # every matcher takes the same text, token by token
+    rate = solo_rate()
+
+    def run_pass(spinner: Spinner | None) -> dict[str, list[tuple[float, float]]]:
+        """Per call name: (ms, spinner share) of each call; every matcher takes the same text, token by token."""
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+        bitmask = torch.full(xgr.get_bitmask_shape(rows, VOCAB), -1, dtype=torch.int32)
+        batch = xgr.BatchGrammarMatcher(max_threads=1)
+        calls: dict[str, Callable[[int], Any]] = {
+            "batch_accept_token": lambda token: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token] * rows),
+            "batch_fill_next_token_bitmask": lambda _: batch.batch_fill_next_token_bitmask(matchers, bitmask, None),
+            "accept_token (loop)": lambda token: [m.accept_token(token) for m in matchers],
+            "fill_next_token_bitmask (loop)": lambda _: [
+                m.fill_next_token_bitmask(bitmask, i) for i, m in enumerate(matchers)
+            ],
+            "control: time.sleep(0.2 ms)": lambda _: time.sleep(0.0002),  # releases the GIL once
+        }
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+        for step, token in enumerate(token_ids):
             names = ["batch_fill_next_token_bitmask", "fill_next_token_bitmask (loop)"]
             names.append("batch_accept_token" if step % 2 else "accept_token (loop)")  # one accept per token
             names.append("control: time.sleep(0.2 ms)")
             for name in names:
-                seconds, counts = spinner.progress_during(calls[name], token)
-                shares[name].append(counts / seconds / rate)
-                millis[name].append(seconds * 1e3)
+                if spinner is None:
+                    start = time.perf_counter()
+                    calls[name](token)
+                    results[name].append(((time.perf_counter() - start) * 1e3, 0.0))
+                else:
+                    seconds, counts = spinner.progress_during(calls[name], token)
+                    results[name].append((seconds * 1e3, counts / seconds / rate))
+        return results
+
+    alone = run_pass(None)
+    with Spinner() as spinner:
+        beside = run_pass(spinner)
     return {
         name: {
-            "calls": len(shares[name]),
-            "ms_median": round(statistics.median(millis[name]), 3),
-            "spinner_share_median": round(statistics.median(shares[name]), 3),
+            "calls": len(beside[name]),
+            "ms_alone_median": round(statistics.median(ms for ms, _ in alone[name]), 3),
+            "ms_beside_spinner_median": round(statistics.median(ms for ms, _ in beside[name]), 3),
+            "spinner_share_median": round(statistics.median(share for _, share in beside[name]), 3),
         }
-        for name in calls
+        for name in beside
     }
 
 
@@ -119,10 +131,14 @@ def main() -> None:
     import xgrammar as xgr
 
     results = measure(args.tokenizer, args.rows)
-    print(f"{args.rows} json_schema matchers; a Python spinner's progress during each call (share of its solo rate)")
-    print(f"{'call':34} {'calls':>5} {'ms median':>10} {'spinner share':>14}")
+    print(f"{args.rows} json_schema matchers, switch interval {args.switch_interval_ms} ms: each call alone, beside a")
+    print("busy Python thread, and that thread's progress during the call (share of its rate alone)")
+    print(f"{'call':34} {'calls':>5} {'ms alone':>9} {'ms beside':>10} {'spinner share':>14}")
     for name, r in results.items():
-        print(f"{name:34} {r['calls']:>5} {r['ms_median']:>10.3f} {r['spinner_share_median']:>13.0%}")
+        print(
+            f"{name:34} {r['calls']:>5} {r['ms_alone_median']:>9.3f} {r['ms_beside_spinner_median']:>10.3f} "
+            f"{r['spinner_share_median']:>13.0%}"
+        )
     if args.json:
         version = getattr(xgr, "__version__", None)
         if version is None:
@@ -130,7 +146,13 @@ def main() -> None:
 
             version = dist_version("xgrammar")
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": args.rows, "xgrammar": version, "calls": results}, indent=1) + "\n")
+        report = {
+            "rows": args.rows,
+            "switch_interval_ms": args.switch_interval_ms,
+            "xgrammar": version,
+            "calls": results,
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

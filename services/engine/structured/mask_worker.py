@@ -3,13 +3,12 @@
     engine thread:  schedule N+1 | submit | prepare N+1, launch its forward | join: copy masks, sample
     worker:                      | wait for N's tokens, advance the grammars | fill N+1's masks |
 
-The worker runs while the engine thread prepares and launches the step, instead of after it. It overlaps the
-engine thread's waits on the device (and, once tokens arrive, the GPU's forward pass), not its Python: xgrammar
-0.2.8 holds the GIL through its matcher calls, batched ones included (bench/xgrammar_gil.py: a Python thread
-makes no progress during them), so on a host-bound step their time still lands on the step (the H200 run of
-2026-11-28: ~1 ms a step at 128 json_schema rows; bench/results/wave3_h200_2026-11-28/). The engine joins the
-work (`GrammarTask.join`) before sampling and before it reads step N's tokens; between submit and join it
-touches none of the grammars it handed over.
+xgrammar's matcher calls run in C++ without the GIL, so the worker runs while the engine thread's Python
+prepares and launches the step, instead of after it. Each call takes the GIL back, though, and beside a thread
+busy in Python every take-back waits up to the switch interval (bench/xgrammar_gil.py: a batched accept of 128
+matchers took 0.17 ms alone and ~5 ms beside a busy thread at a 0.5 ms interval). The engine joins the work
+(`GrammarTask.join`) before sampling and before it reads step N's tokens; between submit and join it touches
+none of the grammars it handed over.
 
 Masks are filled into rows 0..k-1 of a pinned host buffer (two, used in turn: the copy out of one may
 still wait behind a forward pass on the device while the worker fills the other), so only the grammar
@@ -32,7 +31,7 @@ NUM_HOST_BUFFERS = 2
 # xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
 # 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
 FILL_THREADS = 1
-# The worker's calls need the GIL back from the engine thread, which runs
+# The worker's Python between its GIL-free xgrammar calls needs the GIL back from the engine thread, which runs
 # Python between kernels: with the default 5 ms switch interval each hand-back could wait out most of a step
 # (bench/grammar_handback.py, 2 ms of engine Python: 1.2-2.0 ms of join wait at 5 ms, 0.2 ms at 0.5 ms).
 SWITCH_INTERVAL_S = 0.0005

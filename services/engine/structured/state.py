@@ -79,8 +79,8 @@ class GrammarState:
 
 
 def accept_all(grammars: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
-    """`GrammarState.accept` for many grammars, their matchers advanced in one xgrammar call (one C++ loop
-    instead of a Python call per matcher; it holds the GIL: bench/xgrammar_gil.py)."""
+    """`GrammarState.accept` for many grammars, their matchers advanced in one xgrammar call that releases the
+    GIL (the mask worker then holds up the engine's thread only for the Python around it)."""
     accepted = [True] * len(grammars)
     batch: list[int] = []
     for i, (grammar, token_id) in enumerate(zip(grammars, token_ids, strict=True)):
