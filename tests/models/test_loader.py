@@ -63,6 +63,14 @@ def test_unsupported_architecture_names_the_supported_ones(llama_dir: Path, tmp_
         ({"quant_method": "awq", "bits": 4, "group_size": -1}, r"AWQ group_size -1 \(per-channel\) is not supported"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"gptq with 3-bit weights is not supported"),
         (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+            r"GPTQ checkpoint_format 'marlin' is not supported \(gptq, gptq_v2\)",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 8, "group_size": 128, "checkpoint_format": "bitblas"},
+            r"GPTQ checkpoint_format 'bitblas' is not supported",
+        ),
+        (
             {
                 "quant_method": "compressed-tensors",
                 "format": "nvfp4-pack-quantized",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.services.engine.models.int4 import check_plain_g_idx, refuse_per_module_overrides
+from pagedserve.services.engine.models.int4 import check_plain_g_idx, gptq_zero_offset, refuse_per_module_overrides
 
 _PARTS = ("qweight", "qzeros", "scales")
 _BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
@@ -33,7 +33,7 @@ def gptq8_format(cfg: dict[str, Any]) -> tuple[int, int] | None:
         return None
     refuse_per_module_overrides(qc)
     group_size = int(qc.get("group_size", 128))
-    return max(group_size, 0), 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return max(group_size, 0), gptq_zero_offset(qc)
 
 
 def unpack_bytes(packed: torch.Tensor, dim: int) -> torch.Tensor:

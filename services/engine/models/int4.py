@@ -108,8 +108,16 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
             raise ValueError("quantization: AWQ without zero points (zero_point: false) is not supported")
         return "awq", group_size, 0
     refuse_per_module_overrides(qc)
-    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores each zero minus one
-    return "gptq", group_size, offset
+    return "gptq", group_size, gptq_zero_offset(qc)
+
+
+def gptq_zero_offset(qc: dict[str, Any]) -> int:
+    """1 for GPTQ v1 checkpoints, which store each zero point minus one; 0 for v2. Other packings GPTQModel can
+    save (marlin, bitblas, ...) lay the codes out differently: refused rather than misread."""
+    checkpoint_format = qc.get("checkpoint_format") or "gptq"
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization: GPTQ checkpoint_format {checkpoint_format!r} is not supported (gptq, gptq_v2)")
+    return 0 if checkpoint_format == "gptq_v2" else 1
 
 
 def refuse_per_module_overrides(qc: dict[str, Any]) -> None:
