@@ -7,7 +7,7 @@ of work (every sequence prompt_len in, output_len out):
   mixed      128 plain + 128 json_schema requests (a schema of >= 64 rows, so no grammar can finish
              before output_len: both runs hold the same number of sequences for the same steps)
 Reported: the plain requests' throughput in each run (their output tokens over the time until the
-last of them finished, per plain request and in all), the ratio (target: within 5%), steps/s, and
+last of them finished, per plain request and in all), the ratio (issue 23's goal: >= 0.9), steps/s, and
 the grammar's per-step cost: the worker thread's time per grammar step (`worker`: waiting for the last
 step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
 bitmask of the step's grammar rows; all of it beside the engine thread's launch), the time the engine
@@ -58,7 +58,7 @@ SCHEMA = {
     "required": ["rows"],
     "additionalProperties": False,
 }
-TARGET_RATIO = 0.95
+TARGET_RATIO = 0.9  # issue 23: json_schema throughput >= 0.9x unconstrained
 
 
 class AcceptTimer:
