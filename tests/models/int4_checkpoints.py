@@ -10,9 +10,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-from transformers import PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from pagedserve.services.engine.models import CausalLM
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
+from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i <- column AWQ_PACK_ORDER[i] of the eight
@@ -215,3 +218,46 @@ def write_quantized_llama(
         config["quantization_config"] = quantization_config
         (model_dir / "config.json").write_text(json.dumps(config))
     return hf
+
+
+Convert = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def rewrite_decoder_linears(
+    case: str, model_dir: Path, convert: Convert, quantization_config: dict[str, Any]
+) -> PreTrainedModel:
+    """The case's checkpoint with every decoder linear (experts per expert, as checkpoints store them; not routers)
+    replaced by `convert(name, HF weight [N, K])`'s tensors (suffixes of its name's module) and the [N, K] weight
+    they mean; returns HF's model on those meant weights (the oracle)."""
+    source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
+    build_tiny_model(case, source)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    written, meaning = {}, {}
+    for name, weight in tensors.items():
+        module = name.rsplit(".", 2)[-2]
+        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
+        if not is_linear or module in ROUTER_NAMES:
+            written[name] = meaning[name] = weight.contiguous()
+            continue
+        packed, meaning[name] = convert(name, weight)
+        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
+    config = json.loads((source / "config.json").read_text())
+    for directory, state in ((model_dir, written), (meant, meaning)):
+        directory.mkdir(exist_ok=True)
+        save_file(state, str(directory / "model.safetensors"))
+    (meant / "config.json").write_text(json.dumps(config))
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def assert_logits_match_hf(
+    ours: CausalLM, hf: PreTrainedModel, prompts: dict[int, list[int]], atol: float = 1e-4
+) -> None:
+    """Our paged forward's logits for each prompt equal HF's (rtol = atol)."""
+    got = PagedDriver(ours).step(prompts)
+    for index, prompt in prompts.items():
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt], device=got[index].device)).logits[0]
+        torch.testing.assert_close(got[index].float(), want.float(), rtol=atol, atol=atol)

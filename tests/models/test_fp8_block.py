@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.fp8 import FP8_DTYPE
 from pagedserve.services.engine.models.fp8_block import dequantize_block_fp8
-from pagedserve.services.engine.models.layers import ROUTER_NAMES
-from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import build_tiny_model
+from tests.models.int4_checkpoints import assert_logits_match_hf, rewrite_decoder_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = (16, 24)  # 24 does not divide the tiny models' 64 inputs: the last column block is cut
@@ -61,30 +59,13 @@ def block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_block_fp8(case: str, model_dir: Path, spelling: str) -> PreTrainedModel:
     """The case's checkpoint in block FP8; returns HF's model on the weights it means (the oracle)."""
     config_entry, scale_name = SPELLINGS[spelling]
-    source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
-    build_tiny_model(case, source)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    written: dict[str, torch.Tensor] = {}
-    meaning: dict[str, torch.Tensor] = {}
-    for name, weight in tensors.items():
-        module = name.rsplit(".", 2)[-2]
-        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
-        if not is_linear or module in ROUTER_NAMES:
-            written[name] = meaning[name] = weight.contiguous()
-            continue
+
+    def convert(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         q, scales = block_quantize(weight)
-        base = name.removesuffix(".weight")
-        written |= {name: q, f"{base}.{scale_name}": scales, f"{base}.input_scale": torch.ones(())}
-        meaning[name] = dequantize_block_fp8(q, scales, BLOCK)
-    config = json.loads((source / "config.json").read_text())
-    for directory, state in ((model_dir, written), (meant, meaning)):
-        directory.mkdir(exist_ok=True)
-        save_file(state, str(directory / "model.safetensors"))
-    (meant / "config.json").write_text(json.dumps(config))
-    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": config_entry}))
-    return AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager").eval()
+        tensors = {"weight": q, scale_name: scales, "input_scale": torch.ones(())}
+        return tensors, dequantize_block_fp8(q, scales, BLOCK)
+
+    return rewrite_decoder_linears(case, model_dir, convert, config_entry)
 
 
 def test_block_dequantization_by_hand() -> None:
@@ -102,11 +83,7 @@ def test_block_dequantization_by_hand() -> None:
 def test_block_fp8_checkpoint_matches_hf_on_its_weights(case: str, spelling: str, tmp_path: Path) -> None:
     hf = write_block_fp8(case, tmp_path, spelling)
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(ours, hf, PROMPTS)
     # vLLM users pass --quantization fp8 for these checkpoints: it names their method
     load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantization="fp8")
 

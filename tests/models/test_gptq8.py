@@ -14,19 +14,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.gptq8 import dequantize_gptq8, gptq8_format
 from pagedserve.services.engine.models.int4 import Int4Linear, int4_format
-from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
-from tests.models.int4_checkpoints import _to_int32, write_quantized_llama
-from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import build_tiny_model, hf_greedy
+from tests.models.int4_checkpoints import (
+    _to_int32,
+    assert_logits_match_hf,
+    rewrite_decoder_linears,
+    write_quantized_llama,
+)
+from tests.models.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -151,34 +154,11 @@ def test_bad_tensors_fail_at_load_naming_them(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", ["qwen3_moe-qknorm-normtopk", "mixtral-moe-top2-renormalized"])
 def test_an_8bit_moe_checkpoint_matches_hf_on_its_weights(case: str, tmp_path: Path) -> None:
-    source, meant = tmp_path / "source", tmp_path / "meant"
-    build_tiny_model(case, source)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    written, meaning = {}, {}
-    for name, weight in tensors.items():
-        module = name.rsplit(".", 2)[-2]
-        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
-        if not is_linear or module in ROUTER_NAMES:
-            written[name] = meaning[name] = weight.contiguous()
-            continue
+    def convert(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         packed, meant_w = gptq8_tensors(weight.t().contiguous().float(), 16, False, seed=0)
-        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
-        meaning[name] = meant_w.t().contiguous()
-    config = json.loads((source / "config.json").read_text())
-    model_dir = tmp_path / "model"
-    for directory, state in ((model_dir, written), (meant, meaning)):
-        directory.mkdir(exist_ok=True)
-        save_file(state, str(directory / "model.safetensors"))
-    (meant / "config.json").write_text(json.dumps(config))
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False}
-    (model_dir / "config.json").write_text(json.dumps(config))
-    hf = AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager").eval()
-    ours = load_model(model_dir, dtype="float32", device="cpu", show_progress=False)
-    prompts = {0: [5, 17, 42, 99, 3, 250, 8], 1: [9, 1, 200]}
-    got = PagedDriver(ours).step(prompts)
-    for index, prompt in prompts.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+        return packed, meant_w.t().contiguous()
+
+    settings = {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False}
+    hf = rewrite_decoder_linears(case, tmp_path / "model", convert, settings)
+    ours = load_model(tmp_path / "model", dtype="float32", device="cpu", show_progress=False)
+    assert_logits_match_hf(ours, hf, {0: [5, 17, 42, 99, 3, 250, 8], 1: [9, 1, 200]})

@@ -12,8 +12,7 @@ from safetensors.torch import save_file
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.int4 import Int4Linear
-from tests.models.int4_checkpoints import awq_tensors, gptq_tensors, write_quantized_llama
-from tests.models.paged_driver import PagedDriver
+from tests.models.int4_checkpoints import assert_logits_match_hf, awq_tensors, gptq_tensors, write_quantized_llama
 from tests.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,11 +56,7 @@ def test_quantized_checkpoint_matches_hf_on_its_weights(tmp_path: Path, fmt: str
     hf = _quantize_checkpoint(tmp_path, fmt, act_order)
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 2 * 4  # qkv, o, gate_up, down per layer
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(ours, hf, PROMPTS)
 
 
 def test_quantization_flag_must_name_the_checkpoints_method(tmp_path: Path) -> None:
@@ -104,11 +99,7 @@ def test_linears_the_checkpoint_left_in_full_precision(
     hf = write_quantized_llama(tmp_path, quantize, settings, keep_full=lambda name: any(f in name for f in full))
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == num_int4  # of 2 layers x (qkv, o, gate_up, down)
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(ours, hf, PROMPTS)
 
 
 def test_gptqmodel_per_module_overrides_are_refused(tmp_path: Path) -> None:

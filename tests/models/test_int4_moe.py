@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.int4 import Int4Linear, dequantize_experts, repack_experts
 from pagedserve.services.engine.models.layers import ROUTER_NAMES
-from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
-from tests.models.paged_driver import PagedDriver
-from tests.models.tiny_models import build_tiny_model
+from tests.models.int4_checkpoints import assert_logits_match_hf, awq_tensors, gptq_tensors, rewrite_decoder_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GROUP = 16
@@ -31,41 +29,22 @@ def _write_4bit(case: str, model_dir: Path, fmt: str, act_order: bool, group: in
     routers) rewritten as 4-bit tensors; returns HF's model loaded from the weights they mean (the oracle).
     GPTQ without act order still writes each linear's plain g_idx, as AutoGPTQ does. `group` 0: GPTQ per output
     channel (group_size -1 in the config)."""
-    source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
-    build_tiny_model(case, source)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    written: dict[str, torch.Tensor] = {}
-    meaning: dict[str, torch.Tensor] = {}
-    for name, weight in tensors.items():
-        module = name.rsplit(".", 2)[-2]
-        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
-        if not is_linear or module in ROUTER_NAMES:
-            written[name] = meaning[name] = weight.contiguous()
-            continue
+
+    def convert(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         w = weight.t().contiguous().float()  # [out, in] -> the formats' [in, out]
         if fmt == "awq":
             packed, meant_w = awq_tensors(w, GROUP)
         else:
             packed, meant_w = gptq_tensors(w, group or len(w), act_order, seed=len(w))
             packed.setdefault("g_idx", (torch.arange(len(w)) // (group or len(w))).to(torch.int32))
-        base = name.removesuffix(".weight")
-        written.update({f"{base}.{key}": value for key, value in packed.items()})
-        meaning[name] = meant_w.t().contiguous()
-    config = json.loads((source / "config.json").read_text())
-    for directory, state in ((model_dir, written), (meant, meaning)):
-        directory.mkdir(exist_ok=True)
-        save_file(state, str(directory / "model.safetensors"))
-    (meant / "config.json").write_text(json.dumps(config))
-    config["quantization_config"] = (
+        return packed, meant_w.t().contiguous()
+
+    settings = (
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
         if fmt == "awq"
         else {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "desc_act": act_order, "sym": False}
     )
-    (model_dir / "config.json").write_text(json.dumps(config))
-    hf = AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager")
-    return hf.eval()
+    return rewrite_decoder_linears(case, model_dir, convert, settings)
 
 
 @pytest.mark.parametrize(("fmt", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
@@ -75,11 +54,7 @@ def test_4bit_moe_checkpoint_matches_hf_on_its_weights(case: str, fmt: str, act_
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
     int4 = [name for name, m in ours.named_modules() if isinstance(m, Int4Linear)]
     assert any("self_attn" in n for n in int4) and not any(n.rpartition(".")[2] in ROUTER_NAMES for n in int4)
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(ours, hf, PROMPTS)
 
 
 def test_an_expert_missing_a_tensor_is_named(tmp_path: Path) -> None:
@@ -116,8 +91,4 @@ def test_per_channel_gptq_loads_and_matches_hf(quantized_experts: bool, tmp_path
     hf = _write_4bit(MOE_CASES[2], tmp_path, "gptq", False, group=0)
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False, quantized_experts=quantized_experts)
     assert any(isinstance(m, Int4Linear) and m.group_size == m.in_features for m in ours.modules())
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got[index], want, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(ours, hf, PROMPTS)

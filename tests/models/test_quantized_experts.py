@@ -7,19 +7,15 @@ there is one (the kernel compiled)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedserve.kernels import expert_quant
 from pagedserve.kernels.moe_reference import experts_grouped
 from pagedserve.services.engine.models import CausalLM, load_model
-from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from pagedserve.services.engine.models.moe import MoE, route
 from pagedserve.services.engine.models.quantized_experts import (
     Fp8Experts,
@@ -27,7 +23,12 @@ from pagedserve.services.engine.models.quantized_experts import (
     QuantizedExperts,
     experts_quantization,
 )
-from tests.models.int4_checkpoints import pack_quantized_config, pack_quantized_tensors
+from tests.models.int4_checkpoints import (
+    assert_logits_match_hf,
+    pack_quantized_config,
+    pack_quantized_tensors,
+    rewrite_decoder_linears,
+)
 from tests.models.paged_driver import PagedDriver
 from tests.models.test_int4_moe import PROMPTS, _write_4bit
 from tests.models.tiny_models import build_tiny_model
@@ -63,11 +64,7 @@ def _experts(model: CausalLM) -> list[QuantizedExperts]:
 
 
 def _hf_logits_match(ours: CausalLM, hf: PreTrainedModel, atol: float = 1e-4) -> None:
-    got = PagedDriver(ours).step(PROMPTS)
-    for index, prompt in PROMPTS.items():
-        with torch.inference_mode():
-            want = hf(torch.tensor([prompt], device=got[index].device)).logits[0]
-        torch.testing.assert_close(got[index].float(), want.float(), rtol=atol, atol=atol)
+    assert_logits_match_hf(ours, hf, PROMPTS, atol)
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
@@ -116,42 +113,13 @@ def _check_kernel_on_a_layer(ours: CausalLM) -> None:
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-Convert = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
-
-
-def _rewrite(case: str, model_dir: Path, convert: Convert, quantization_config: dict) -> PreTrainedModel:
-    """The case's checkpoint with every decoder linear (experts per expert, as checkpoints store them; not routers)
-    replaced by `convert`'s tensors (suffixes of its name's module); HF's model on the weights they mean."""
-    source, meant = model_dir.parent / f"{model_dir.name}-source", model_dir.parent / f"{model_dir.name}-meant"
-    build_tiny_model(case, source)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    written, meaning = {}, {}
-    for name, weight in tensors.items():
-        module = name.rsplit(".", 2)[-2]
-        is_linear = ".layers." in name and name.endswith(".weight") and weight.dim() == 2 and "norm" not in module
-        if not is_linear or module in ROUTER_NAMES:
-            written[name] = meaning[name] = weight.contiguous()
-            continue
-        packed, meaning[name] = convert(name, weight)
-        written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
-    config = json.loads((source / "config.json").read_text())
-    for directory, state in ((model_dir, written), (meant, meaning)):
-        directory.mkdir(exist_ok=True)
-        save_file(state, str(directory / "model.safetensors"))
-    (meant / "config.json").write_text(json.dumps(config))
-    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
-    return AutoModelForCausalLM.from_pretrained(meant, dtype=torch.float32, attn_implementation="eager").eval()
-
-
 def _write_compressed_tensors(case: str, model_dir: Path, group_size: int, symmetric: bool) -> PreTrainedModel:
     def convert(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return pack_quantized_tensors(weight, group_size, symmetric)
 
     config = pack_quantized_config(group_size, symmetric)
     config["ignore"] = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]  # routers, as llm-compressor
-    return _rewrite(case, model_dir, convert, config)
+    return rewrite_decoder_linears(case, model_dir, convert, config)
 
 
 @pytest.mark.parametrize("quantized", [True, False], ids=["packed", "dequantised"])
@@ -180,7 +148,7 @@ def _write_fp8(case: str, model_dir: Path, per_tensor: bool) -> PreTrainedModel:
         q, s = expert_quant.quantize_fp8(weight)
         return {"weight": q, "weight_scale": s[:, None]}, q.float() * s[:, None]
 
-    return _rewrite(case, model_dir, convert, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    return rewrite_decoder_linears(case, model_dir, convert, {"quant_method": "fp8", "activation_scheme": "dynamic"})
 
 
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
