@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedserve.services.engine.models.fp8 import FP8_DTYPE
+from pagedserve.services.engine.models.fp8 import FP8_DTYPE, skip_input_scales
 
 
 class BlockFp8(NamedTuple):
@@ -60,10 +60,8 @@ def block_fp8_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: BlockFp8)
     """A checkpoint stream with each fp8 `weight` and its block scale (in either order) replaced by the dequantised
     float32 `weight`; static activation scales dropped; other tensors pass through."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors:
+    for name, tensor in skip_input_scales(tensors):
         linear, _, part = name.rpartition(".")
-        if part in ("input_scale", "k_scale", "v_scale", "kv_scale"):
-            continue
         is_fp8_weight = part == "weight" and tensor.dtype == FP8_DTYPE
         if not is_fp8_weight and part != fmt.scale_suffix:
             yield name, tensor
