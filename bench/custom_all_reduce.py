@@ -85,6 +85,128 @@ def check(ctx: ParallelContext, sizes: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+FUSED_CASES = [(1, 4096), (3, 4096), (64, 4096), (257, 4096), (2, 8192), (5, 1000)]  # (rows, hidden)
+FUSED_CHAIN = 8  # finishes per graph, each on a partial the next overwrites
+
+
+def _fused_inputs(
+    ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int
+) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """([rank][call] partials, residual, weight): every rank regenerates every rank's, for the reference."""
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=ctx.device, dtype=dtype, generator=gen)
+
+    every = [[randn(*shape) for _ in range(FUSED_CHAIN)] for _ in range(ctx.world_size)]
+    return every, randn(*shape), randn(shape[1])
+
+
+def _fused_reference(
+    every: list[list[torch.Tensor]], residual: torch.Tensor, weight: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
+
+    res, outs = residual.clone(), []
+    for i in range(FUSED_CHAIN):
+        out, res = all_reduce_add_rms_norm_reference([rank_parts[i] for rank_parts in every], res, weight, 1e-5)
+        outs.append(out)
+    return outs, res
+
+
+def _all_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def check_fused_case(ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    partials = ctx.partials
+    assert partials is not None
+    slot = partials.slot(*shape, dtype)
+    every, residual, weight = _fused_inputs(ctx, shape, dtype, seed)
+    res, eager = residual.clone(), []
+    for i in range(FUSED_CHAIN):
+        slot.copy_(every[ctx.rank][i])  # the projection's write
+        out, res = partials.finish_add_rms_norm(slot, res, weight, 1e-5)
+        eager.append(out)
+    want, want_res = _fused_reference(every, residual, weight)
+    eager_ok = _all_equal(eager, want) and torch.equal(res, want_res)
+
+    mine = [torch.zeros(shape, device=ctx.device, dtype=dtype) for _ in range(FUSED_CHAIN)]
+    static_res = torch.zeros(shape, device=ctx.device, dtype=dtype)
+    graph, graph_outs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        r = static_res
+        for i in range(FUSED_CHAIN):
+            slot.copy_(mine[i])
+            out, r = partials.finish_add_rms_norm(slot, r, weight, 1e-5)
+            graph_outs.append(out)
+    graph_ok = True
+    for replay in range(3):  # new partials and residual each replay (the weight is captured)
+        every, residual, _ = _fused_inputs(ctx, shape, dtype, seed + 1 + replay)
+        for i in range(FUSED_CHAIN):
+            mine[i].copy_(every[ctx.rank][i])
+        static_res.copy_(residual)
+        graph.replay()
+        want, want_res = _fused_reference(every, residual, weight)
+        graph_ok = graph_ok and _all_equal(graph_outs, want) and torch.equal(static_res, want_res)
+    everyone = [torch.empty_like(graph_outs[-1]) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, graph_outs[-1], group=ctx.model_group)
+    torch.cuda.synchronize()
+    return {
+        "rows": shape[0],
+        "hidden": shape[1],
+        "dtype": str(dtype).removeprefix("torch."),
+        "eager_equals_reference": eager_ok,
+        "graph_equals_reference": graph_ok,
+        "same_on_every_rank": all(torch.equal(everyone[0], e) for e in everyone[1:]),
+    }
+
+
+def check_fused(ctx: ParallelContext) -> list[dict[str, Any]]:
+    """The fused all-reduce + residual add + RMSNorm (partial_sums / kernels/all_reduce_norm.py) against its
+    reference on every rank's regenerated partials: eager, then FUSED_CHAIN calls in one CUDA graph
+    replayed on new partials (each call's write overwrites the buffer the previous call's peers read)."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for case, shape in enumerate(FUSED_CASES):
+            row = check_fused_case(ctx, shape, dtype, 100 * case)
+            assert row["eager_equals_reference"] and row["graph_equals_reference"] and row["same_on_every_rank"], row
+            rows.append(row)
+    return rows
+
+
+def latency_fused(ctx: ParallelContext, iters: int) -> list[dict[str, Any]]:
+    """Microseconds per (all-reduce + residual add + RMSNorm) of a [rows, 4096] bf16 projection output:
+    NCCL then the add+norm kernel (the default path), vs the fused kernel on a partial in the buffer."""
+    from pagedserve.kernels.fused_norm import add_rms_norm_
+
+    partials = ctx.partials
+    assert partials is not None
+    weight = torch.randn(4096, device=ctx.device, dtype=torch.bfloat16)
+    rows = []
+    for num_rows in (1, 8, 64, 256):
+        residual = torch.randn(num_rows, 4096, device=ctx.device, dtype=torch.bfloat16)
+        slot = partials.slot(num_rows, 4096, torch.bfloat16)
+
+        def nccl_then_norm(x: torch.Tensor, residual: torch.Tensor = residual) -> None:
+            dist.all_reduce(x, group=ctx.model_group)
+            add_rms_norm_(x.view(-1, 4096), residual, weight, 1e-5)
+
+        def fused(_: torch.Tensor, slot: torch.Tensor = slot, residual: torch.Tensor = residual) -> None:
+            assert partials is not None
+            partials.finish_add_rms_norm(slot, residual, weight, 1e-5)
+
+        rows.append(
+            {
+                "rows": num_rows,
+                "bytes": num_rows * 4096 * 2,
+                "nccl_plus_norm_us": round(time_graph(ctx, nccl_then_norm, num_rows * 4096, iters), 2),
+                "fused_us": round(time_graph(ctx, fused, 16, iters), 2),
+            }
+        )
+    return rows
+
+
 def time_graph(ctx: ParallelContext, run: Any, numel: int, iters: int) -> float:
     """Microseconds per all-reduce: CALLS_PER_GRAPH calls captured in one graph, replayed `iters` times."""
     x = torch.randn(numel, device=ctx.device, dtype=torch.bfloat16)
@@ -147,18 +269,33 @@ def rank_main(rank: int, world_size: int, init_method: str, args: argparse.Names
     if ctx.custom_all_reduce is None:
         sys.exit("custom all-reduce did not start (see the warning above)")
     result: dict[str, Any] = {"check": check(ctx, [s for s in SIZES if s <= args.buffer_bytes])}
+    if ctx.partials is not None:
+        result["check_fused"] = check_fused(ctx)
     if not args.check_only:
         transport = ctx.custom_all_reduce.transport
         assert isinstance(transport, SymmMemTransport)
         result["latency"] = latency(ctx, transport, [s for s in SIZES if s <= args.buffer_bytes], args.iters)
+        if ctx.partials is not None:
+            result["latency_fused"] = latency_fused(ctx, args.iters)
     if rank == 0:
         bitwise = sum(r["equals_nccl_bitwise"] for r in result["check"])
         print(
             f"check: {len(result['check'])} size/dtype/path cases match NCCL (graph = eager, the same on every"
             f" rank); {bitwise} of them bit for bit"
         )
+        if "check_fused" in result:
+            print(
+                f"fused all-reduce + add + RMSNorm: {len(result['check_fused'])} cases equal the reference bit for"
+                " bit, eager and in graphs, the same on every rank"
+            )
+        else:
+            print("fused all-reduce + add + RMSNorm: not set up (see the warning above)")
         if "latency" in result:
             print(table(result["latency"]))
+        if "latency_fused" in result:
+            print("| rows (x4096 bf16) | NCCL + add/norm µs | fused µs |\n|---|---|---|")
+            for r in result["latency_fused"]:
+                print(f"| {r['rows']} | {r['nccl_plus_norm_us']} | {r['fused_us']} |")
         write(result, args, world_size)
     dist.barrier(group=ctx.step_group)
     sys.stdout.flush()

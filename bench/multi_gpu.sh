@@ -6,6 +6,8 @@
 #   OUT=/tmp/out PART=tpsizes bash bench/multi_gpu.sh  # TP=1, 2 and 4 (4+ GPUs) on the 8B shape at 256 concurrent
 #   OUT=/tmp/out PART=tp70b   bash bench/multi_gpu.sh  # Llama-3.1-70B shape at TP=2: offline, then served
 #   OUT=/tmp/out PART=scaling bash bench/multi_gpu.sh  # one gateway over 1 and 2 engine replicas (8B shape)
+#   OUT=/tmp/out PART=archeck bash bench/multi_gpu.sh  # custom / fused all-reduce vs NCCL on 2, 4, 8 GPUs
+#   OUT=/tmp/out PART=tpfused bash bench/multi_gpu.sh  # 8B TP=1, then TP=2 (and 4) NCCL vs fused all-reduce+norm
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
 # engines generate their weights (PAGEDSERVE_LOAD_FORMAT=random), so nothing large is written.
@@ -82,6 +84,34 @@ case "${PART:-tp8b}" in
     echo "tensor_parallel rc=$?"
     cp bench/results/tensor_parallel_cuda.* "$OUT/" 2> /dev/null
     tail -n 30 "$OUT/tpsizes.log"
+    ;;
+  archeck)  # the symmetric-memory all-reduce and the fused all-reduce + add + RMSNorm: correctness, latency
+    for world in 2 4 8; do
+      [[ $NUM_GPUS -ge $world ]] || continue
+      OUT=$OUT timeout 240 python3 -m bench.custom_all_reduce --world-size "$world" --buffer-bytes $((8 << 20)) \
+        > "$OUT/custom_ar_tp$world.log" 2>&1
+      echo "custom_all_reduce tp$world rc=$?"
+      grep -v "^wrote" "$OUT/custom_ar_tp$world.log" | tail -n 22
+    done
+    ;;
+  tpfused)  # 8B single-stream ITL and throughput: TP=1; TP=2 (and 4) with NCCL, then with the fused path
+    sizes=${TP_SIZES:-2}
+    [[ $NUM_GPUS -ge 4 && -z ${TP_SIZES:-} ]] && sizes="2 4"
+    n=${NUM_REQUESTS:-64}
+    timeout 200 python3 -m bench.tensor_parallel --phases 8b-tp1 --num-requests "$n" --work-dir "$WORK/tp1" \
+      --out-dir "$OUT/tp1" > "$OUT/tp1.log" 2>&1
+    echo "tp1 rc=$?"
+    for tp in $sizes; do
+      for variant in nccl fused; do
+        flags=()
+        [[ $variant == fused ]] && flags=(--custom-all-reduce-max-bytes $((8 << 20)))
+        mkdir -p "$WORK/tp$tp-$variant" && cp "$WORK/tp1/8b-tp1.json" "$WORK/tp$tp-$variant/" 2> /dev/null
+        timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" "${flags[@]}" \
+          --work-dir "$WORK/tp$tp-$variant" --out-dir "$OUT/tp$tp-$variant" > "$OUT/tp$tp-$variant.log" 2>&1
+        echo "tp$tp $variant rc=$?"
+        grep -E "^\| 8b-|itl_p50|divergence" "$OUT/tp$tp-$variant.log" | tail -n 4
+      done
+    done
     ;;
   tp70b)
     timeout 300 python3 -m bench.tensor_parallel --phases 70b-tp2 --work-dir "$WORK/tp" > "$OUT/tp70b.log" 2>&1

@@ -27,3 +27,4 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path: Path) -> N
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "match NCCL" in done.stdout
+    assert "equal the reference bit for bit" in done.stdout

@@ -1,6 +1,7 @@
 """Fused elementwise ops the layers call: Triton kernels on CUDA, the plain torch ops elsewhere.
 
-    add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py)
+    add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py; under tensor
+                      parallelism x may be an unreduced partial, summed in the same kernel: all_reduce_norm.py)
     silu_and_mul      silu(gate) * up on the fused gate_up output  (kernels/silu_mul.py)
     rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py;
                       a prefill attends to the new k/v in place: kernels/prefill_attention.py)
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.services.engine import attention
+from pagedserve.services.engine.parallel import partial_sums
 
 if TYPE_CHECKING:
     from pagedserve.services.engine.attention import AttentionMetadata
@@ -62,6 +64,9 @@ def add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(x + residual), x + residual)
     if is_fused(x):
+        partials = partial_sums.owner_of(x) if residual is not None else None
+        if partials is not None:  # x: this rank's addend of a row-parallel output; sum it in the same kernel
+            return partials.finish_add_rms_norm(x, residual, weight, eps)  # type: ignore[arg-type]
         from pagedserve.kernels.fused_norm import add_rms_norm_
 
         return add_rms_norm_(x, residual, weight, eps)

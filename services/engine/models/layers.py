@@ -66,6 +66,12 @@ class ShardedLinear(nn.Linear):
         param.data[start : start + size].copy_(loaded)
 
 
+def project_out(linear: nn.Module, x: torch.Tensor, partial: bool) -> torch.Tensor:
+    """linear(x), or its unreduced partial where asked and the layer is row-parallel (has forward_partial)."""
+    forward_partial = getattr(linear, "forward_partial", None) if partial else None
+    return forward_partial(x) if forward_partial is not None else linear(x)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): Llama, Mistral, Qwen."""
 
@@ -77,11 +83,13 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
         self.is_silu = act in ("silu", "swish")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """partial: under tensor parallelism the down projection's output may be this rank's unreduced
+        addend, which only fused_ops.add_rms_norm may read (parallel/partial_sums.py)."""
         if self.is_silu:
-            return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
+            return project_out(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj(x)), partial)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return project_out(self.down_proj, self.act(gate) * up, partial)
 
 
 class MLP(nn.Module):
@@ -133,6 +141,7 @@ class Attention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        partial: bool = False,  # as GatedMLP.forward's: the output projection may leave its sum undone
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -145,7 +154,7 @@ class Attention(nn.Module):
         out = fused_ops.rotary_and_attend(
             self.rotary, positions, q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale, self.window
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return project_out(self.o_proj, out.reshape(num_tokens, self.q_size), partial)
 
 
 class LayerNormBlock(nn.Module):

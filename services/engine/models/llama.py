@@ -77,11 +77,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]: the stream before x is added; None first
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        partial_out: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream): each add fused into a norm
+        """Under tensor parallelism the attention output, and the MLP output where `partial_out`, may be
+        this rank's unreduced addend: the add_rms_norm that follows sums it over the ranks."""
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         h, residual = fused_ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.self_attn(positions, h, kv_cache, meta, partial=True)
         h, residual = fused_ops.add_rms_norm(h, residual, norm_post.weight, norm_post.eps)
+        if isinstance(self.mlp, GatedMLP):
+            return self.mlp(h, partial=partial_out), residual
         return self.mlp(h), residual
 
 
@@ -111,7 +116,9 @@ class LlamaForCausalLM(DecoderLM):
             assert isinstance(layer, LlamaDecoderLayer)
             if i in aux_layers:  # the stream entering layer i; a copy, as the fused norms update theirs in place
                 self.aux_hidden_states.append(x.clone() if residual is None else x + residual)
-            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta.for_layer(i))
+            # the stream an aux layer copies must be whole: the MLP before it reduces its own output
+            partial_out = i + 1 not in aux_layers
+            x, residual = layer.forward_residual(positions, x, residual, kv_cache, meta.for_layer(i), partial_out)
         norm = self.model.norm
         assert isinstance(norm, RMSNorm)
         out, _ = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)

@@ -120,6 +120,22 @@ class RowParallelLinear(nn.Module):
         out = self.ctx.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's addend, written into the symmetric buffer, for `fused_ops.add_rms_norm` to sum
+        (parallel/partial_sums.py); the reduced output where that buffer cannot take it."""
+        partials = self.ctx.partials
+        num_rows = x.shape[0]
+        if (
+            partials is None
+            or self.bias is not None
+            or x.dim() != 2
+            or not partials.fits(num_rows, self.out_features, x.dtype)
+        ):
+            return self.forward(x)
+        slot = partials.slot(num_rows, self.out_features, x.dtype)
+        torch.mm(x, self.weight.t(), out=slot)
+        return slot
+
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
         return [(None, full)]

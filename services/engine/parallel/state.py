@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce, setup_custom_all_reduce
+from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials, setup_partials
 
 if TYPE_CHECKING:
     from pagedserve.shared.config import ParallelConfig
@@ -35,6 +36,7 @@ class ParallelContext:
     model_group: Any = None  # a ProcessGroup (None when world_size == 1)
     step_group: Any = None
     custom_all_reduce: CustomAllReduce | None = None  # small messages on one host; NCCL/gloo when None
+    partials: SymmetricPartials | None = None  # row-parallel outputs summed inside the next RMSNorm
 
     @property
     def is_driver(self) -> bool:
@@ -105,6 +107,8 @@ def init_parallel(
     assert int(warm.item()) == world_size, "tensor-parallel all-reduce check failed"
     if device.type == "cuda" and world_size > 1 and custom_all_reduce_max_bytes > 0:
         ctx.custom_all_reduce = setup_custom_all_reduce(ctx, custom_all_reduce_max_bytes)
+        if ctx.custom_all_reduce is not None:
+            ctx.partials = setup_partials(ctx, custom_all_reduce_max_bytes)
     return ctx
 
 

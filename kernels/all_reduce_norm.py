@@ -1,0 +1,175 @@
+"""One-shot all-reduce + residual add + RMSNorm in one kernel, over peers' symmetric buffers (tensor parallelism).
+
+Every rank's row-parallel projection (o_proj, down_proj) writes its partial sum straight into its own
+symmetric buffer (`buffer_ptrs[rank]`, mapped by every peer). Then, per token row:
+
+    total    = sum over ranks r = 0..W-1 of buffer_r[row]     (fp32, rank order: every rank gets the same bits)
+    residual = residual + round(total)                         (rounded to the storage dtype, as NCCL's sum is)
+    out      = rmsnorm(residual) * weight                      (HF's rounding, as kernels/fused_norm.py)
+
+This replaces, per all-reduce: a copy into the buffer (or NCCL's kernel), and the add + norm kernel.
+
+Synchronization (torch symmetric memory's signal pads, CUDA-graph safe: every flag goes 0 -> 1 -> 0):
+    start   each program signals program `pid` of every peer with release order and waits for theirs
+            with acquire: every peer's partial (written by an earlier kernel) is visible.
+    end     after reading, each program signals and waits again: when this kernel ends, no peer still
+            reads this rank's buffer, so the next projection may overwrite it (a single buffer suffices).
+Only each program's first WORLD threads touch the flags; the block then meets at bar.sync.
+
+No NVLink multicast: peers are read through plain P2P pointers. World sizes of 2, 4 and 8 (a power of two:
+the flag lanes are a tl.arange).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.launch_config import next_power_of_2
+
+MAX_PROGRAMS = 64  # signal-pad slots used: MAX_PROGRAMS * world_size flags (torch's pad holds 2304)
+
+_PUT_RELEASE = """
+{
+    .reg .u32 %tmp32_<1>;
+    .reg .pred %p<1>;
+    put_signal:
+        atom.global.release.sys.cas.b32 %tmp32_0, [$1], 0, 1;
+        setp.eq.u32 %p0, %tmp32_0, 0;
+        @!%p0 bra put_signal;
+}
+"""
+_PUT_RELAXED = tl.constexpr(_PUT_RELEASE.replace(".release.", ".relaxed."))
+_PUT_RELEASE = tl.constexpr(_PUT_RELEASE)
+_WAIT_ACQUIRE = """
+{
+    .reg .u32 %tmp32_<1>;
+    .reg .pred %p<1>;
+    wait_signal:
+        atom.global.sys.acquire.cas.b32 %tmp32_0, [$1], 1, 0;
+        setp.eq.u32 %p0, %tmp32_0, 1;
+        @!%p0 bra wait_signal;
+}
+"""
+_WAIT_RELAXED = tl.constexpr(_WAIT_ACQUIRE.replace(".acquire.", ".relaxed."))
+_WAIT_ACQUIRE = tl.constexpr(_WAIT_ACQUIRE)
+
+
+@triton.jit
+def _thread_index():
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sync_threads():
+    tl.inline_asm_elementwise("bar.sync 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _barrier(signal_pad_ptrs, pid, RANK: tl.constexpr, WORLD: tl.constexpr, ORDERED: tl.constexpr):
+    """Program `pid` of every rank meets; ORDERED: release/acquire (peers' earlier writes become visible)."""
+    ranks = tl.arange(0, WORLD)
+    pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
+    peer_pads = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32))
+    own_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+    send = peer_pads + pid * WORLD + RANK  # my flag in every peer's pad
+    wait = own_pad + pid * WORLD + ranks  # every peer's flag in mine
+    if _thread_index() < WORLD:
+        if ORDERED:
+            tl.inline_asm_elementwise(_PUT_RELEASE, "=r, l", [send], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(_WAIT_ACQUIRE, "=r, l", [wait], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_PUT_RELAXED, "=r, l", [send], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(_WAIT_RELAXED, "=r, l", [wait], dtype=tl.int32, is_pure=False, pack=1)
+    _sync_threads()
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(
+    buffer_ptrs,  # [WORLD] int64: every rank's symmetric buffer, each holding a [num_rows, HIDDEN] partial
+    signal_pad_ptrs,  # [WORLD] int64: every rank's signal pad
+    residual_ptr,  # [num_rows, HIDDEN] in: the residual stream, out: residual + sum
+    weight_ptr,  # [HIDDEN]
+    out_ptr,  # [num_rows, HIDDEN]: rmsnorm(residual + sum) * weight
+    num_rows,
+    stride_residual,
+    stride_out,
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = residual_ptr.dtype.element_ty
+    _barrier(signal_pad_ptrs, pid, RANK, WORLD, True)
+    bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, num_rows, num_programs):
+        row64 = row.to(tl.int64)  # type: ignore[attr-defined]  # a tensor inside the jit
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            part = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16)  # symm buffers: page-aligned
+            # plain loads: L1 starts every kernel empty, so no stale peer line survives from the last call
+            total += tl.load(part + row64 * HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(residual_ptr + row64 * stride_residual + offs, mask=mask, other=0.0)
+        s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row64 * stride_residual + offs, s, mask=mask)
+        h = s.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+        normed = (h * inv_rms).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
+    _barrier(signal_pad_ptrs, pid, RANK, WORLD, False)
+
+
+def all_reduce_add_rms_norm(
+    buffer_ptrs: torch.Tensor,  # [world] int64 on the device (torch symmetric memory's buffer_ptrs_dev)
+    signal_pad_ptrs: torch.Tensor,  # [world] int64 on the device (signal_pad_ptrs_dev)
+    rank: int,
+    world_size: int,
+    residual: torch.Tensor,  # [num_rows, hidden]: updated in place to residual + the sum
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # rmsnorm(residual + sum) * weight, a new tensor
+    """Every rank calls this with the same shapes after writing its [num_rows, hidden] partial (residual's
+    dtype, contiguous) at the start of its symmetric buffer."""
+    num_rows, hidden = residual.shape
+    assert residual.stride(1) == 1 and weight.shape == (hidden,)
+    assert world_size in (2, 4, 8), world_size
+    out = torch.empty_like(residual)
+    if num_rows == 0:
+        return out
+    block = next_power_of_2(hidden)
+    _all_reduce_add_rms_norm_kernel[(min(num_rows, MAX_PROGRAMS),)](
+        buffer_ptrs,
+        signal_pad_ptrs,
+        residual,
+        weight,
+        out,
+        num_rows,
+        residual.stride(0),
+        out.stride(0),
+        eps,
+        RANK=rank,
+        WORLD=world_size,
+        HIDDEN=hidden,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 256)),
+    )
+    return out
+
+
+def all_reduce_add_rms_norm_reference(
+    partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): what every rank's kernel computes
+    total = torch.zeros(partials[0].shape, dtype=torch.float32, device=partials[0].device)
+    for part in partials:  # rank order
+        total += part.float()
+    s = (total.to(residual.dtype).float() + residual.float()).to(residual.dtype)
+    h = s.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(residual.dtype)
+    return (normed.float() * weight.float()).to(residual.dtype), s

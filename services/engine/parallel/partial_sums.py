@@ -1,0 +1,118 @@
+"""Row-parallel outputs left unreduced in a symmetric buffer, summed by the next residual add + RMSNorm.
+
+A tensor-parallel decoder layer ends both sublayers with a row-parallel projection whose all-reduce feeds
+a residual add and an RMSNorm. Done apart, that is a copy into the all-reduce buffer (or NCCL's kernel)
+plus the norm kernel, twice a layer. Here the projection's GEMM writes its partial sum straight into this
+rank's symmetric buffer (`RowParallelLinear.forward_partial`), and `fused_ops.add_rms_norm`, seeing a
+tensor that lives in that buffer (`owner_of`), finishes it with one kernel: sum over the peers' buffers,
+residual add and RMSNorm (kernels/all_reduce_norm.py).
+
+A partial is only meant for that norm: nothing else may read it (its values are this rank's addend), and
+the next partial overwrites it. Models ask for partials only where the norm follows directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FUSED_WORLD_SIZES = (2, 4, 8)  # the kernel's flag lanes are a power-of-two arange
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_active: list[SymmetricPartials] = []  # this process's buffers (one per tensor-parallel replica)
+
+
+class SymmetricPartials:
+    """One symmetric buffer of `max_bytes` per rank for partial sums, and the kernel that finishes them."""
+
+    def __init__(self, buffer: torch.Tensor, handle: Any, max_bytes: int) -> None:
+        self.buffer, self.max_bytes = buffer, max_bytes
+        self.rank, self.world_size = int(handle.rank), int(handle.world_size)
+        self.buffer_ptrs = handle.buffer_ptrs_dev  # [world] int64 on the device
+        self.signal_pad_ptrs = handle.signal_pad_ptrs_dev
+        self._start = buffer.data_ptr()
+        self.calls = 0  # finishes launched (eager calls and graph captures)
+
+    @classmethod
+    def allocate(cls, group: Any, device: torch.device, max_bytes: int) -> SymmetricPartials:
+        """Collective over `group` (every rank, same max_bytes): its own buffer and signal pad, apart from
+        the custom all-reduce's, so neither protocol's flags or slots meet the other's."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, group)
+        return cls(buffer, handle, max_bytes)
+
+    def fits(self, num_rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        return 0 < num_rows * hidden * dtype.itemsize <= self.max_bytes and dtype in FUSED_DTYPES
+
+    def slot(self, num_rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where this rank's [num_rows, hidden] partial goes (the buffer's start)."""
+        return self.buffer[: num_rows * hidden * dtype.itemsize].view(dtype).view(num_rows, hidden)
+
+    def holds(self, x: torch.Tensor) -> bool:
+        return x.device == self.buffer.device and x.data_ptr() == self._start
+
+    def finish_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(residual + sum) * weight, residual + sum)
+        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+        if residual.shape != partial.shape or residual.dtype != partial.dtype or not partial.is_contiguous():
+            raise ValueError(
+                f"a partial sum {tuple(partial.shape)} {partial.dtype} needs a residual of its shape and dtype,"
+                f" got {tuple(residual.shape)} {residual.dtype}"
+            )
+        self.calls += 1
+        out = all_reduce_add_rms_norm(
+            self.buffer_ptrs, self.signal_pad_ptrs, self.rank, self.world_size, residual, weight, eps
+        )
+        return out, residual
+
+
+def register(partials: SymmetricPartials) -> None:
+    _active.append(partials)
+
+
+def unregister(partials: SymmetricPartials) -> None:
+    if partials in _active:
+        _active.remove(partials)
+
+
+def owner_of(x: torch.Tensor) -> SymmetricPartials | None:
+    """The buffer `x` is an unreduced partial of, or None for an ordinary tensor."""
+    for partials in _active:
+        if partials.holds(x):
+            return partials
+    return None
+
+
+def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
+    """Every rank of `ctx` (CUDA, custom all-reduce already agreed on) calls this; all get one or all None."""
+    import torch.distributed as dist
+
+    obstacle = None
+    if ctx.world_size not in FUSED_WORLD_SIZES:
+        obstacle = f"the fused all-reduce + RMSNorm takes {FUSED_WORLD_SIZES} ranks, not {ctx.world_size}"
+    partials = None
+    if obstacle is None:
+        try:
+            partials = SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes)
+        except Exception as exc:
+            obstacle = f"its symmetric buffer failed on rank {ctx.rank}: {exc}"
+    answers: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(answers, obstacle, group=ctx.step_group)
+    reasons = [a for a in answers if a]
+    if reasons:
+        if ctx.rank == 0:
+            log.warning("fused all-reduce + RMSNorm off (%s)", "; ".join(reasons))
+        return None
+    assert partials is not None
+    register(partials)
+    if ctx.rank == 0:
+        log.info("fused all-reduce + residual add + RMSNorm on, for partial sums up to %d bytes", max_bytes)
+    return partials

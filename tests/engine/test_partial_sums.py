@@ -1,0 +1,150 @@
+"""Row-parallel partial sums finished inside the next RMSNorm (parallel/partial_sums.py), on CPU.
+
+The GPU kernel (kernels/all_reduce_norm.py) needs peers' device memory; its result is checked against
+`all_reduce_add_rms_norm_reference` on 2 GPUs (bench/custom_all_reduce.py --check-only, run by
+tests/engine/test_custom_all_reduce_gpu.py). Here, in one process:
+
+- the reference equals what the unfused path computes (all-reduce in rank order, then add + RMSNorm);
+- the plumbing: a fused Llama whose o_proj / down_proj are split over two emulated ranks (this rank's half
+  of the input features into the partial buffer, the peer's half kept aside) gives the unsplit model's
+  logits; every partial is finished by a norm, and an aux hidden-state layer (EAGLE-3) sees whole streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.models import fused_ops, load_model
+from pagedserve.services.engine.models.layers import Attention, GatedMLP
+from pagedserve.services.engine.parallel import partial_sums
+from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials
+from tests.models.paged_driver import PagedDriver
+from tests.models.tiny_models import build_tiny_model
+
+
+def test_reference_is_the_rank_order_sum_then_add_rms_norm() -> None:
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(5, 48, generator=gen).bfloat16() for _ in range(4)]
+    residual = torch.randn(5, 48, generator=gen).bfloat16()
+    weight = torch.randn(48, generator=gen).bfloat16()
+    normed, new_residual = all_reduce_add_rms_norm_reference(parts, residual.clone(), weight, 1e-5)
+    total = (parts[0].float() + parts[1].float() + parts[2].float() + parts[3].float()).bfloat16()
+    want_residual = total + residual
+    want_normed = fused_ops.rms_norm(want_residual, weight, 1e-5)
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(normed, want_normed, atol=1e-2, rtol=1e-2)
+
+
+class _TwoRankPartials(SymmetricPartials):
+    """This process plays rank 0 of 2: the peer's addend is stashed by the projection that made ours."""
+
+    def __init__(self, max_bytes: int) -> None:
+        handle = SimpleNamespace(rank=0, world_size=2, buffer_ptrs_dev=None, signal_pad_ptrs_dev=None)
+        super().__init__(torch.zeros(max_bytes, dtype=torch.uint8), handle, max_bytes)
+        self.peer: torch.Tensor | None = None
+        self.written = 0
+
+    def finish_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.peer is not None and self.peer.shape == partial.shape, "a partial finished twice"
+        self.calls += 1
+        normed, new_residual = all_reduce_add_rms_norm_reference([partial, self.peer], residual, weight, eps)
+        residual.copy_(new_residual)
+        self.peer = None
+        return normed, residual
+
+
+class _SplitRowLinear(nn.Module):
+    """A linear split by input features over the two emulated ranks (RowParallelLinear's contract)."""
+
+    def __init__(self, linear: nn.Linear, partials: _TwoRankPartials) -> None:
+        super().__init__()
+        self.linear, self.partials = linear, partials
+        self.split = linear.in_features // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.linear.weight
+        if not self.partials.fits(x.shape[0], w.shape[0], x.dtype):
+            return self.linear(x)
+        assert self.partials.peer is None, "a partial was overwritten before a norm summed it"
+        slot = self.partials.slot(x.shape[0], w.shape[0], x.dtype)
+        torch.mm(x[:, : self.split], w[:, : self.split].t(), out=slot)
+        self.partials.peer = x[:, self.split :] @ w[:, self.split :].t()
+        self.partials.written += 1
+        return slot
+
+
+@pytest.fixture
+def fused_triton() -> Iterator[None]:
+    previous_backend, previous_mode = attention.backend_name(), fused_ops.fusion_mode()
+    attention.use_backend("triton")
+    fused_ops.set_fusion("on")
+    yield
+    attention.use_backend(previous_backend)
+    fused_ops.set_fusion(previous_mode)
+
+
+@pytest.mark.usefixtures("fused_triton")
+@pytest.mark.parametrize("aux_layers", [frozenset(), frozenset({1})], ids=["plain", "aux-layer-1"])
+def test_split_projections_summed_in_the_norm_match_the_whole_model(aux_layers: frozenset[int], tmp_path: Path) -> None:
+    build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
+    model = load_model(tmp_path, dtype="fp32", device=torch.device("cpu"), show_progress=False)
+    prompts = {0: [5, 9, 13, 40, 7], 1: [3, 3, 90]}
+    model.aux_hidden_layers = aux_layers
+    want = torch.cat(PagedDriver(model, block_size=8).step(prompts))
+    want_aux = [h.clone() for h in model.aux_hidden_states]
+
+    # room for the 8-token prefill but not for 64 rows: a larger batch takes the reduced path
+    partials = _TwoRankPartials(max_bytes=8 * 64 * 4)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.o_proj = _SplitRowLinear(module.o_proj, partials)  # type: ignore[assignment]
+        elif isinstance(module, GatedMLP):
+            module.down_proj = _SplitRowLinear(module.down_proj, partials)  # type: ignore[assignment]
+    partial_sums.register(partials)
+    try:
+        got = torch.cat(PagedDriver(model, block_size=8).step(prompts))
+        got_aux = model.aux_hidden_states
+        num_layers = model.spec.num_layers
+        # two per layer, less the MLP output an aux layer copies
+        assert partials.written == partials.calls == 2 * num_layers - len(aux_layers)
+        assert partials.peer is None
+        big = {i: [4 + i] * 32 for i in range(2)}  # 64 rows: past the buffer, reduced as before
+        before = partials.calls
+        PagedDriver(model, block_size=8).step(big)
+        assert partials.calls == before
+    finally:
+        partial_sums.unregister(partials)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(got_aux) == len(want_aux) == len(aux_layers)
+    for g, w in zip(got_aux, want_aux, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_owner_of_finds_only_the_buffers_start() -> None:
+    partials = _TwoRankPartials(max_bytes=256)
+    partial_sums.register(partials)
+    try:
+        slot = partials.slot(2, 8, torch.float32)
+        assert partial_sums.owner_of(slot) is partials
+        assert partial_sums.owner_of(slot.clone()) is None
+        assert partial_sums.owner_of(partials.buffer[16:].view(torch.float32)) is None
+    finally:
+        partial_sums.unregister(partials)
+    assert partial_sums.owner_of(slot) is None
+    assert partials.fits(8, 8, torch.float32) and not partials.fits(9, 8, torch.float32)
+    assert not partials.fits(2, 8, torch.int32)
