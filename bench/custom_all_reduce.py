@@ -78,8 +78,10 @@ def check(ctx: ParallelContext, sizes: list[int]) -> list[dict[str, Any]]:
                     "graph_equals_eager": bool(torch.equal(static, eager)),
                     "same_on_every_rank": all(torch.equal(everyone[0], e) for e in everyone[1:]),
                 }
-                tol = 1e-5 if dtype == torch.float32 else 1e-2
-                close = torch.allclose(eager.float(), expected.float(), rtol=tol, atol=tol)
+                # NCCL rounds to the dtype after each of its W-1 adds; the kernels sum in fp32 and round once
+                rtol = 1e-5 if dtype == torch.float32 else 8e-3 * (ctx.world_size - 1)
+                close = torch.allclose(eager.float(), expected.float(), rtol=rtol, atol=1e-2)
+                row["max_abs_diff"] = float((eager.float() - expected.float()).abs().max())
                 assert close and row["graph_equals_eager"] and row["same_on_every_rank"], row
                 rows.append(row)
     return rows

@@ -12,8 +12,9 @@ This replaces, per all-reduce: a copy into the buffer (or NCCL's kernel), and th
 Synchronization (torch symmetric memory's signal pads, CUDA-graph safe: every flag goes 0 -> 1 -> 0):
     start   each program signals program `pid` of every peer with release order and waits for theirs
             with acquire: every peer's partial (written by an earlier kernel) is visible.
-    end     after reading, each program signals and waits again: when this kernel ends, no peer still
-            reads this rank's buffer, so the next projection may overwrite it (a single buffer suffices).
+    end     after all its warps have read (bar.sync), each program signals and waits again: when this kernel
+            ends, no peer still reads this rank's buffer, so the next projection may overwrite it (a single
+            buffer suffices).
 Only each program's first WORLD threads touch the flags; the block then meets at bar.sync.
 
 No NVLink multicast: peers are read through plain P2P pointers. World sizes of 2, 4 and 8 (a power of two:
@@ -123,6 +124,9 @@ def _all_reduce_add_rms_norm_kernel(
         inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
         normed = (h * inv_rms).to(dtype).to(tl.float32)
         tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
+    # Every warp of this program is done reading the peers before the flag says so (a fast warp holding
+    # the flags must not signal while a slower one still reads: the peer would overwrite its buffer).
+    _sync_threads()
     _barrier(signal_pad_ptrs, pid, RANK, WORLD, False)
 
 
