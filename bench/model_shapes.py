@@ -82,6 +82,11 @@ def engine_config(model_dir: Path, args: argparse.Namespace, hybrid: bool, warm_
         quantization="fp8" if args.quantization == "fp8" else None,  # 4-bit: the config.json says so
         tensor_parallel_size=args.tensor_parallel_size,
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
+        **(
+            {}
+            if args.fused_all_reduce_max_bytes is None
+            else {"fused_all_reduce_max_bytes": args.fused_all_reduce_max_bytes}
+        ),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -307,8 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument(
-        "--custom-all-reduce-max-bytes", type=int, default=0, help="the engine's flag (TP: fused all-reduce + norm)"
+        "--custom-all-reduce-max-bytes", type=int, default=0, help="the engine's flag (TP: torch's symm-mem kernels)"
     )
+    parser.add_argument("--fused-all-reduce-max-bytes", type=int, help="the engine's flag (TP; default: the engine's)")
     parser.add_argument("--kernel-profile", type=int, default=0, help="CUDA: profile this many decode steps")
     parser.add_argument("--batches", help="comma-separated request counts, run in turn (default: --num-requests)")
     parser.add_argument(

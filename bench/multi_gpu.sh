@@ -104,7 +104,7 @@ case "${PART:-tp8b}" in
     for tp in $sizes; do
       for variant in nccl fused; do
         flags=()
-        [[ $variant == fused ]] && flags=(--custom-all-reduce-max-bytes $((8 << 20)))
+        [[ $variant == nccl ]] && flags=(--fused-all-reduce-max-bytes 0)
         mkdir -p "$WORK/tp$tp-$variant" && cp "$WORK/tp1/8b-tp1.json" "$WORK/tp$tp-$variant/" 2> /dev/null
         timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" "${flags[@]}" \
           --work-dir "$WORK/tp$tp-$variant" --out-dir "$OUT/tp$tp-$variant" > "$OUT/tp$tp-$variant.log" 2>&1

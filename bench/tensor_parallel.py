@@ -17,8 +17,8 @@ Each phase runs in its own process (a fresh CUDA context and process group; rank
     python -m bench.tensor_parallel --phases 70b-tp2
     python -m bench.tensor_parallel --device cpu --quick # a CPU smoke run of the logic (tiny shape, gloo)
     python -m bench.tensor_parallel --phases 8b-tp1,8b-tp2 --disable-custom-all-reduce   # TP all-reduces by NCCL
-    python -m bench.tensor_parallel --phases 8b-tp2 --custom-all-reduce-max-bytes 8388608  # symmetric memory,
-                                     # with the fused all-reduce + residual add + RMSNorm on Llama layers
+    python -m bench.tensor_parallel --phases 8b-tp2 --custom-all-reduce-max-bytes 8388608  # torch's symm-mem
+    python -m bench.tensor_parallel --phases 8b-tp2 --fused-all-reduce-max-bytes 0  # o/down outputs by NCCL
 Prints a table; writes tensor_parallel_<device>[_quick][_nccl_all_reduce].json and .md under --out-dir
 (bench/results). Child processes inherit the environment (NCCL_* settings included; NVLink multicast is
 off unless the environment says otherwise: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
@@ -132,6 +132,11 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
         tensor_parallel_size=tp,
         disable_custom_all_reduce=args.disable_custom_all_reduce,
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
+        **(
+            {}
+            if args.fused_all_reduce_max_bytes is None
+            else {"fused_all_reduce_max_bytes": args.fused_all_reduce_max_bytes}
+        ),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -255,6 +260,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "custom_all_reduce": not args.disable_custom_all_reduce,
         "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
+        "fused_all_reduce_max_bytes": engine.config.parallel.fused_all_reduce_max_bytes,
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -369,7 +375,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--custom-all-reduce-max-bytes",
         type=int,
         default=0,
-        help="the engine's flag: >0 turns on the symmetric-memory all-reduce and the fused all-reduce + RMSNorm",
+        help="the engine's flag: >0 turns on the symmetric-memory all-reduce (torch's one/two-shot kernels)",
+    )
+    parser.add_argument(
+        "--fused-all-reduce-max-bytes",
+        type=int,
+        help="the engine's flag (default: the engine's, on): 0 all-reduces o/down outputs by NCCL before the norm",
     )
     parser.add_argument("--phase-timeout-s", type=float, default=540, help="a phase running longer is killed")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
@@ -433,6 +444,7 @@ def main() -> None:
     stem = f"tensor_parallel_{args.device}{'_quick' if args.quick else ''}"
     stem += "_nccl_all_reduce" if args.disable_custom_all_reduce else ""
     stem += f"_symm{args.custom_all_reduce_max_bytes}" if args.custom_all_reduce_max_bytes else ""
+    stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

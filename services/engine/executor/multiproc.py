@@ -28,7 +28,7 @@ import torch
 
 from pagedserve.services.engine.config import torch_device
 from pagedserve.services.engine.executor.worker import Worker
-from pagedserve.services.engine.parallel.state import custom_all_reduce_bytes, init_parallel, shutdown_parallel
+from pagedserve.services.engine.parallel.state import all_reduce_limits, init_parallel, shutdown_parallel
 from pagedserve.services.engine.parallel.step_broadcast import StepSender
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.shared.config import Config
@@ -82,7 +82,7 @@ class MultiprocExecutor:
             init_method,
             torch_device(config),
             config.parallel.parallel_timeout_s,
-            custom_all_reduce_bytes(config.parallel),
+            *all_reduce_limits(config.parallel),
         )
         self.world_size = world
         self._sender = StepSender(ctx)

@@ -37,7 +37,7 @@ from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.parallel.state import (
     ParallelContext,
-    custom_all_reduce_bytes,
+    all_reduce_limits,
     init_parallel,
     shutdown_parallel,
 )
@@ -243,7 +243,7 @@ def main() -> None:
         args.init_method,
         torch_device(config),
         config.parallel.parallel_timeout_s,
-        custom_all_reduce_bytes(config.parallel),
+        *all_reduce_limits(config.parallel),
     )
     runner = Worker(config, ctx).build_runner()
     if runner.device.type == "cuda" and config.runner.warm_up:

@@ -86,13 +86,18 @@ def _local_obstacle(device: torch.device, world_size: int) -> str | None:
     """Why this rank cannot join, or None."""
     if not all(hasattr(torch.ops.symm_mem, op) for op in ("one_shot_all_reduce_out", "two_shot_all_reduce_out")):
         return f"torch {torch.__version__} lacks the symm_mem all-reduce ops"
+    return p2p_obstacle(device, world_size)
+
+
+def p2p_obstacle(device: torch.device, world_size: int) -> str | None:
+    """Why this rank cannot map its peers' memory (symmetric memory over P2P), or None."""
     for peer in range(world_size):
         if peer != device.index and not torch.cuda.can_device_access_peer(device.index or 0, peer):
             return f"cuda:{device.index} has no P2P access to cuda:{peer}"
     return None
 
 
-def _agree(group: Any, world_size: int, mine: Any) -> list[Any]:
+def agree(group: Any, world_size: int, mine: Any) -> list[Any]:
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     return everyone
@@ -102,7 +107,7 @@ def setup_custom_all_reduce(ctx: Any, max_bytes: int) -> CustomAllReduce | None:
     """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None.
     None means NCCL for every all-reduce; the reason is logged once, by rank 0."""
     obstacle = _local_obstacle(ctx.device, ctx.world_size)
-    answers = _agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
+    answers = agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
     reasons = [a[1] for a in answers if a[1]]
     if len({a[0] for a in answers}) > 1:
         reasons.append("ranks on several hosts")
@@ -113,7 +118,7 @@ def setup_custom_all_reduce(ctx: Any, max_bytes: int) -> CustomAllReduce | None:
             transport = SymmMemTransport(ctx.model_group, ctx.device, max_bytes)
         except Exception as exc:  # an old driver, a container without the IPC socket, ...
             obstacle = f"symmetric memory setup failed on rank {ctx.rank}: {exc}"
-        reasons = [r for r in _agree(ctx.step_group, ctx.world_size, obstacle) if r]
+        reasons = [r for r in agree(ctx.step_group, ctx.world_size, obstacle) if r]
     if reasons:
         if ctx.rank == 0:
             log.warning("custom all-reduce off (%s): NCCL for every all-reduce", "; ".join(reasons))

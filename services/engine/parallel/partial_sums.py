@@ -14,6 +14,7 @@ the next partial overwrites it. Models ask for partials only where the norm foll
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -92,24 +93,32 @@ def owner_of(x: torch.Tensor) -> SymmetricPartials | None:
 
 
 def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
-    """Every rank of `ctx` (CUDA, custom all-reduce already agreed on) calls this; all get one or all None."""
-    import torch.distributed as dist
+    """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None
+    (None: row-parallel outputs are all-reduced as before; the reason is logged once, by rank 0)."""
+    import socket
+
+    from pagedserve.services.engine.parallel.custom_all_reduce import agree, p2p_obstacle
 
     obstacle = None
     if ctx.world_size not in FUSED_WORLD_SIZES:
-        obstacle = f"the fused all-reduce + RMSNorm takes {FUSED_WORLD_SIZES} ranks, not {ctx.world_size}"
+        obstacle = f"it takes {'/'.join(map(str, FUSED_WORLD_SIZES))} ranks, not {ctx.world_size}"
+    else:
+        obstacle = p2p_obstacle(ctx.device, ctx.world_size)
+    answers = agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
+    reasons = [a[1] for a in answers if a[1]]
+    if len({a[0] for a in answers}) > 1:
+        reasons.append("ranks on several hosts")
     partials = None
-    if obstacle is None:
+    if not reasons:
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # never cuMulticastCreate
         try:
             partials = SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes)
-        except Exception as exc:
+        except Exception as exc:  # an old driver, a container without the IPC socket, ...
             obstacle = f"its symmetric buffer failed on rank {ctx.rank}: {exc}"
-    answers: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(answers, obstacle, group=ctx.step_group)
-    reasons = [a for a in answers if a]
+        reasons = [r for r in agree(ctx.step_group, ctx.world_size, obstacle) if r]
     if reasons:
         if ctx.rank == 0:
-            log.warning("fused all-reduce + RMSNorm off (%s)", "; ".join(reasons))
+            log.warning("fused all-reduce + RMSNorm off (%s): NCCL, then the norm", "; ".join(reasons))
         return None
     assert partials is not None
     register(partials)

@@ -4,7 +4,8 @@ Two groups:
   model  NCCL on CUDA, gloo on CPU, with the configured timeout: the all-reduces and all-gathers
          inside the forward pass (and the input-id broadcast of overlapped steps). A rank that dies
          mid-step makes the others fail within the timeout instead of hanging. On CUDA, small
-         all-reduces skip NCCL for the custom all-reduce over symmetric memory (custom_all_reduce.py).
+         all-reduces may skip NCCL for the custom all-reduce over symmetric memory (custom_all_reduce.py),
+         and row-parallel outputs for a sum inside the next RMSNorm (partial_sums.py).
   steps  gloo (host tensors), no practical timeout: rank 0 broadcasts each step's inputs on it, and
          an idle replica may wait there for hours. A dead peer still ends the wait (closed socket),
          and the workers also watch their parent process.
@@ -84,10 +85,12 @@ def init_parallel(
     device: torch.device,
     timeout_s: float,
     custom_all_reduce_max_bytes: int = 0,
+    fused_all_reduce_max_bytes: int = 0,
 ) -> ParallelContext:
     """Join the replica's process groups (every rank calls this, in the same order). On CUDA with
     custom_all_reduce_max_bytes > 0, all-reduces up to that size take the custom all-reduce where the
-    ranks allow it (one host, P2P between every pair)."""
+    ranks allow it (one host, P2P between every pair); with fused_all_reduce_max_bytes > 0, Llama-family
+    row-parallel outputs up to that size are summed inside the next RMSNorm (partial_sums.py)."""
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -107,14 +110,17 @@ def init_parallel(
     assert int(warm.item()) == world_size, "tensor-parallel all-reduce check failed"
     if device.type == "cuda" and world_size > 1 and custom_all_reduce_max_bytes > 0:
         ctx.custom_all_reduce = setup_custom_all_reduce(ctx, custom_all_reduce_max_bytes)
-        if ctx.custom_all_reduce is not None:
-            ctx.partials = setup_partials(ctx, custom_all_reduce_max_bytes)
+    if device.type == "cuda" and world_size > 1 and fused_all_reduce_max_bytes > 0:
+        ctx.partials = setup_partials(ctx, fused_all_reduce_max_bytes)
     return ctx
 
 
-def custom_all_reduce_bytes(parallel: ParallelConfig) -> int:
-    """init_parallel's custom_all_reduce_max_bytes from the configuration (0: off)."""
-    return 0 if parallel.disable_custom_all_reduce else parallel.custom_all_reduce_max_bytes
+def all_reduce_limits(parallel: ParallelConfig) -> tuple[int, int]:
+    """init_parallel's (custom_all_reduce_max_bytes, fused_all_reduce_max_bytes) from the configuration
+    (0: off); --disable-custom-all-reduce turns both off."""
+    if parallel.disable_custom_all_reduce:
+        return 0, 0
+    return parallel.custom_all_reduce_max_bytes, parallel.fused_all_reduce_max_bytes
 
 
 def shutdown_parallel() -> None:
