@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from bench.serve.offline import run_offline
 
         result["offline"] = run_offline(args, main_set, single_set)
+    elif args.offline_from and not args.offline_from.exists():  # a fresh machine that ran PHASES=served only
+        print(f"no offline result at {args.offline_from}: no pipeline-tax comparison in this report")
     elif args.offline_from:
         keys = ("fingerprint", "single_fingerprint")
         result["offline"] = load_offline(args.offline_from, {k: result["workload"][k] for k in keys})
