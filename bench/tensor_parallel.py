@@ -44,6 +44,7 @@ import torch
 
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.parallel.state import all_reduce_limits
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
 
@@ -260,7 +261,8 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "custom_all_reduce": not args.disable_custom_all_reduce,
         "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
-        "fused_all_reduce_max_bytes": engine.config.parallel.fused_all_reduce_max_bytes,
+        # configured (0 when off); at 4 / 8 ranks the engine caps it at 512 / 256 KiB (partial_sums.py)
+        "fused_all_reduce_max_bytes": all_reduce_limits(engine.config.parallel)[1],
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -444,7 +446,7 @@ def main() -> None:
     stem = f"tensor_parallel_{args.device}{'_quick' if args.quick else ''}"
     stem += "_nccl_all_reduce" if args.disable_custom_all_reduce else ""
     stem += f"_symm{args.custom_all_reduce_max_bytes}" if args.custom_all_reduce_max_bytes else ""
-    stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 else ""
+    stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 or args.disable_custom_all_reduce else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

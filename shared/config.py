@@ -305,8 +305,9 @@ class ParallelConfig:
     )
     custom_all_reduce_max_bytes: int = opt(
         0,
-        "tensor parallel on CUDA: all-reduces up to this size go over symmetric memory, larger ones NCCL; 0 (the "
-        "default): NCCL only, since on 2 H100s (NVLink) it measured slower end to end (8B TP=2 ITL 4.45 vs 4.33 ms)",
+        "tensor parallel on CUDA: all-reduces up to this size go over symmetric memory (torch's one/two-shot "
+        "kernels), larger ones NCCL; 0 (the default): NCCL, since on 2 H100s (NVLink) it measured slower end to end "
+        "(8B TP=2 ITL 4.45 vs 4.33 ms). Llama-family o/down outputs take --fused-all-reduce-max-bytes instead",
     )
     fused_all_reduce_max_bytes: int = opt(
         8 << 20,

@@ -27,7 +27,10 @@ from pagedserve.services.engine import attention
 from pagedserve.services.engine.models import fused_ops, load_model
 from pagedserve.services.engine.models.layers import Attention, GatedMLP
 from pagedserve.services.engine.parallel import partial_sums
+from pagedserve.services.engine.parallel.linear import Part, RowParallelLinear
 from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials
+from pagedserve.services.engine.parallel.state import ParallelContext, all_reduce_limits
+from pagedserve.shared.config import ParallelConfig
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
@@ -148,3 +151,34 @@ def test_owner_of_finds_only_the_buffers_start() -> None:
     assert partial_sums.owner_of(slot) is None
     assert partials.fits(8, 8, torch.float32) and not partials.fits(9, 8, torch.float32)
     assert not partials.fits(2, 8, torch.int32)
+
+
+def test_row_parallel_linear_writes_its_partial_into_the_buffer_where_it_fits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ctx = ParallelContext(0, 1, torch.device("cpu"))  # one rank: forward's all-reduce is the identity
+    ctx.partials = _TwoRankPartials(max_bytes=4 * 16 * 4)
+    linear = RowParallelLinear(Part(full_size=8, start=0, size=8), 16, bias=False, ctx=ctx).requires_grad_(False)
+    linear.weight.data = torch.randn(16, 8, generator=gen)
+    x = torch.randn(4, 8, generator=gen)
+    partial = linear.forward_partial(x)
+    assert ctx.partials.holds(partial) and partial.shape == (4, 16)
+    torch.testing.assert_close(partial, x @ linear.weight.t())
+    too_big = linear.forward_partial(torch.randn(5, 8, generator=gen))  # 5 x 16 fp32 > 256 bytes
+    assert not ctx.partials.holds(too_big)
+    with_bias = RowParallelLinear(Part(8, 0, 8), 16, bias=True, ctx=ctx)  # the bias goes on after the sum
+    assert with_bias.bias is not None
+    with_bias.weight.data, with_bias.bias.data = linear.weight.data, torch.randn(16, generator=gen)
+    summed = with_bias.forward_partial(x)
+    assert not ctx.partials.holds(summed)
+    torch.testing.assert_close(summed, x @ linear.weight.t() + with_bias.bias)
+    ctx.partials = None
+    assert not partial_sums.owner_of(linear.forward_partial(x))
+
+
+def test_all_reduce_limits_follow_the_flags() -> None:
+    assert all_reduce_limits(ParallelConfig()) == (0, 8 << 20)  # torch's kernels opt-in, the fusion on
+    assert all_reduce_limits(ParallelConfig(custom_all_reduce_max_bytes=1 << 20, fused_all_reduce_max_bytes=0)) == (
+        1 << 20,
+        0,
+    )
+    assert all_reduce_limits(ParallelConfig(disable_custom_all_reduce=True, custom_all_reduce_max_bytes=64)) == (0, 0)

@@ -9,6 +9,9 @@ Two groups:
   steps  gloo (host tensors), no practical timeout: rank 0 broadcasts each step's inputs on it, and
          an idle replica may wait there for hours. A dead peer still ends the wait (closed socket),
          and the workers also watch their parent process.
+The symmetric-memory kernels (custom all-reduce, fused all-reduce + RMSNorm) spin on their peers' flags
+with no timeout: a rank that dies mid-step leaves the others spinning until the process watchers (rank 0
+for its workers, each worker for its parent) end the replica.
 """
 
 from __future__ import annotations
