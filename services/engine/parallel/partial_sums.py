@@ -105,6 +105,8 @@ def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
     obstacle = None
     if ctx.world_size not in FUSED_WORLD_SIZES:
         obstacle = f"it takes {'/'.join(map(str, FUSED_WORLD_SIZES))} ranks, not {ctx.world_size}"
+    elif torch.version.hip is not None:
+        obstacle = "its signal flags are NVIDIA PTX (ROCm build)"
     else:
         obstacle = p2p_obstacle(ctx.device, ctx.world_size)
     answers = agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
