@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
+
+from pagedserve.services.engine.parallel.all_reduce_plan import default_one_shot_max_bytes
+from pagedserve.services.engine.parallel.custom_all_reduce import agree, p2p_obstacle
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +101,6 @@ def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
     (None: row-parallel outputs are all-reduced as before; the reason is logged once, by rank 0).
     Partials above the one-shot limit for the world size (each rank reads all W buffers: 512 KiB at 4
     ranks, 256 KiB at 8, none at 2) go to NCCL: at 4 ranks, 256 decode rows (2 MiB) ran 2% slower fused."""
-    import socket
-
-    from pagedserve.services.engine.parallel.all_reduce_plan import default_one_shot_max_bytes
-    from pagedserve.services.engine.parallel.custom_all_reduce import agree, p2p_obstacle
-
     obstacle = None
     if ctx.world_size not in FUSED_WORLD_SIZES:
         obstacle = f"it takes {'/'.join(map(str, FUSED_WORLD_SIZES))} ranks, not {ctx.world_size}"
