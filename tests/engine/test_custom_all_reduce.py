@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from pagedserve.services.engine.parallel.all_reduce_plan import (
     default_one_shot_max_bytes,
     two_shot_chunk,
 )
-from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce
+from pagedserve.services.engine.parallel.custom_all_reduce import CustomAllReduce, build_on_every_rank
 from pagedserve.services.engine.parallel.host_all_reduce import HostSymmetricMemory
 from pagedserve.services.engine.parallel.state import ParallelContext
 
@@ -176,3 +177,20 @@ def test_bf16_rank_order_matters_so_the_reference_is_meaningful() -> None:
     parts = _inputs(7, 4096, torch.bfloat16, 3)
     reversed_order = _rank_order_sum(parts[::-1])
     assert not torch.equal(_rank_order_sum(parts), reversed_order)
+
+
+def _every_rank_or_none(rank: int, world_size: int, host: HostSymmetricMemory) -> None:
+    ctx = SimpleNamespace(rank=rank, world_size=world_size, step_group=dist.group.WORLD)
+
+    def fails_on_rank_0() -> int:
+        if rank == 0:
+            raise RuntimeError("no IPC socket")
+        return rank
+
+    assert build_on_every_rank(ctx, None, lambda: rank * 10, "off") == rank * 10
+    assert build_on_every_rank(ctx, "no P2P" if rank == 1 else None, lambda: rank, "off") is None
+    assert build_on_every_rank(ctx, None, fails_on_rank_0, "off") is None  # rank 1 built, yet gets None too
+
+
+def test_symmetric_memory_setups_start_on_every_rank_or_on_none() -> None:
+    _run_ranks(2, _every_rank_or_none)

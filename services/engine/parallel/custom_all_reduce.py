@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 from collections import Counter
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from pagedserve.services.engine.parallel.all_reduce_plan import Algorithm, AllReducePlan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Transport(Protocol):
@@ -103,27 +105,41 @@ def agree(group: Any, world_size: int, mine: Any) -> list[Any]:
     return everyone
 
 
-def setup_custom_all_reduce(ctx: Any, max_bytes: int) -> CustomAllReduce | None:
-    """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None.
-    None means NCCL for every all-reduce; the reason is logged once, by rank 0."""
-    obstacle = _local_obstacle(ctx.device, ctx.world_size)
+def build_on_every_rank(ctx: Any, obstacle: str | None, build: Callable[[], T], off: str) -> T | None:
+    """Every rank of `ctx` calls this with what keeps it from joining (or None); all get `build()`'s result
+    (a symmetric-memory setup, collective over the ranks) or all None, whose reasons rank 0 logs once as
+    "`off` (reasons)". One host only: peers map each other's memory over P2P."""
     answers = agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
     reasons = [a[1] for a in answers if a[1]]
     if len({a[0] for a in answers}) > 1:
         reasons.append("ranks on several hosts")
-    transport = None
+    built = None
     if not reasons:
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # never cuMulticastCreate (module docstring)
+        failure = None
         try:
-            transport = SymmMemTransport(ctx.model_group, ctx.device, max_bytes)
+            built = build()
         except Exception as exc:  # an old driver, a container without the IPC socket, ...
-            obstacle = f"symmetric memory setup failed on rank {ctx.rank}: {exc}"
-        reasons = [r for r in agree(ctx.step_group, ctx.world_size, obstacle) if r]
+            failure = f"symmetric memory setup failed on rank {ctx.rank}: {exc}"
+        reasons = [r for r in agree(ctx.step_group, ctx.world_size, failure) if r]
     if reasons:
         if ctx.rank == 0:
-            log.warning("custom all-reduce off (%s): NCCL for every all-reduce", "; ".join(reasons))
+            log.warning("%s (%s)", off, "; ".join(reasons))
         return None
-    assert transport is not None
+    return built
+
+
+def setup_custom_all_reduce(ctx: Any, max_bytes: int) -> CustomAllReduce | None:
+    """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None.
+    None means NCCL for every all-reduce; the reason is logged once, by rank 0."""
+    transport = build_on_every_rank(
+        ctx,
+        _local_obstacle(ctx.device, ctx.world_size),
+        lambda: SymmMemTransport(ctx.model_group, ctx.device, max_bytes),
+        "custom all-reduce off: NCCL for every all-reduce",
+    )
+    if transport is None:
+        return None
     plan = AllReducePlan.for_world(ctx.world_size, max_bytes)
     if ctx.rank == 0:
         log.info("custom all-reduce on: %s", plan.describe())

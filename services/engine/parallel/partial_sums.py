@@ -14,14 +14,12 @@ the next partial overwrites it. Models ask for partials only where the norm foll
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from typing import Any
 
 import torch
 
 from pagedserve.services.engine.parallel.all_reduce_plan import default_one_shot_max_bytes
-from pagedserve.services.engine.parallel.custom_all_reduce import agree, p2p_obstacle
+from pagedserve.services.engine.parallel.custom_all_reduce import build_on_every_rank, p2p_obstacle
 
 log = logging.getLogger(__name__)
 
@@ -108,23 +106,14 @@ def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
         obstacle = "its signal flags are NVIDIA PTX (ROCm build)"
     else:
         obstacle = p2p_obstacle(ctx.device, ctx.world_size)
-    answers = agree(ctx.step_group, ctx.world_size, (socket.gethostname(), obstacle))
-    reasons = [a[1] for a in answers if a[1]]
-    if len({a[0] for a in answers}) > 1:
-        reasons.append("ranks on several hosts")
-    partials = None
-    if not reasons:
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # never cuMulticastCreate
-        try:
-            partials = SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes)
-        except Exception as exc:  # an old driver, a container without the IPC socket, ...
-            obstacle = f"its symmetric buffer failed on rank {ctx.rank}: {exc}"
-        reasons = [r for r in agree(ctx.step_group, ctx.world_size, obstacle) if r]
-    if reasons:
-        if ctx.rank == 0:
-            log.warning("fused all-reduce + RMSNorm off (%s): NCCL, then the norm", "; ".join(reasons))
+    partials = build_on_every_rank(
+        ctx,
+        obstacle,
+        lambda: SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes),
+        "fused all-reduce + RMSNorm off: NCCL, then the norm",
+    )
+    if partials is None:
         return None
-    assert partials is not None
     register(partials)
     partials.max_bytes = min(max_bytes, default_one_shot_max_bytes(ctx.world_size))
     if ctx.rank == 0:
