@@ -8,6 +8,7 @@
 #   OUT=/tmp/out PART=scaling bash bench/multi_gpu.sh  # one gateway over 1 and 2 engine replicas (8B shape)
 #   OUT=/tmp/out PART=archeck bash bench/multi_gpu.sh  # custom / fused all-reduce vs NCCL on 2, 4, 8 GPUs
 #   OUT=/tmp/out PART=tpfused bash bench/multi_gpu.sh  # 8B TP=1, then TP=2 (and 4) NCCL vs fused all-reduce+norm
+#   OUT=/tmp/out PART=gemv    bash bench/multi_gpu.sh  # decode GEMV: tests, sweep, 8B TP=1 (and 2) cuBLAS vs GEMV
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
 # engines generate their weights (PAGEDSERVE_LOAD_FORMAT=random), so nothing large is written.
@@ -111,6 +112,35 @@ case "${PART:-tp8b}" in
         echo "tp$tp $variant rc=$?"
         grep -E "^\| 8b-|itl_p50|divergence" "$OUT/tp$tp-$variant.log" | tail -n 4
       done
+    done
+    ;;
+  gemv)  # the dense decode GEMV (issue 23): kernel tests and sweep, then 8B throughput and single-stream ITL at
+         # TP=1 (and TP=2 with 2+ GPUs) with cuBLAS (--gemv-max-rows 0) and with the GEMV, and a decode-step profile
+    if python3 -c "import pytest" 2> /dev/null; then
+      timeout 150 python3 -m pytest -q -o addopts='' -p no:cacheprovider --confcutdir=tests/kernels \
+        tests/kernels/test_gemv.py > "$OUT/gemv_tests.log" 2>&1
+      echo "gemv tests rc=$?"; tail -n 2 "$OUT/gemv_tests.log"
+    fi
+    if [[ ${SWEEP:-1} == 1 ]]; then
+      timeout 300 python3 -m bench gemv --json "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
+      echo "gemv bench rc=$?"; tail -n 50 "$OUT/gemv.log"
+    fi
+    sizes=${TP_SIZES:-1}
+    [[ $NUM_GPUS -ge 2 && -z ${TP_SIZES:-} ]] && sizes="1 2"
+    n=${NUM_REQUESTS:-256}
+    for tp in $sizes; do
+      for rows in ${GEMV_ROWS:-0 1}; do
+        mkdir -p "$WORK/tp$tp-gemv$rows" && cp "$WORK/tp1-gemv$rows/8b-tp1.json" "$WORK/tp$tp-gemv$rows/" 2> /dev/null
+        timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" --gemv-max-rows "$rows" \
+          --work-dir "$WORK/tp$tp-gemv$rows" --out-dir "$OUT/tp$tp-gemv$rows" > "$OUT/tp$tp-gemv$rows.log" 2>&1
+        echo "tp$tp gemv_max_rows=$rows rc=$?"
+        grep -E "^\| 8b-" "$OUT/tp$tp-gemv$rows.log" | tail -n 2
+      done
+      if [[ ${PROFILE:-1} == 1 ]]; then
+        timeout 150 python3 -m bench model_shapes --models llama-3.1-8b --tensor-parallel-size "$tp" --batches 1 \
+          --kernel-profile 8 --json "$OUT/profile_tp${tp}_gemv.json" > "$OUT/profile_tp$tp.log" 2>&1
+        echo "profile tp$tp rc=$?"
+      fi
     done
     ;;
   tp70b)

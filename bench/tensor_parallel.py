@@ -143,6 +143,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        **({} if args.gemv_max_rows is None else {"gemv_max_rows": args.gemv_max_rows}),
         num_kv_blocks=None if args.device == "cuda" else 256,
     )
 
@@ -263,6 +264,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
         # configured (0 when off); at 4 / 8 ranks the engine caps it at 512 / 256 KiB (partial_sums.py)
         "fused_all_reduce_max_bytes": all_reduce_limits(engine.config.parallel)[1],
+        "gemv_max_rows": engine.config.runner.gemv_max_rows,
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -379,6 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the engine's flag: >0 turns on the symmetric-memory all-reduce (torch's one/two-shot kernels)",
     )
+    parser.add_argument("--gemv-max-rows", type=int, help="the engine's flag (default: the engine's); 0: cuBLAS only")
     parser.add_argument(
         "--fused-all-reduce-max-bytes",
         type=int,
@@ -447,6 +450,7 @@ def main() -> None:
     stem += "_nccl_all_reduce" if args.disable_custom_all_reduce else ""
     stem += f"_symm{args.custom_all_reduce_max_bytes}" if args.custom_all_reduce_max_bytes else ""
     stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 or args.disable_custom_all_reduce else ""
+    stem += f"_gemv{args.gemv_max_rows}" if args.gemv_max_rows is not None else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

@@ -188,7 +188,7 @@ def default_gemv_tiles(m: int) -> GemvTiles:
     return 512, 4, 0
 
 
-_COUNTERS = 8192  # column tiles: N up to 8192 * BLOCK_N
+SPLIT_TILES = 8192  # column tiles: N up to 8192 * BLOCK_N
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -196,7 +196,7 @@ def reserve_split_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K tile counters (zeros), allocated once: call it before capturing CUDA graphs."""
     counters = _split_counters.get(device)
     if counters is None:
-        counters = _split_counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        counters = _split_counters[device] = torch.zeros(SPLIT_TILES, dtype=torch.int32, device=device)
     return counters
 
 
@@ -205,7 +205,7 @@ def split_k_buffers(out: torch.Tensor, split: int, num_tiles: int) -> tuple[torc
     [split, M, N] and the device's tile counters (`out` for both, never read, with one slice)."""
     if split == 1:
         return out, out
-    assert num_tiles <= _COUNTERS, (out.shape, num_tiles)
+    assert num_tiles <= SPLIT_TILES, (out.shape, num_tiles)
     partial = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
     return partial, reserve_split_counters(out.device)
 

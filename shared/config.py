@@ -213,6 +213,11 @@ class RunnerConfig:
     async_scheduling: bool | None = opt(
         None, "schedule step N+1 before step N's tokens reach the host (default: on CUDA only)"
     )
+    gemv_max_rows: int = opt(
+        1,
+        "CUDA: dense linears of up to this many rows (decode of a few sequences) run the GEMV kernel instead of "
+        "cuBLAS, the down projection reading SiLU(gate) * up itself (0-4; 0: cuBLAS always)",
+    )
     warm_up: bool = opt(True, "CUDA: compile kernels and capture graphs at start-up")
     profile_steps: bool = opt(False, "time each step's phases (Engine.profile)")
     speculative_config: str | None = opt(
@@ -226,6 +231,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         _at_least(self, 0, "cuda_graph_max_batch")
         _at_least(self, 0, "cuda_graph_max_tokens")
+        if not 0 <= self.gemv_max_rows <= 4:  # kernels/gemv.MAX_ROWS (shared/ imports no kernels)
+            raise ValueError(f"gemv_max_rows: {self.gemv_max_rows} is not in 0-4")
         if self.speculative_config is not None:
             parse_speculative_config(self.speculative_config)  # a bad config stops start-up, naming the field
 

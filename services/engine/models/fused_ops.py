@@ -3,6 +3,8 @@
     add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py; under tensor
                       parallelism x may be an unreduced partial, summed in the same kernel: all_reduce_norm.py)
     silu_and_mul      silu(gate) * up on the fused gate_up output  (kernels/silu_mul.py)
+    linear            x @ W^T + b: a few rows (decode) on CUDA take the GEMV (kernels/gemv.py), which can also
+                      read silu(gate) * up from a gate_up output itself; anything else cuBLAS
     rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py;
                       a prefill attends to the new k/v in place: kernels/prefill_attention.py)
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 _MODES = ("auto", "on", "off")
 _mode = "auto"
+_gemv_max_rows = 0  # set from RunnerConfig.gemv_max_rows by the worker; 0: cuBLAS always
 
 
 def set_fusion(mode: str) -> None:
@@ -46,6 +49,46 @@ def is_fused(x: torch.Tensor) -> bool:
     if _mode == "off" or attention.backend_name() != "triton":
         return False
     return _mode == "on" or x.is_cuda
+
+
+def set_gemv_max_rows(rows: int) -> None:
+    """Linears of up to `rows` rows (at most kernels/gemv.MAX_ROWS) take the GEMV on CUDA; 0: none does."""
+    global _gemv_max_rows
+    _gemv_max_rows = rows
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs the GEMV for these operands: CUDA half-precision rows, few enough of them."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= _gemv_max_rows
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and is_fused(x)
+    )
+
+
+def linear(
+    x: torch.Tensor,  # [n, K]; with silu_mul the gate_up output [n, 2K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [n, N] to write into (no bias then on the cuBLAS path)
+    silu_mul: bool = False,  # x is [gate | up]: multiply silu(gate) * up instead
+) -> torch.Tensor:
+    """F.linear, with the decode GEMV where it applies (`takes_gemv`)."""
+    if takes_gemv(x, weight):
+        from pagedserve.kernels.gemv import gemv
+
+        return gemv(x, weight, bias, out=out, silu_mul=silu_mul)
+    if silu_mul:
+        x = silu_and_mul(x)
+    if out is None:
+        return F.linear(x, weight, bias)
+    assert bias is None, "linear(out=...) takes no bias on the cuBLAS path"
+    return torch.mm(x, weight.t(), out=out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -48,7 +48,17 @@ class RMSNorm(nn.Module):
         return fused_ops.rms_norm(x, self.weight, self.eps)
 
 
-class ShardedLinear(nn.Linear):
+class DenseLinear(nn.Linear):
+    """nn.Linear through fused_ops.linear: decode rows on CUDA take the GEMV, which can also read the
+    activation silu(gate) * up from a gate_up output itself (`silu_mul`)."""
+
+    takes_silu_mul = True  # GatedMLP hands such layers the gate_up output
+
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        return fused_ops.linear(x, self.weight, self.bias, silu_mul=silu_mul)
+
+
+class ShardedLinear(DenseLinear):
     """A linear layer whose output rows are several checkpoint tensors stacked (fused q/k/v, gate/up)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
@@ -66,10 +76,10 @@ class ShardedLinear(nn.Linear):
         param.data[start : start + size].copy_(loaded)
 
 
-def project_out(linear: nn.Module, x: torch.Tensor, partial: bool) -> torch.Tensor:
+def project_out(linear: nn.Module, x: torch.Tensor, partial: bool, **kwargs: bool) -> torch.Tensor:
     """linear(x), or its unreduced partial where asked and the layer is row-parallel (has forward_partial)."""
     forward_partial = getattr(linear, "forward_partial", None) if partial else None
-    return forward_partial(x) if forward_partial is not None else linear(x)
+    return forward_partial(x, **kwargs) if forward_partial is not None else linear(x, **kwargs)
 
 
 class GatedMLP(nn.Module):
@@ -79,7 +89,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = ShardedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = DenseLinear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(act)
         self.is_silu = act in ("silu", "swish")
 
@@ -87,7 +97,10 @@ class GatedMLP(nn.Module):
         """partial: under tensor parallelism the down projection's output may be this rank's unreduced
         addend, which only fused_ops.add_rms_norm may read (parallel/partial_sums.py)."""
         if self.is_silu:
-            return project_out(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj(x)), partial)
+            gate_up = self.gate_up_proj(x)
+            if getattr(self.down_proj, "takes_silu_mul", False):  # dense: the decode GEMV applies SiLU * up
+                return project_out(self.down_proj, gate_up, partial, silu_mul=True)
+            return project_out(self.down_proj, fused_ops.silu_and_mul(gate_up), partial)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return project_out(self.down_proj, self.act(gate) * up, partial)
 
@@ -97,8 +110,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = DenseLinear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = DenseLinear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +141,7 @@ class Attention(nn.Module):
         self.qkv_proj = ShardedLinear(
             hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=out_bias)
+        self.o_proj = DenseLinear(self.q_size, hidden_size, bias=out_bias)
         self.rotary = rotary
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None

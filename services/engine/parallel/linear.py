@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.services.engine.models import fused_ops
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
@@ -85,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return fused_ops.linear(x, self.weight, self.bias)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         """(shard id, full shape) of each checkpoint tensor this parameter is cut from."""
@@ -116,11 +116,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.part.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(F.linear(x, self.weight))
+    takes_silu_mul = True  # GatedMLP hands it the gate_up output (layers.DenseLinear)
+
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        out = self.ctx.all_reduce(fused_ops.linear(x, self.weight, silu_mul=silu_mul))
         return out if self.bias is None else out + self.bias
 
-    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_partial(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """This rank's addend, written into the symmetric buffer, for `fused_ops.add_rms_norm` to sum
         (parallel/partial_sums.py); the reduced output where that buffer cannot take it."""
         partials = self.ctx.partials
@@ -131,10 +133,9 @@ class RowParallelLinear(nn.Module):
             or x.dim() != 2
             or not partials.fits(num_rows, self.out_features, x.dtype)
         ):
-            return self.forward(x)
+            return self.forward(x, silu_mul)
         slot = partials.slot(num_rows, self.out_features, x.dtype)
-        torch.mm(x, self.weight.t(), out=slot)
-        return slot
+        return fused_ops.linear(x, self.weight, out=slot, silu_mul=silu_mul)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)

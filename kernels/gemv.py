@@ -1,0 +1,178 @@
+"""Dense GEMV for decode (a few rows): y = x @ W^T (+ bias), W [N, K] as nn.Linear stores it, no tl.dot.
+
+At M = 1 a decode step is a chain of matrix-vector products that should run at the memory floor, but cuBLAS
+picks 8-row tensor-core tiles with a split-K reduce kernel after the smaller ones: on an H200 the Llama-8B
+linears of a TP=2 rank read their weights at 25-78% of the bandwidth a copy reaches (the qkv and o shards
+worst), and the fixed cost does not halve with the shard (bench/results/tensor_parallel_h200x4_2026-11-28/).
+
+Each program owns BLOCK_N weight rows and walks a slice of K in BLOCK_K steps: coalesced 16-byte loads along
+the rows, products on the CUDA cores into one [BLOCK_N, BLOCK_K] fp32 accumulator per activation row, one
+reduction at the end. Many small programs (BLOCK_N of 2-16 rows) keep enough loads in flight per SM to hide HBM latency
+without split-K; where the grid is still short, K is split and the last slice to arrive adds the partials
+in slice order (`_store_split_k`, shared with the W4A16 GEMV: deterministic, no second launch).
+
+SILU_MUL: x is the gate_up output [M, 2K] = [gate | up] and the GEMV reads silu(gate) * up on the fly,
+rounded to x's dtype as kernels/silu_mul.py rounds it: the down projection without the SiLU kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.launch_config import split_k
+from pagedserve.kernels.w4a16_gemv import SPLIT_TILES, _store_split_k, reserve_split_counters
+
+GemvConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K (0: auto)
+MAX_ROWS = 4  # each extra row costs registers, not weight reads; above this cuBLAS's tensor cores win
+_TARGET_PROGRAMS = 1056  # eight per SM of an H100 / H200: enough 16-byte loads in flight to cover HBM latency
+
+
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """8 rows x 512 inputs over 4 warps (two 16-byte loads a thread a row), 4 rows when the rows are short
+    so a program still streams 4 KiB a step; split-K only where the grid has under `_TARGET_PROGRAMS`."""
+    block_n = 8 if k >= 2048 else 4
+    return block_n, 512, 4, 0
+
+
+@triton.jit
+def _load_x(x_ptr, ROW: tl.constexpr, M, ks, k_end, stride_xm, K, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row ROW of the activations at inputs ks (< k_end), fp32, repeated over the tile's BLOCK_N rows
+    (silu(gate) * up rounded to x's dtype). Loading it at the weight tile's shape puts it in the tile's layout,
+    each thread reading the inputs it multiplies (from L1): a [BLOCK_K] load went through shared memory with
+    two barriers every step."""
+    ks = ks[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    mask = ks < tl.where(M > ROW, k_end, 0)  # rows past M read nothing
+    ptrs = x_ptr + ROW * stride_xm + ks
+    if SILU_MUL:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] (SILU_MUL: [M, 2K])
+    w_ptr,  # [N, K], rows contiguous
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N], rows stride_om apart
+    partial_ptr,  # [SPLIT_K, M, stride_om] fp32 (SPLIT_K > 1)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_osplit,
+    BLOCK_M: tl.constexpr,  # 1, 2 or 4: one [BLOCK_N, BLOCK_K] accumulator a row, in the weight tile's layout
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every slice is whole BLOCK_K steps: no masks on the weight loads
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1)  # rows past N re-read the last one (never stored): unmasked loads
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    # Separate 2-D accumulators (not one [BLOCK_M, BLOCK_N, BLOCK_K]): the products then stay in the layout
+    # the weight tile is loaded in, where a 3-D product moved every tile through shared memory.
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy="evict_first")
+        w = w.to(tl.float32)
+        acc0 += w * _load_x(x_ptr, 0, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+        if BLOCK_M > 1:
+            acc1 += w * _load_x(x_ptr, 1, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+        if BLOCK_M > 2:
+            acc2 += w * _load_x(x_ptr, 2, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+            acc3 += w * _load_x(x_ptr, 3, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    y = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        y += tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    if BLOCK_M > 2:
+        y += tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+        y += tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+    if HAS_BIAS:  # noqa: SIM102 (constexpr, then a runtime test)
+        if pid_k == 0:  # once, in slice 0's partial
+            y += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    _store_split_k(y, out_ptr, partial_ptr, counter_ptr, out_offs, mask, pid_n, pid_k, stride_osplit, SPLIT_K)
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= a few (SILU_MUL: [M, 2K], the gate_up output)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [M, N], rows may be strided
+    silu_mul: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias in x's dtype; with silu_mul, silu(x[:, :K]) * x[:, K:] stands for x."""
+    m, width = x.shape
+    n, k = weight.shape
+    assert width == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape), silu_mul)
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1, (tuple(out.shape), out.stride())
+    assert m <= MAX_ROWS, f"gemv takes at most {MAX_ROWS} rows, got {m}"
+    if m == 0:
+        return out
+    block_n, block_k, warps, split = config or default_config(m, n, k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    num_tiles = triton.cdiv(n, block_n)
+    split = split or split_k(num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slice
+    partial, counters = out, out  # never read with one slice
+    if split > 1:  # partials laid out like out's rows (they share its offsets)
+        assert num_tiles <= SPLIT_TILES, (n, block_n)
+        partial = torch.empty((split, m, out.stride(0)), dtype=torch.float32, device=out.device)
+        counters = reserve_split_counters(out.device)
+    _gemv_kernel[(num_tiles, split)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        partial,
+        counters,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        m * out.stride(0),
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_K=k % k_per_split == 0,
+        num_warps=warps,
+    )
+    return out

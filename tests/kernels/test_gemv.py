@@ -1,0 +1,104 @@
+"""The dense decode GEMV (kernels/gemv.py) vs F.linear: 1-4 rows, ragged N and K, bias, split-K (several
+slices, more slices than K needs), a strided output, and the SiLU * up input of a down projection.
+bf16 on CUDA, fp32 in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels.gemv import GemvConfig, gemv
+from pagedserve.services.engine import attention
+from pagedserve.services.engine.models import fused_ops
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    tolerance = 2e-2 if got.dtype in (torch.bfloat16, torch.float16) else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "bias", "config"),
+    [
+        (1, 40, 256, False, None),  # one slice
+        (1, 37, 200, True, (8, 64, 2, 1)),  # ragged N and K: masked rows and inputs
+        (3, 24, 512, True, (4, 128, 4, 2)),  # 2 slices: the last slice adds the partials (and the bias once)
+        (2, 16, 384, False, (8, 128, 4, 3)),  # 3 slices
+        (4, 9, 96, True, (16, 32, 1, 5)),  # 5 slices of 32 over 96 inputs: capped to 3, the last one short
+    ],
+)
+def test_gemv_matches_linear(
+    device: torch.device, m: int, n: int, k: int, bias: bool, config: GemvConfig | None
+) -> None:
+    torch.manual_seed(0)
+    dtype = _dtype(device)
+    x = torch.randn(m, k).to(device, dtype)
+    weight = (torch.randn(n, k) * 0.05).to(device, dtype)
+    b = torch.randn(n).to(device, dtype) if bias else None
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    _check(gemv(x, weight, b, config=config), want)
+    _check(gemv(x, weight, b, config=config), want)  # the split counters were reset by the call before
+
+
+def test_gemv_writes_a_strided_output(device: torch.device) -> None:
+    """The partial-sum slots of tensor parallelism hand out row-strided views (parallel/partial_sums.py)."""
+    torch.manual_seed(1)
+    dtype = _dtype(device)
+    x = torch.randn(2, 128).to(device, dtype)
+    weight = (torch.randn(24, 128) * 0.1).to(device, dtype)
+    buffer = torch.full((2, 40), 7.0, device=device, dtype=dtype)
+    out = buffer[:, 8:32]
+    gemv(x, weight, out=out, config=(8, 32, 1, 2))
+    _check(out, x.float() @ weight.float().T)
+    assert (buffer[:, :8] == 7).all() and (buffer[:, 32:] == 7).all()  # nothing outside the view
+
+
+@pytest.mark.parametrize("config", [None, (4, 64, 2, 2)])
+def test_gemv_silu_mul_reads_the_gate_up_output(device: torch.device, config: GemvConfig | None) -> None:
+    torch.manual_seed(2)
+    dtype = _dtype(device)
+    intermediate = 192
+    gate_up = torch.randn(1, 2 * intermediate).to(device, dtype)
+    weight = (torch.randn(48, intermediate) * 0.05).to(device, dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    hidden = (F.silu(gate) * up).to(dtype)  # rounded where kernels/silu_mul.py rounds
+    _check(gemv(gate_up, weight, silu_mul=True, config=config), hidden.float() @ weight.float().T)
+
+
+def test_linear_dispatch_keeps_cpu_and_large_batches_on_torch() -> None:
+    """fused_ops.linear: CPU tensors and batches over the limit never take the GEMV; silu_mul and out= mean
+    the same on the torch path."""
+    torch.manual_seed(3)
+    gate_up, weight = torch.randn(2, 64), torch.randn(16, 32)
+    fused_ops.set_gemv_max_rows(4)
+    try:
+        assert not fused_ops.takes_gemv(gate_up[:, :32], weight)  # CPU
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = F.linear(F.silu(gate) * up, weight)
+        torch.testing.assert_close(fused_ops.linear(gate_up, weight, silu_mul=True), want)
+        out = torch.empty(2, 16)
+        assert fused_ops.linear(gate, weight, out=out) is out
+        torch.testing.assert_close(out, F.linear(gate, weight))
+    finally:
+        fused_ops.set_gemv_max_rows(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV dispatch is for CUDA tensors")
+def test_linear_dispatch_takes_the_gemv_for_decode_rows() -> None:
+    attention.use_backend("triton")
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+    fused_ops.set_gemv_max_rows(2)
+    try:
+        assert fused_ops.takes_gemv(x[:2], weight) and not fused_ops.takes_gemv(x, weight)
+        assert not fused_ops.takes_gemv(x[:2].float(), weight.float())  # fp32 stays on cuBLAS
+        torch.testing.assert_close(fused_ops.linear(x[:2], weight), gemv(x[:2], weight), rtol=0, atol=0)
+    finally:
+        fused_ops.set_gemv_max_rows(0)
