@@ -61,7 +61,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.model = model if model is not None else load_rank_model(config, ctx)
         select_attention_backend(self.device)
-        fused_ops.set_gemv_max_rows(config.runner.gemv_max_rows)
+        fused_ops.set_gemv_max_rows(config.runner.gemv_max_rows, self.device)
         refuse_unsupported_attention(self.model)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:  # before the KV cache is sized: the slots take device memory too

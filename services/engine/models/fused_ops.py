@@ -51,10 +51,15 @@ def is_fused(x: torch.Tensor) -> bool:
     return _mode == "on" or x.is_cuda
 
 
-def set_gemv_max_rows(rows: int) -> None:
-    """Linears of up to `rows` rows (at most kernels/gemv.MAX_ROWS) take the GEMV on CUDA; 0: none does."""
+def set_gemv_max_rows(rows: int, device: torch.device | None = None) -> None:
+    """Linears of up to `rows` rows (at most kernels/gemv.MAX_ROWS) take the GEMV on CUDA; 0: none does.
+    On a CUDA `device` the GEMV's split-K counters are allocated now, before any CUDA graph is captured."""
     global _gemv_max_rows
     _gemv_max_rows = rows
+    if rows and device is not None and device.type == "cuda":
+        from pagedserve.kernels.w4a16_gemv import reserve_split_counters
+
+        reserve_split_counters(device)
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
