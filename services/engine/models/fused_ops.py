@@ -59,7 +59,7 @@ def set_gemv_max_rows(rows: int, device: torch.device | None = None) -> None:
     if rows and device is not None and device.type == "cuda":
         from pagedserve.kernels.w4a16_gemv import reserve_split_counters
 
-        reserve_split_counters(device)
+        reserve_split_counters(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device)
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
