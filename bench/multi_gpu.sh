@@ -122,7 +122,8 @@ case "${PART:-tp8b}" in
       echo "gemv tests rc=$?"; tail -n 2 "$OUT/gemv_tests.log"
     fi
     if [[ ${SWEEP:-1} == 1 ]]; then
-      timeout 300 python3 -m bench gemv --json "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
+      timeout 300 python3 -m bench gemv --shapes "${GEMV_SHAPES:-8b-tp1,8b-tp2,8b-tp4,smollm2}" --json "$OUT/gemv.json" \
+        > "$OUT/gemv.log" 2>&1
       echo "gemv bench rc=$?"; tail -n 50 "$OUT/gemv.log"
     fi
     sizes=${TP_SIZES:-1}
