@@ -3,11 +3,10 @@ SmolLM2's), 1-4 rows, against the weight-read floor.
 
     python3 -m bench gemv [--json bench/results/gemv.json] [--rows 1,2,4] [--no-sweep]
 
-Per linear and rows M: cuBLAS (`F.linear`), the GEMV with its default tiles and the best of a tile sweep
-(BLOCK_N, BLOCK_K, warps, split-K), and for the down projection the SiLU kernel + cuBLAS against the GEMV that
-reads silu(gate) * up itself. The floor is the weight bytes / the bandwidth of a 1 GiB device copy. CUDA-graph
-timed, each call on the next of enough weight copies to span 256 MiB, so weights come from HBM as in a decode
-step (bench/w4a16_gemm.py's method).
+Per linear and rows M: cuBLAS (`F.linear`), the GEMV with its default tiles and (M = 1) the best of a tile
+sweep (BLOCK_N, BLOCK_K, warps, split-K), in µs and in TB/s of weight read. CUDA-graph timed, each call on the
+next of enough weight copies to span 256 MiB, so weights come from HBM as in a decode step
+(bench/w4a16_gemm.py's method).
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from bench.w4a16_gemm import copies, copy_bandwidth, rotated_us
+from bench.w4a16_gemm import copies, rotated_us
 from pagedserve.kernels.gemv import GemvConfig, default_config, gemv
-from pagedserve.kernels.silu_mul import silu_mul
 
 HIDDEN, INTERMEDIATE, Q, KV = 4096, 14336, 4096, 1024  # Llama-3.1-8B
 
@@ -45,16 +43,17 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
 SWEEP: list[GemvConfig] = [  # (BLOCK_N, BLOCK_K, warps, SPLIT_K; 0 = auto)
+    (1, 512, 2, 0),
+    (1, 1024, 4, 0),
+    (1, 2048, 8, 0),
+    (2, 512, 2, 0),
+    (2, 1024, 2, 0),
     (2, 1024, 4, 0),
-    (4, 512, 4, 0),
-    (4, 1024, 4, 0),
+    (2, 2048, 4, 0),
+    (2, 2048, 8, 0),
     (4, 1024, 8, 0),
-    (8, 256, 2, 0),
-    (8, 512, 4, 0),
-    (8, 512, 8, 0),
-    (16, 256, 4, 0),
-    (16, 512, 8, 0),
-    (8, 512, 4, 1),
+    (4, 1024, 4, 0),
+    (2, 1024, 4, 1),
 ]
 
 
@@ -66,7 +65,7 @@ def _timed(call: object, weights: list[tuple[torch.Tensor, ...]]) -> float:
         return float("inf")
 
 
-def measure(name: str, n: int, k: int, rows: int, bandwidth: float, sweep: bool) -> dict[str, object]:
+def measure(name: str, n: int, k: int, rows: int, sweep: bool) -> dict[str, object]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn((n, k), device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     weights = copies((weight,), rotate=True)
@@ -84,15 +83,9 @@ def measure(name: str, n: int, k: int, rows: int, bandwidth: float, sweep: bool)
         best = min(timings, key=timings.__getitem__)
         row["gemv_best_us"], row["best_config"] = timings[best], list(best)
         row["sweep_us"] = {",".join(map(str, c)): round(t, 2) for c, t in timings.items()}
-    if name == "down":  # the SiLU kernel + cuBLAS vs the GEMV reading silu(gate) * up
-        gate_up = torch.randn((rows, 2 * k), device="cuda", dtype=torch.bfloat16, generator=gen)
-        row["silu_cublas_us"] = _timed(lambda w: F.linear(silu_mul(gate_up), w[0]), weights)
-        row["gemv_silu_us"] = _timed(lambda w: gemv(gate_up, w[0], silu_mul=True), weights)
-    floor = n * k * 2 / bandwidth * 1e6
-    row["floor_us"] = floor
     for key in ("cublas_us", "gemv_default_us", "gemv_best_us"):
-        if key in row:
-            row[key.replace("_us", "_of_floor")] = round(floor / float(row[key]), 3)  # type: ignore[arg-type]
+        if key in row:  # weight bytes read per second
+            row[key.replace("_us", "_tb_s")] = round(n * k * 2 / float(row[key]) / 1e6, 3)  # type: ignore[arg-type]
     del weights
     torch.cuda.empty_cache()
     return row
@@ -105,26 +98,21 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="cuBLAS and the default tiles only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    print(torch.cuda.get_device_name(), flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
-    header = f"{'shape':<8} {'linear':<8} {'M':>2} {'cuBLAS':>8} {'GEMV':>8} {'best':>8} {'floor':>7}  best config"
+    header = f"{'shape':<8} {'linear':<8} {'M':>2} {'cuBLAS µs':>9} {'GEMV':>7} {'best':>7} {'TB/s':>17}  best config"
     print(header, flush=True)
     for shape in args.shapes.split(","):
         for name, (n, k) in SHAPES[shape].items():
             for rows in rows_list:
-                row = {"shape": shape, **measure(name, n, k, rows, bandwidth, not args.no_sweep and rows == 1)}
+                row = {"shape": shape, **measure(name, n, k, rows, not args.no_sweep and rows == 1)}
                 results.append(row)
                 best = row.get("gemv_best_us", float("nan"))
+                rates = "/".join(f"{row[key]:.2f}" for key in ("cublas_tb_s", "gemv_default_tb_s") if key in row)
                 print(
-                    f"{shape:<8} {name:<8} {rows:>2} {row['cublas_us']:>8.2f} {row['gemv_default_us']:>8.2f} "
-                    f"{best:>8.2f} {row['floor_us']:>7.2f}  {row.get('best_config', '')}"
-                    + (
-                        f"  silu+cuBLAS {row['silu_cublas_us']:.2f} / GEMV(silu) {row['gemv_silu_us']:.2f}"
-                        if "gemv_silu_us" in row
-                        else ""
-                    ),
+                    f"{shape:<8} {name:<8} {rows:>2} {row['cublas_us']:>9.2f} {row['gemv_default_us']:>7.2f} "
+                    f"{best:>7.2f} {rates:>17}  {row.get('best_config', '')}",
                     flush=True,
                 )
     if args.json:
@@ -133,7 +121,6 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
-            "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
             "results": results,
         }
         args.json.write_text(json.dumps(doc, indent=1))

@@ -10,9 +10,6 @@ the rows, products on the CUDA cores into one [BLOCK_N, BLOCK_K] fp32 accumulato
 reduction at the end. Many small programs (BLOCK_N of 2-16 rows) keep enough loads in flight per SM to hide HBM latency
 without split-K; where the grid is still short, K is split and the last slice to arrive adds the partials
 in slice order (`_store_split_k`, shared with the W4A16 GEMV: deterministic, no second launch).
-
-SILU_MUL: x is the gate_up output [M, 2K] = [gate | up] and the GEMV reads silu(gate) * up on the fly,
-rounded to x's dtype as kernels/silu_mul.py rounds it: the down projection without the SiLU kernel.
 """
 
 from __future__ import annotations
@@ -30,33 +27,25 @@ _TARGET_PROGRAMS = 1056  # eight per SM of an H100 / H200: enough 16-byte loads 
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """8 rows x 512 inputs over 4 warps (two 16-byte loads a thread a row), 4 rows when the rows are short
-    so a program still streams 4 KiB a step; split-K only where the grid has under `_TARGET_PROGRAMS`."""
-    block_n = 8 if k >= 2048 else 4
-    return block_n, 512, 4, 0
+    """2 rows x 1024 inputs over 4 warps (two 16-byte loads a thread a step): the fastest of a 10-tile sweep on
+    every Llama-8B (TP = 1, 2) and SmolLM2 linear at M = 1 on an H200 (bench/results/gemv_h200_2026-11-28/);
+    split-K only where the grid has under `_TARGET_PROGRAMS`."""
+    return 2, 1024, 4, 0
 
 
 @triton.jit
-def _load_x(x_ptr, ROW: tl.constexpr, M, ks, k_end, stride_xm, K, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row ROW of the activations at inputs ks (< k_end), fp32, repeated over the tile's BLOCK_N rows
-    (silu(gate) * up rounded to x's dtype). Loading it at the weight tile's shape puts it in the tile's layout,
-    each thread reading the inputs it multiplies (from L1): a [BLOCK_K] load went through shared memory with
-    two barriers every step."""
+def _load_x(x_ptr, ROW: tl.constexpr, M, ks, k_end, stride_xm, BLOCK_N: tl.constexpr):
+    """Row ROW of the activations at inputs ks (< k_end), fp32, repeated over the tile's BLOCK_N rows. Loading
+    it at the weight tile's shape puts it in the tile's layout, each thread reading the inputs it multiplies
+    (from L1): a [BLOCK_K] load went through shared memory with two barriers every step."""
     ks = ks[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
     mask = ks < tl.where(M > ROW, k_end, 0)  # rows past M read nothing
-    ptrs = x_ptr + ROW * stride_xm + ks
-    if SILU_MUL:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x.to(tl.float32)
+    return tl.load(x_ptr + ROW * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K] (SILU_MUL: [M, 2K])
+    x_ptr,  # [M, K]
     w_ptr,  # [N, K], rows contiguous
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N], rows stride_om apart
@@ -75,7 +64,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,  # every slice is whole BLOCK_K steps: no masks on the weight loads
 ):
     pid_n = tl.program_id(0)
@@ -100,12 +88,12 @@ def _gemv_kernel(
         else:
             w = tl.load(w_rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy="evict_first")
         w = w.to(tl.float32)
-        acc0 += w * _load_x(x_ptr, 0, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+        acc0 += w * _load_x(x_ptr, 0, M, ks, k_end, stride_xm, BLOCK_N)
         if BLOCK_M > 1:
-            acc1 += w * _load_x(x_ptr, 1, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+            acc1 += w * _load_x(x_ptr, 1, M, ks, k_end, stride_xm, BLOCK_N)
         if BLOCK_M > 2:
-            acc2 += w * _load_x(x_ptr, 2, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
-            acc3 += w * _load_x(x_ptr, 3, M, ks, k_end, stride_xm, K, SILU_MUL, BLOCK_N)
+            acc2 += w * _load_x(x_ptr, 2, M, ks, k_end, stride_xm, BLOCK_N)
+            acc3 += w * _load_x(x_ptr, 3, M, ks, k_end, stride_xm, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     y = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if BLOCK_M > 1:
@@ -122,17 +110,16 @@ def _gemv_kernel(
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K], M <= a few (SILU_MUL: [M, 2K], the gate_up output)
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [M, N], rows may be strided
-    silu_mul: bool = False,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias in x's dtype; with silu_mul, silu(x[:, :K]) * x[:, K:] stands for x."""
+    """x @ weight.T + bias in x's dtype."""
     m, width = x.shape
     n, k = weight.shape
-    assert width == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape), silu_mul)
+    assert width == k, (tuple(x.shape), tuple(weight.shape))
     assert x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -171,7 +158,6 @@ def gemv(
         BLOCK_K=block_k,
         SPLIT_K=split,
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
         EVEN_K=k % k_per_split == 0,
         num_warps=warps,
     )

@@ -3,8 +3,7 @@
     add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py; under tensor
                       parallelism x may be an unreduced partial, summed in the same kernel: all_reduce_norm.py)
     silu_and_mul      silu(gate) * up on the fused gate_up output  (kernels/silu_mul.py)
-    linear            x @ W^T + b: a few rows (decode) on CUDA take the GEMV (kernels/gemv.py), which can also
-                      read silu(gate) * up from a gate_up output itself; anything else cuBLAS
+    linear            x @ W^T + b: a few rows (decode) on CUDA take the GEMV (kernels/gemv.py), anything else cuBLAS
     rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py;
                       a prefill attends to the new k/v in place: kernels/prefill_attention.py)
 
@@ -77,19 +76,16 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(
-    x: torch.Tensor,  # [n, K]; with silu_mul the gate_up output [n, 2K]
+    x: torch.Tensor,  # [n, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [n, N] to write into (no bias then on the cuBLAS path)
-    silu_mul: bool = False,  # x is [gate | up]: multiply silu(gate) * up instead
 ) -> torch.Tensor:
     """F.linear, with the decode GEMV where it applies (`takes_gemv`)."""
     if takes_gemv(x, weight):
         from pagedserve.kernels.gemv import gemv
 
-        return gemv(x, weight, bias, out=out, silu_mul=silu_mul)
-    if silu_mul:
-        x = silu_and_mul(x)
+        return gemv(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
     assert bias is None, "linear(out=...) takes no bias on the cuBLAS path"

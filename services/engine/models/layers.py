@@ -49,13 +49,10 @@ class RMSNorm(nn.Module):
 
 
 class DenseLinear(nn.Linear):
-    """nn.Linear through fused_ops.linear: decode rows on CUDA take the GEMV, which can also read the
-    activation silu(gate) * up from a gate_up output itself (`silu_mul`)."""
+    """nn.Linear through fused_ops.linear: decode rows on CUDA take the GEMV."""
 
-    takes_silu_mul = True  # GatedMLP hands such layers the gate_up output
-
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        return fused_ops.linear(x, self.weight, self.bias, silu_mul=silu_mul)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops.linear(x, self.weight, self.bias)
 
 
 class ShardedLinear(DenseLinear):
@@ -76,10 +73,10 @@ class ShardedLinear(DenseLinear):
         param.data[start : start + size].copy_(loaded)
 
 
-def project_out(linear: nn.Module, x: torch.Tensor, partial: bool, **kwargs: bool) -> torch.Tensor:
+def project_out(linear: nn.Module, x: torch.Tensor, partial: bool) -> torch.Tensor:
     """linear(x), or its unreduced partial where asked and the layer is row-parallel (has forward_partial)."""
     forward_partial = getattr(linear, "forward_partial", None) if partial else None
-    return forward_partial(x, **kwargs) if forward_partial is not None else linear(x, **kwargs)
+    return forward_partial(x) if forward_partial is not None else linear(x)
 
 
 class GatedMLP(nn.Module):
@@ -97,10 +94,7 @@ class GatedMLP(nn.Module):
         """partial: under tensor parallelism the down projection's output may be this rank's unreduced
         addend, which only fused_ops.add_rms_norm may read (parallel/partial_sums.py)."""
         if self.is_silu:
-            gate_up = self.gate_up_proj(x)
-            if getattr(self.down_proj, "takes_silu_mul", False):  # dense: the decode GEMV applies SiLU * up
-                return project_out(self.down_proj, gate_up, partial, silu_mul=True)
-            return project_out(self.down_proj, fused_ops.silu_and_mul(gate_up), partial)
+            return project_out(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj(x)), partial)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return project_out(self.down_proj, self.act(gate) * up, partial)
 

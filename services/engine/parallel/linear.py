@@ -116,13 +116,11 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.part.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    takes_silu_mul = True  # GatedMLP hands it the gate_up output (layers.DenseLinear)
-
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        out = self.ctx.all_reduce(fused_ops.linear(x, self.weight, silu_mul=silu_mul))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ctx.all_reduce(fused_ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
-    def forward_partial(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's addend, written into the symmetric buffer, for `fused_ops.add_rms_norm` to sum
         (parallel/partial_sums.py); the reduced output where that buffer cannot take it."""
         partials = self.ctx.partials
@@ -133,9 +131,9 @@ class RowParallelLinear(nn.Module):
             or x.dim() != 2
             or not partials.fits(num_rows, self.out_features, x.dtype)
         ):
-            return self.forward(x, silu_mul)
+            return self.forward(x)
         slot = partials.slot(num_rows, self.out_features, x.dtype)
-        return fused_ops.linear(x, self.weight, out=slot, silu_mul=silu_mul)
+        return fused_ops.linear(x, self.weight, out=slot)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
