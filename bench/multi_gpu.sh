@@ -9,6 +9,7 @@
 #   OUT=/tmp/out PART=archeck bash bench/multi_gpu.sh  # custom / fused all-reduce vs NCCL on 2, 4, 8 GPUs
 #   OUT=/tmp/out PART=tpfused bash bench/multi_gpu.sh  # 8B TP=1, then TP=2 (and 4) NCCL vs fused all-reduce+norm
 #   OUT=/tmp/out PART=gemv    bash bench/multi_gpu.sh  # decode GEMV: tests, sweep, 8B TP=1 (and 2) cuBLAS vs GEMV
+#   OUT=/tmp/out PART=decode1 bash bench/multi_gpu.sh  # one GPU, 8B batch 1 and 64: bf16 cuBLAS / GEMV, GPTQ W4A16
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
 # engines generate their weights (PAGEDSERVE_LOAD_FORMAT=random), so nothing large is written.
@@ -117,9 +118,10 @@ case "${PART:-tp8b}" in
   gemv)  # the dense decode GEMV (issue 23): kernel tests and sweep, then 8B throughput and single-stream ITL at
          # TP=1 (and TP=2 with 2+ GPUs) with cuBLAS (--gemv-max-rows 0) and with the GEMV, and a decode-step profile
     if python3 -c "import pytest" 2> /dev/null; then
-      timeout 150 python3 -m pytest -q -o addopts='' -p no:cacheprovider --confcutdir=tests/kernels \
-        tests/kernels/test_gemv.py > "$OUT/gemv_tests.log" 2>&1
-      echo "gemv tests rc=$?"; tail -n 2 "$OUT/gemv_tests.log"
+      tests=(tests/kernels/test_gemv.py)  # GPU_TESTS=1: also every family vs HF and TP=2 vs TP=1 with the GEMV on
+      [[ ${GPU_TESTS:-0} == 1 ]] && tests+=(tests/models/test_gpu_models.py tests/engine/test_tensor_parallel_gpu.py)
+      timeout 240 python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs "${tests[@]}" > "$OUT/gemv_tests.log" 2>&1
+      echo "gemv tests rc=$?"; tail -n 4 "$OUT/gemv_tests.log"
     fi
     if [[ ${SWEEP:-1} == 1 ]]; then
       timeout 300 python3 -m bench gemv --shapes "${GEMV_SHAPES:-8b-tp1,8b-tp2,8b-tp4,smollm2}" --json "$OUT/gemv.json" \
@@ -142,6 +144,15 @@ case "${PART:-tp8b}" in
           --kernel-profile 8 --json "$OUT/profile_tp${tp}_gemv.json" > "$OUT/profile_tp$tp.log" 2>&1
         echo "profile tp$tp rc=$?"
       fi
+    done
+    ;;
+  decode1)  # 8B decode at batch 1 and 64 on one GPU: bf16 with cuBLAS, bf16 with the GEMV, GPTQ W4A16 (issue 21)
+    for variant in "bf16-cublas --gemv-max-rows 0" "bf16-gemv --gemv-max-rows 1" "gptq --quantization gptq"; do
+      read -r name flags <<< "$variant"
+      # shellcheck disable=SC2086  # the flags split into words
+      timeout 200 python3 -m bench model_shapes --models llama-3.1-8b --batches 1,64 $flags \
+        --json "$OUT/decode1_$name.json" > "$OUT/decode1_$name.log" 2>&1
+      echo "$name rc=$?"; grep -E "^\| llama" "$OUT/decode1_$name.log" | tail -n 2
     done
     ;;
   tp70b)

@@ -1,16 +1,16 @@
 """Dense GEMV for decode (a few rows): y = x @ W^T (+ bias), W [N, K] as nn.Linear stores it, no tl.dot.
 
 At M = 1 a decode step is a chain of matrix-vector products that should run at the memory floor, but cuBLAS
-picks 8-row tensor-core tiles with a split-K reduce kernel after the smaller ones: on an H200 the Llama-8B
-linears of a TP=2 rank read their weights at 25-78% of the bandwidth a copy reaches (the qkv and o shards
-worst), and the fixed cost does not halve with the shard (bench/results/tensor_parallel_h200x4_2026-11-28/).
+picks 8-row tensor-core tiles, with a split-K reduce kernel after some: on an H200 it reads the weights of a
+Llama-8B TP=2 rank's qkv / o / gate_up / down at 2.1 / 2.3 / 3.7 / 2.9 TB/s, where this kernel reaches
+3.1 / 2.6 / 4.0 / 3.5 (bench/results/gemv_h200x2_2026-11-28/).
 
 Each program owns BLOCK_N weight rows and walks a slice of K in BLOCK_K steps: coalesced 16-byte loads along
 the rows, products on the CUDA cores into one [BLOCK_N, BLOCK_K] fp32 accumulator per activation row, one
-reduction at the end. Many small programs (BLOCK_N of 2-16 rows) keep enough loads in flight per SM to hide HBM latency
-without split-K; where the grid is still short, K is split and the last slice to arrive adds the partials
-in slice order (`_store_split_k`, shared with the W4A16 GEMV: deterministic, no second launch).
-"""
+reduction at the end. Many small programs (one weight row each by default) keep enough loads in flight per SM
+to hide HBM latency without split-K; where the grid is still short, K is split and the last slice to arrive
+adds the partials in slice order (`_store_split_k`, shared with the W4A16 GEMV: deterministic, no second
+launch)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ from pagedserve.kernels.launch_config import split_k
 from pagedserve.kernels.w4a16_gemv import SPLIT_TILES, _store_split_k, reserve_split_counters
 
 GemvConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K (0: auto)
-MAX_ROWS = 4  # each extra row costs registers, not weight reads; above this cuBLAS's tensor cores win
+MAX_ROWS = 4  # each extra row costs registers, not weight reads (already at 2 rows cuBLAS wins on most 8B linears)
 _TARGET_PROGRAMS = 1056  # eight per SM of an H100 / H200: enough 16-byte loads in flight to cover HBM latency
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """2 rows x 1024 inputs over 4 warps (two 16-byte loads a thread a step): the fastest of a 10-tile sweep on
-    every Llama-8B (TP = 1, 2) and SmolLM2 linear at M = 1 on an H200 (bench/results/gemv_h200_2026-11-28/);
-    split-K only where the grid has under `_TARGET_PROGRAMS`."""
-    return 2, 1024, 4, 0
+    """One row x 1024 inputs over 4 warps (one 16-byte load a thread a step): of an 11-tile sweep at M = 1 on an
+    H200, the least total time over the four linears of the Llama-8B shape at TP = 1 and 2 and within 0.5% of the
+    best at TP = 4 and on SmolLM2 (bench/results/gemv_h200x2_2026-11-28/); split-K only where the grid has
+    under `_TARGET_PROGRAMS`."""
+    return 1, 1024, 4, 0
 
 
 @triton.jit

@@ -71,7 +71,7 @@ def test_linear_dispatch_keeps_cpu_and_large_batches_on_torch() -> None:
         assert fused_ops.linear(x, weight, out=out) is out
         torch.testing.assert_close(out, F.linear(x, weight))
     finally:
-        fused_ops.set_gemv_max_rows(0)
+        fused_ops.set_gemv_max_rows(1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV dispatch is for CUDA tensors")
@@ -85,4 +85,4 @@ def test_linear_dispatch_takes_the_gemv_for_decode_rows() -> None:
         assert not fused_ops.takes_gemv(x[:2].float(), weight.float())  # fp32 stays on cuBLAS
         torch.testing.assert_close(fused_ops.linear(x[:2], weight), gemv(x[:2], weight), rtol=0, atol=0)
     finally:
-        fused_ops.set_gemv_max_rows(0)
+        fused_ops.set_gemv_max_rows(1)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 _MODES = ("auto", "on", "off")
 _mode = "auto"
-_gemv_max_rows = 0  # set from RunnerConfig.gemv_max_rows by the worker; 0: cuBLAS always
+_gemv_max_rows = 1  # RunnerConfig.gemv_max_rows (its default here too: models driven without a worker); 0: cuBLAS
 
 
 def set_fusion(mode: str) -> None:
