@@ -3,7 +3,7 @@
 At M = 1 a decode step is a chain of matrix-vector products that should run at the memory floor, but cuBLAS
 picks 8-row tensor-core tiles, with a split-K reduce kernel after some: on an H200 it reads the weights of a
 Llama-8B TP=2 rank's qkv / o / gate_up / down at 2.1 / 2.3 / 3.7 / 2.9 TB/s, where this kernel reaches
-3.1 / 2.6 / 4.0 / 3.5 (bench/results/gemv_h200x2_2026-11-28/).
+2.9 / 2.8 / 4.0 / 3.7 (bench/results/gemv_h200x2_2026-11-28/).
 
 Each program owns BLOCK_N weight rows and walks a slice of K in BLOCK_K steps: coalesced 16-byte loads along
 the rows, products on the CUDA cores into one [BLOCK_N, BLOCK_K] fp32 accumulator per activation row, one
