@@ -50,7 +50,7 @@ def _gemv_kernel(
     w_ptr,  # [N, K], rows contiguous
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N], rows stride_om apart
-    partial_ptr,  # [SPLIT_K, M, stride_om] fp32 (SPLIT_K > 1)
+    partial_ptr,  # [SPLIT_K, M, row pitch] fp32 (SPLIT_K > 1)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (SPLIT_K > 1)
     M,
     N,
@@ -134,10 +134,13 @@ def gemv(
     split = split or split_k(num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slice
+    # The partials share out's offsets: rows `pitch` apart (a one-row out's row stride is meaningless).
+    pitch = n if m == 1 else out.stride(0)
+    assert pitch >= n, f"output rows overlap: {tuple(out.shape)} with strides {out.stride()}"
     partial, counters = out, out  # never read with one slice
-    if split > 1:  # partials laid out like out's rows (they share its offsets)
+    if split > 1:
         assert num_tiles <= SPLIT_TILES, (n, block_n)
-        partial = torch.empty((split, m, out.stride(0)), dtype=torch.float32, device=out.device)
+        partial = torch.empty((split, m, pitch), dtype=torch.float32, device=out.device)
         counters = reserve_split_counters(out.device)
     _gemv_kernel[(num_tiles, split)](
         x,
@@ -153,7 +156,7 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        m * out.stride(0),
+        m * pitch,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -1,8 +1,10 @@
 """The dense decode GEMV (kernels/gemv.py) vs F.linear: 1-4 rows, ragged N and K, bias, split-K (several
-slices, more slices than K needs), a strided output; and fused_ops.linear's choice of it.
+slices, more slices than K needs), strided outputs; and dense.linear's choice of it.
 bf16 on CUDA, fp32 in the interpreter."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,9 +12,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from pagedserve.kernels import gemv as gemv_module
 from pagedserve.kernels.gemv import GemvConfig, gemv
-from pagedserve.services.engine import attention
-from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine import attention, dense
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -60,29 +62,49 @@ def test_gemv_writes_a_strided_output(device: torch.device) -> None:
     assert (buffer[:, :8] == 7).all() and (buffer[:, 32:] == 7).all()  # nothing outside the view
 
 
-def test_linear_dispatch_keeps_cpu_and_large_batches_on_torch() -> None:
-    """fused_ops.linear: CPU tensors never take the GEMV; out= means the same on the torch path."""
+def test_gemv_one_row_output_with_any_row_stride(device: torch.device) -> None:
+    """A [1, N] view may carry any row stride (here 1): the split-K partials must not follow it."""
+    dtype = _dtype(device)
+    x = torch.randn(1, 256).to(device, dtype)
+    weight = (torch.randn(64, 256) * 0.05).to(device, dtype)
+    out = torch.empty(64, 1, device=device, dtype=dtype).t()
+    gemv(x, weight, out=out, config=(4, 64, 2, 4))
+    _check(out, x.float() @ weight.float().T)
+
+
+@pytest.fixture
+def gemv_rows() -> Iterator[None]:
+    """Restore the process's GEMV row limit and attention backend after a dispatch test."""
+    rows, backend = dense.gemv_max_rows(), attention.backend_name()
+    yield
+    dense.set_gemv_max_rows(rows)
+    attention.use_backend(backend)
+
+
+def test_dispatch_limits(gemv_rows: None) -> None:
+    assert dense.MAX_ROWS == gemv_module.MAX_ROWS
+    with pytest.raises(ValueError, match="gemv_max_rows"):
+        dense.set_gemv_max_rows(gemv_module.MAX_ROWS + 1)
+
+
+def test_linear_dispatch_keeps_cpu_on_torch(gemv_rows: None) -> None:
+    """dense.linear: CPU tensors never take the GEMV; out= means the same on the torch path."""
     torch.manual_seed(3)
     x, weight = torch.randn(2, 32), torch.randn(16, 32)
-    fused_ops.set_gemv_max_rows(4)
-    try:
-        assert not fused_ops.takes_gemv(x, weight)  # CPU
-        out = torch.empty(2, 16)
-        assert fused_ops.linear(x, weight, out=out) is out
-        torch.testing.assert_close(out, F.linear(x, weight))
-    finally:
-        fused_ops.set_gemv_max_rows(1)
+    dense.set_gemv_max_rows(4)
+    assert not dense.takes_gemv(x, weight)
+    out = torch.empty(2, 16)
+    assert dense.linear(x, weight, out=out) is out
+    torch.testing.assert_close(out, F.linear(x, weight))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV dispatch is for CUDA tensors")
-def test_linear_dispatch_takes_the_gemv_for_decode_rows() -> None:
+def test_linear_dispatch_takes_the_gemv_for_decode_rows(gemv_rows: None) -> None:
     attention.use_backend("triton")
     x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * 0.05
-    fused_ops.set_gemv_max_rows(2)
-    try:
-        assert fused_ops.takes_gemv(x[:2], weight) and not fused_ops.takes_gemv(x, weight)
-        assert not fused_ops.takes_gemv(x[:2].float(), weight.float())  # fp32 stays on cuBLAS
-        torch.testing.assert_close(fused_ops.linear(x[:2], weight), gemv(x[:2], weight), rtol=0, atol=0)
-    finally:
-        fused_ops.set_gemv_max_rows(1)
+    dense.set_gemv_max_rows(2)
+    assert dense.takes_gemv(x[:2], weight) and not dense.takes_gemv(x, weight)
+    assert not dense.takes_gemv(x[:2].float(), weight.float())  # fp32 stays on cuBLAS
+    assert not dense.takes_gemv(x[:2], weight, weight[0].float())  # a bias of another dtype: F.linear's error
+    torch.testing.assert_close(dense.linear(x[:2], weight), gemv(x[:2], weight), rtol=0, atol=0)

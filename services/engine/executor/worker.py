@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.services.engine import attention
+from pagedserve.services.engine import attention, dense
 from pagedserve.services.engine.config import model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
 from pagedserve.services.engine.kv_cache_groups import (
@@ -33,7 +33,7 @@ from pagedserve.services.engine.kv_cache_groups import (
 )
 from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
-from pagedserve.services.engine.models import fused_ops, load_model
+from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.parallel.state import (
     ParallelContext,
@@ -61,7 +61,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.model = model if model is not None else load_rank_model(config, ctx)
         select_attention_backend(self.device)
-        fused_ops.set_gemv_max_rows(config.runner.gemv_max_rows, self.device)
+        dense.set_gemv_max_rows(config.runner.gemv_max_rows, self.device)
         refuse_unsupported_attention(self.model)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:  # before the KV cache is sized: the slots take device memory too

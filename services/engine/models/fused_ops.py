@@ -3,7 +3,6 @@
     add_rms_norm      residual += x; x = rmsnorm(residual)        (kernels/fused_norm.py; under tensor
                       parallelism x may be an unreduced partial, summed in the same kernel: all_reduce_norm.py)
     silu_and_mul      silu(gate) * up on the fused gate_up output  (kernels/silu_mul.py)
-    linear            x @ W^T + b: a few rows (decode) on CUDA take the GEMV (kernels/gemv.py), anything else cuBLAS
     rotary_and_attend rotary(q, k) + k/v to the paged cache, then attention  (kernels/rotary_kv_write.py;
                       a prefill attends to the new k/v in place: kernels/prefill_attention.py)
 
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 
 _MODES = ("auto", "on", "off")
 _mode = "auto"
-_gemv_max_rows = 1  # RunnerConfig.gemv_max_rows (its default here too: models driven without a worker); 0: cuBLAS
 
 
 def set_fusion(mode: str) -> None:
@@ -48,48 +46,6 @@ def is_fused(x: torch.Tensor) -> bool:
     if _mode == "off" or attention.backend_name() != "triton":
         return False
     return _mode == "on" or x.is_cuda
-
-
-def set_gemv_max_rows(rows: int, device: torch.device | None = None) -> None:
-    """Linears of up to `rows` rows (at most kernels/gemv.MAX_ROWS) take the GEMV on CUDA; 0: none does.
-    On a CUDA `device` the GEMV's split-K counters are allocated now, before any CUDA graph is captured."""
-    global _gemv_max_rows
-    _gemv_max_rows = rows
-    if rows and device is not None and device.type == "cuda":
-        from pagedserve.kernels.w4a16_gemv import reserve_split_counters
-
-        reserve_split_counters(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device)
-
-
-def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` runs the GEMV for these operands: CUDA half-precision rows, few enough of them."""
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= _gemv_max_rows
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-        and is_fused(x)
-    )
-
-
-def linear(
-    x: torch.Tensor,  # [n, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,  # [n, N] to write into (no bias then on the cuBLAS path)
-) -> torch.Tensor:
-    """F.linear, with the decode GEMV where it applies (`takes_gemv`)."""
-    if takes_gemv(x, weight):
-        from pagedserve.kernels.gemv import gemv
-
-        return gemv(x, weight, bias, out=out)
-    if out is None:
-        return F.linear(x, weight, bias)
-    assert bias is None, "linear(out=...) takes no bias on the cuBLAS path"
-    return torch.mm(x, weight.t(), out=out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

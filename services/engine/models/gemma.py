@@ -21,7 +21,7 @@ from torch import nn
 from pagedserve.services.engine import attention
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
-from pagedserve.services.engine.models.layers import GatedMLP, ShardedLinear
+from pagedserve.services.engine.models.layers import DenseLinear, GatedMLP, ShardedLinear
 from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
 from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
 from pagedserve.services.engine.models.spec import ModelSpec
@@ -71,7 +71,7 @@ class GemmaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(cfg.get("attention_bias", False))
         self.qkv_proj = ShardedLinear(spec.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=bias)
+        self.o_proj = DenseLinear(self.q_size, spec.hidden_size, bias=bias)
         self.rotary, self.window = rotary, window
         self.scale = float(cfg.get("query_pre_attn_scalar") or spec.head_dim) ** -0.5
         self.softcap = cfg.get("attn_logit_softcapping")

@@ -40,7 +40,7 @@ from pagedserve.services.engine import attention
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.base import DecoderLM, ParamPiece
-from pagedserve.services.engine.models.layers import ShardedLinear
+from pagedserve.services.engine.models.layers import DenseLinear, ShardedLinear
 from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
 from pagedserve.services.engine.models.moe import Experts, fused_experts
 from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
@@ -173,7 +173,7 @@ class GptOssAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(cfg.get("attention_bias", True))
         self.qkv_proj = ShardedLinear(spec.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=bias)
+        self.o_proj = DenseLinear(self.q_size, spec.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))  # [num_heads] learned logit per head
         self.rotary, self.window = rotary, window
         self.scale = self.head_dim**-0.5

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.services.engine import dense
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.models import fused_ops
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
@@ -49,10 +50,10 @@ class RMSNorm(nn.Module):
 
 
 class DenseLinear(nn.Linear):
-    """nn.Linear through fused_ops.linear: decode rows on CUDA take the GEMV."""
+    """nn.Linear through dense.linear: decode rows on CUDA take the GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.linear(x, self.weight, self.bias)
+        return dense.linear(x, self.weight, self.bias)
 
 
 class ShardedLinear(DenseLinear):

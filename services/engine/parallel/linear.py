@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.services.engine.models import fused_ops
+from pagedserve.services.engine import dense
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
@@ -85,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.linear(x, self.weight, self.bias)
+        return dense.linear(x, self.weight, self.bias)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         """(shard id, full shape) of each checkpoint tensor this parameter is cut from."""
@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(fused_ops.linear(x, self.weight))
+        out = self.ctx.all_reduce(dense.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ class RowParallelLinear(nn.Module):
         ):
             return self.forward(x)
         slot = partials.slot(num_rows, self.out_features, x.dtype)
-        return fused_ops.linear(x, self.weight, out=slot)
+        return dense.linear(x, self.weight, out=slot)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
