@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.services.engine import attention
+from pagedserve.kernels import gemv as gemv_module
+from pagedserve.services.engine import attention, dense
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -100,6 +101,41 @@ def test_bf16_prefill_logits_triton(case: str, tmp_path: Path) -> None:
     got = PagedDriver(ours, block_size=16).step(dict(enumerate(PROMPTS)))
     ours_err = bf16_error(case, got, want)
     print(f"\n{case:40s} bf16 rel err vs fp32: ours (triton) {ours_err:.2e}, HF {hf_err:.2e}")
+    assert ours_err <= 1.5 * hf_err + 1e-3
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_decode_logits_through_the_gemv(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row decode steps in bf16 take the GEMV (services/engine/dense.py) for every dense linear; their
+    logits stay within the prefill test's bound of HF's fp32 logits."""
+    hf = hf_on_gpu(case, tmp_path, torch.float32)
+    prompts = PROMPTS[1:4]
+    follow = [7, 11, 13]  # one decode token per sequence, run one sequence at a time (one row)
+    want = [hf_logits(hf, [*p, t])[-1:] for p, t in zip(prompts, follow)]
+    hf_bf16 = hf.to(torch.bfloat16)
+    hf_err = bf16_error(case, [hf_logits(hf_bf16, [*p, t])[-1:] for p, t in zip(prompts, follow)], want)
+    ours = load_model(tmp_path, dtype="bf16", device=CUDA, show_progress=False)
+    skip_if_triton_refuses(ours)
+    attention.use_backend("triton")
+    calls = 0
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real_gemv(*args, **kwargs)  # type: ignore[arg-type]
+
+    real_gemv = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", counted)
+    dense.set_gemv_max_rows(1)
+    got = []
+    for i, (prompt, token) in enumerate(zip(prompts, follow)):
+        driver = PagedDriver(ours, block_size=16)
+        driver.step({i: prompt})
+        before = calls
+        got.append(driver.step({i: [token]})[0])
+        assert calls > before, "a one-row decode step did not take the GEMV"
+    ours_err = bf16_error(case, got, want)
+    print(f"\n{case:40s} bf16 decode rel err vs fp32: ours (GEMV) {ours_err:.2e}, HF {hf_err:.2e}")
     assert ours_err <= 1.5 * hf_err + 1e-3
 
 
