@@ -122,7 +122,7 @@ def test_bf16_decode_logits_through_the_gemv(case: str, tmp_path: Path, monkeypa
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        return real_gemv(*args, **kwargs)  # type: ignore[arg-type]
+        return real_gemv(*args, **kwargs)
 
     real_gemv = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", counted)
