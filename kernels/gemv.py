@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.launch_config import split_k
-from pagedserve.kernels.w4a16_gemv import SPLIT_TILES, _store_split_k, reserve_split_counters
+from pagedserve.kernels.w4a16_gemv import _store_split_k, split_k_buffers
 
 GemvConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K (0: auto)
 MAX_ROWS = 4  # each extra row costs registers, not weight reads (already at 2 rows cuBLAS wins on most 8B linears)
@@ -137,11 +137,7 @@ def gemv(
     # The partials share out's offsets: rows `pitch` apart (a one-row out's row stride is meaningless).
     pitch = n if m == 1 else out.stride(0)
     assert pitch >= n, f"output rows overlap: {tuple(out.shape)} with strides {out.stride()}"
-    partial, counters = out, out  # never read with one slice
-    if split > 1:
-        assert num_tiles <= SPLIT_TILES, (n, block_n)
-        partial = torch.empty((split, m, pitch), dtype=torch.float32, device=out.device)
-        counters = reserve_split_counters(out.device)
+    partial, counters = split_k_buffers(out, split, num_tiles, pitch)
     _gemv_kernel[(num_tiles, split)](
         x,
         weight,

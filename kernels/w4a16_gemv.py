@@ -200,13 +200,17 @@ def reserve_split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def split_k_buffers(out: torch.Tensor, split: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_buffers(
+    out: torch.Tensor, split: int, num_tiles: int, pitch: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What `_store_split_k` needs for `split` K slices over `num_tiles` output tiles: the float32 partials
-    [split, M, N] and the device's tile counters (`out` for both, never read, with one slice)."""
+    [split, M, pitch] (rows `pitch` apart, as out's offsets say; default N) and the device's tile counters
+    (`out` for both, never read, with one slice)."""
     if split == 1:
         return out, out
     assert num_tiles <= SPLIT_TILES, (out.shape, num_tiles)
-    partial = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    rows, n = out.shape
+    partial = torch.empty((split, rows, n if pitch is None else pitch), dtype=torch.float32, device=out.device)
     return partial, reserve_split_counters(out.device)
 
 
