@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.all_reduce_plan import AllReducePlan
 from pagedserve.services.engine.parallel.custom_all_reduce import SymmMemTransport
 from pagedserve.services.engine.parallel.state import ParallelContext, init_parallel
@@ -95,11 +96,11 @@ def check(ctx: ParallelContext, sizes: list[int]) -> list[dict[str, Any]]:
 
 
 FUSED_CASES = [(1, 4096), (3, 4096), (64, 4096), (257, 4096), (2, 8192), (5, 1000)]  # (rows, hidden)
-FUSED_CHAIN = 8  # finishes per graph, each on a partial the next overwrites
+FUSED_CHAINS = (7, 8)  # finishes per graph (by case, alternately): odd counts end in partial_sums' barrier
 
 
 def _fused_inputs(
-    ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int
+    ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int, chain: int
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
     """([rank][call] partials, residual, weight): every rank regenerates every rank's, for the reference."""
     gen = torch.Generator(device=ctx.device).manual_seed(seed)
@@ -107,7 +108,7 @@ def _fused_inputs(
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, device=ctx.device, dtype=dtype, generator=gen)
 
-    every = [[randn(*shape) for _ in range(FUSED_CHAIN)] for _ in range(ctx.world_size)]
+    every = [[randn(*shape) for _ in range(chain)] for _ in range(ctx.world_size)]
     return every, randn(*shape), randn(shape[1])
 
 
@@ -119,7 +120,7 @@ def _fused_reference(
     from pagedserve.kernels.fused_norm import add_rms_norm_
 
     res, outs = residual.clone(), []
-    for i in range(FUSED_CHAIN):
+    for i in range(len(every[0])):
         total = torch.zeros(every[0][i].shape, dtype=torch.float32, device=residual.device)
         for rank_parts in every:
             total += rank_parts[i].float()
@@ -136,33 +137,37 @@ def _mismatches(got: list[torch.Tensor], want: list[torch.Tensor]) -> int:
     return sum(int((g != w).sum()) for g, w in zip(got, want, strict=True))
 
 
-def check_fused_case(ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int) -> dict[str, Any]:
+def check_fused_case(
+    ctx: ParallelContext, shape: tuple[int, int], dtype: torch.dtype, seed: int, chain: int
+) -> dict[str, Any]:
     partials = ctx.partials
     assert partials is not None
-    slot = partials.slot(*shape, dtype)
-    every, residual, weight = _fused_inputs(ctx, shape, dtype, seed)
+    every, residual, weight = _fused_inputs(ctx, shape, dtype, seed, chain)
     res, eager = residual.clone(), []
-    for i in range(FUSED_CHAIN):
-        slot.copy_(every[ctx.rank][i])  # the projection's write
-        out, res = partials.finish_add_rms_norm(slot, res, weight, 1e-5)
-        eager.append(out)
+    with partial_sums.forward_pass():  # as the engine runs a forward: partials alternate buffer halves
+        for i in range(chain):
+            slot = partials.slot(*shape, dtype)
+            slot.copy_(every[ctx.rank][i])  # the projection's write
+            out, res = partials.finish_add_rms_norm(slot, res, weight, 1e-5)
+            eager.append(out)
     want, want_res = _fused_reference(every, residual, weight)
     eager_ok = _all_equal(eager, want) and torch.equal(res, want_res)
     mismatches = _mismatches(eager, want) + _mismatches([res], [want_res])
 
-    mine = [torch.zeros(shape, device=ctx.device, dtype=dtype) for _ in range(FUSED_CHAIN)]
+    mine = [torch.zeros(shape, device=ctx.device, dtype=dtype) for _ in range(chain)]
     static_res = torch.zeros(shape, device=ctx.device, dtype=dtype)
     graph, graph_outs = torch.cuda.CUDAGraph(), []
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), partial_sums.forward_pass():
         r = static_res
-        for i in range(FUSED_CHAIN):
+        for i in range(chain):
+            slot = partials.slot(*shape, dtype)
             slot.copy_(mine[i])
             out, r = partials.finish_add_rms_norm(slot, r, weight, 1e-5)
             graph_outs.append(out)
     graph_ok = True
     for replay in range(3):  # new partials and residual each replay (the weight is captured)
-        every, residual, _ = _fused_inputs(ctx, shape, dtype, seed + 1 + replay)
-        for i in range(FUSED_CHAIN):
+        every, residual, _ = _fused_inputs(ctx, shape, dtype, seed + 1 + replay, chain)
+        for i in range(chain):
             mine[i].copy_(every[ctx.rank][i])
         static_res.copy_(residual)
         graph.replay()
@@ -175,6 +180,7 @@ def check_fused_case(ctx: ParallelContext, shape: tuple[int, int], dtype: torch.
     return {
         "rows": shape[0],
         "hidden": shape[1],
+        "chain": chain,
         "dtype": str(dtype).removeprefix("torch."),
         "eager_equals_reference": eager_ok,
         "graph_equals_reference": graph_ok,
@@ -185,12 +191,12 @@ def check_fused_case(ctx: ParallelContext, shape: tuple[int, int], dtype: torch.
 
 def check_fused(ctx: ParallelContext) -> list[dict[str, Any]]:
     """The fused all-reduce + residual add + RMSNorm (partial_sums / kernels/all_reduce_norm.py) against its
-    reference on every rank's regenerated partials: eager, then FUSED_CHAIN calls in one CUDA graph
+    reference on every rank's regenerated partials: eager, then 7 or 8 calls in one CUDA graph
     replayed on new partials (each call's write overwrites the buffer the previous call's peers read)."""
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for case, shape in enumerate(FUSED_CASES):
-            row = check_fused_case(ctx, shape, dtype, 100 * case)
+            row = check_fused_case(ctx, shape, dtype, 100 * case, FUSED_CHAINS[case % 2])
             assert row["eager_equals_reference"] and row["graph_equals_reference"] and row["same_on_every_rank"], row
             rows.append(row)
     return rows
@@ -207,15 +213,14 @@ def latency_fused(ctx: ParallelContext, iters: int) -> list[dict[str, Any]]:
     rows = []
     for num_rows in (1, 8, 64, 256):
         residual = torch.randn(num_rows, 4096, device=ctx.device, dtype=torch.bfloat16)
-        slot = partials.slot(num_rows, 4096, torch.bfloat16)
 
         def nccl_then_norm(x: torch.Tensor, residual: torch.Tensor = residual) -> None:
             dist.all_reduce(x, group=ctx.model_group)
             add_rms_norm_(x.view(-1, 4096), residual, weight, 1e-5)
 
-        def fused(_: torch.Tensor, slot: torch.Tensor = slot, residual: torch.Tensor = residual) -> None:
-            assert partials is not None
-            partials.finish_add_rms_norm(slot, residual, weight, 1e-5)
+        def fused(_: torch.Tensor, residual: torch.Tensor = residual, num_rows: int = num_rows) -> None:
+            assert partials is not None  # calls alternate the buffer's halves, as in a forward
+            partials.finish_add_rms_norm(partials.slot(num_rows, 4096, torch.bfloat16), residual, weight, 1e-5)
 
         rows.append(
             {
@@ -235,7 +240,7 @@ def time_graph(ctx: ParallelContext, run: Any, numel: int, iters: int) -> float:
         run(x)  # warm: NCCL's and the kernels' first launches happen outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), partial_sums.forward_pass():  # an even count: no barrier
         for _ in range(CALLS_PER_GRAPH):
             run(x)
     graph.replay()

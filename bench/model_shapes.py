@@ -95,6 +95,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, hybrid: bool, warm_
         disable_hybrid_kv_cache_manager=not hybrid,
         profile_steps=True,
         **({} if args.gemv_max_rows is None else {"gemv_max_rows": args.gemv_max_rows}),
+        **({} if args.pdl is None else {"pdl": bool(args.pdl)}),
         warm_up=warm_up,
     )
 
@@ -316,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--custom-all-reduce-max-bytes", type=int, default=0, help="the engine's flag (TP: torch's symm-mem kernels)"
     )
     parser.add_argument("--gemv-max-rows", type=int, help="the engine's flag (default: the engine's); 0: cuBLAS only")
+    parser.add_argument("--pdl", type=int, choices=(0, 1), help="programmatic dependent launch (default: the engine's)")
     parser.add_argument("--fused-all-reduce-max-bytes", type=int, help="the engine's flag (TP; default: the engine's)")
     parser.add_argument("--kernel-profile", type=int, default=0, help="CUDA: profile this many decode steps")
     parser.add_argument("--batches", help="comma-separated request counts, run in turn (default: --num-requests)")

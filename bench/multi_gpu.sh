@@ -9,6 +9,7 @@
 #   OUT=/tmp/out PART=archeck bash bench/multi_gpu.sh  # custom / fused all-reduce vs NCCL on 2, 4, 8 GPUs
 #   OUT=/tmp/out PART=tpfused bash bench/multi_gpu.sh  # 8B TP=1, then TP=2 (and 4) NCCL vs fused all-reduce+norm
 #   OUT=/tmp/out PART=gemv    bash bench/multi_gpu.sh  # decode GEMV: tests, sweep, 8B TP=1 (and 2) cuBLAS vs GEMV
+#   OUT=/tmp/out PART=pdl     bash bench/multi_gpu.sh  # programmatic dependent launch: tests, 8B TP=1 (and 2) off vs on
 #   OUT=/tmp/out PART=decode1 bash bench/multi_gpu.sh  # one GPU, 8B batch 1 and 64: bf16 cuBLAS / GEMV, GPTQ W4A16
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
@@ -145,6 +146,42 @@ case "${PART:-tp8b}" in
         echo "profile tp$tp rc=$?"
       fi
     done
+    ;;
+  pdl)  # programmatic dependent launch (issue 23): GPU tests with it on (the engine's default), then 8B
+        # single-stream ITL and throughput at TP=1 (and 2) with --pdl 0 and 1 (GEMV on), and QUANT=1: W4A16 at batch 1
+    if python3 -c "import pytest" 2> /dev/null && [[ ${GPU_TESTS:-1} == 1 ]]; then
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs ${TESTS:-tests/kernels/test_gemv.py \
+        tests/models/test_gpu_models.py::test_programmatic_dependent_launch_keeps_every_token \
+        tests/models/test_gpu_models.py::test_greedy_through_engine_on_gpu tests/engine/test_tensor_parallel_gpu.py} \
+        > "$OUT/pdl_tests.log" 2>&1
+      echo "pdl tests rc=$?"; tail -n 6 "$OUT/pdl_tests.log"
+    fi
+    sizes=${TP_SIZES:-1}
+    [[ $NUM_GPUS -ge 2 && -z ${TP_SIZES:-} ]] && sizes="1 2"
+    n=${NUM_REQUESTS:-64}
+    for tp in $sizes; do
+      for p in ${PDL_VALUES:-0 1}; do
+        mkdir -p "$WORK/tp$tp-pdl$p" && cp "$WORK/tp1-pdl$p/8b-tp1.json" "$WORK/tp$tp-pdl$p/" 2> /dev/null
+        timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" --pdl "$p" \
+          --work-dir "$WORK/tp$tp-pdl$p" --out-dir "$OUT/tp$tp-pdl$p" > "$OUT/tp$tp-pdl$p.log" 2>&1
+        echo "tp$tp pdl=$p rc=$?"
+        grep -E "^\| 8b-" "$OUT/tp$tp-pdl$p.log" | tail -n 2
+      done
+    done
+    if [[ ${QUANT:-0} == 1 ]]; then
+      for p in ${PDL_VALUES:-0 1}; do
+        timeout 200 python3 -m bench model_shapes --models llama-3.1-8b --batches 1 --quantization gptq --pdl "$p" \
+          --json "$OUT/gptq_pdl$p.json" > "$OUT/gptq_pdl$p.log" 2>&1
+        echo "gptq pdl=$p rc=$?"; grep -E "^\| llama" "$OUT/gptq_pdl$p.log" | tail -n 2
+      done
+    fi
+    if [[ ${PROFILE:-0} == 1 ]]; then
+      for tp in $sizes; do
+        timeout 150 python3 -m bench model_shapes --models llama-3.1-8b --tensor-parallel-size "$tp" --batches 1 \
+          --kernel-profile 8 --json "$OUT/profile_tp${tp}_pdl.json" > "$OUT/profile_tp${tp}_pdl.log" 2>&1
+        echo "profile tp$tp rc=$?"
+      done
+    fi
     ;;
   decode1)  # 8B decode at batch 1 and 64 on one GPU: bf16 with cuBLAS, bf16 with the GEMV, GPTQ W4A16 (issue 21)
     for variant in "bf16-cublas --gemv-max-rows 0" "bf16-gemv --gemv-max-rows 1" "gptq --quantization gptq"; do

@@ -44,6 +44,7 @@ import torch
 
 from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.engine import Engine
+from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.state import all_reduce_limits
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.shared.config import Config
@@ -144,6 +145,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         **({} if args.gemv_max_rows is None else {"gemv_max_rows": args.gemv_max_rows}),
+        **({} if args.pdl is None else {"pdl": bool(args.pdl)}),
         num_kv_blocks=None if args.device == "cuda" else 256,
     )
 
@@ -212,7 +214,8 @@ def teacher_forced_logprobs(engine: Engine, prompt: list[int], tokens: list[int]
         n,
         n,
     )
-    hidden = runner.model(torch.tensor(ids, device=device), torch.arange(n, device=device), runner.kv_caches, meta)
+    with partial_sums.forward_pass():
+        hidden = runner.model(torch.tensor(ids, device=device), torch.arange(n, device=device), runner.kv_caches, meta)
     logits = runner.model.compute_logits(hidden[len(prompt) - 1 : n - 1])
     chosen = torch.tensor(tokens, device=device)[:, None]
     return logits.log_softmax(-1).gather(1, chosen)[:, 0].tolist()
@@ -265,6 +268,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         # configured (0 when off); at 4 / 8 ranks the engine caps it at 512 / 256 KiB (partial_sums.py)
         "fused_all_reduce_max_bytes": all_reduce_limits(engine.config.parallel)[1],
         "gemv_max_rows": engine.config.runner.gemv_max_rows,
+        "pdl": engine.config.runner.pdl,
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -382,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's flag: >0 turns on the symmetric-memory all-reduce (torch's one/two-shot kernels)",
     )
     parser.add_argument("--gemv-max-rows", type=int, help="the engine's flag (default: the engine's); 0: cuBLAS only")
+    parser.add_argument("--pdl", type=int, choices=(0, 1), help="programmatic dependent launch (default: the engine's)")
     parser.add_argument(
         "--fused-all-reduce-max-bytes",
         type=int,
@@ -451,6 +456,7 @@ def main() -> None:
     stem += f"_symm{args.custom_all_reduce_max_bytes}" if args.custom_all_reduce_max_bytes else ""
     stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 or args.disable_custom_all_reduce else ""
     stem += f"_gemv{args.gemv_max_rows}" if args.gemv_max_rows is not None else ""
+    stem += f"_pdl{args.pdl}" if args.pdl is not None else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

@@ -12,9 +12,14 @@ This replaces, per all-reduce: a copy into the buffer (or NCCL's kernel), and th
 Synchronization (torch symmetric memory's signal pads, CUDA-graph safe: every flag goes 0 -> 1 -> 0):
     start   each program signals program `pid` of every peer with release order and waits for theirs
             with acquire: every peer's partial (written by an earlier kernel) is visible.
-    end     after all its warps have read (bar.sync), each program signals and waits again: when this kernel
-            ends, no peer still reads this rank's buffer, so the next projection may overwrite it (a single
-            buffer suffices).
+    end     (END_BARRIER, a single buffer) after all its warps have read (bar.sync), each program signals and
+            waits again: when this kernel ends, no peer still reads this rank's buffer, so the next projection
+            may overwrite it.
+Without the end barrier the caller alternates two halves of the buffer (`offset`), one round trip a call
+instead of two: passing call c's start barrier means every peer has ended call c - 1, so when this rank's
+projection for call c + 1 overwrites call c - 1's half, nobody reads it any more. Consecutive calls must use
+different halves; where they cannot (an odd number of calls in a CUDA graph, replayed back to back),
+`barrier` ends every peer's reads (parallel/partial_sums.py keeps that rule).
 Only each program's first WORLD threads touch the flags; the block then meets at bar.sync.
 
 No NVLink multicast: peers are read through plain P2P pointers. World sizes of 2, 4 and 8 (a power of two:
@@ -27,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import next_power_of_2
+from pagedserve.kernels.pdl import prologue
 
 MAX_PROGRAMS = 64  # signal-pad slots used: MAX_PROGRAMS * world_size flags (torch's pad holds 2304)
 
@@ -90,6 +97,7 @@ def _barrier(signal_pad_ptrs, pid, RANK: tl.constexpr, WORLD: tl.constexpr, ORDE
 def _all_reduce_add_rms_norm_kernel(
     buffer_ptrs,  # [WORLD] int64: every rank's symmetric buffer, each holding a [num_rows, HIDDEN] partial
     signal_pad_ptrs,  # [WORLD] int64: every rank's signal pad
+    offset,  # elements: where the partials start in every buffer (the same on every rank)
     residual_ptr,  # [num_rows, HIDDEN] in: the residual stream, out: residual + sum
     weight_ptr,  # [HIDDEN]
     out_ptr,  # [num_rows, HIDDEN]: rmsnorm(residual + sum) * weight
@@ -101,7 +109,10 @@ def _all_reduce_add_rms_norm_kernel(
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    END_BARRIER: tl.constexpr,  # False: the caller alternates buffer halves (module docstring)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     dtype = residual_ptr.dtype.element_ty
@@ -114,7 +125,7 @@ def _all_reduce_add_rms_norm_kernel(
         row64 = row.to(tl.int64)  # type: ignore[attr-defined]  # a tensor inside the jit
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            part = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16)  # symm buffers: page-aligned
+            part = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16) + offset  # page-aligned
             # plain loads: L1 starts every kernel empty, so no stale peer line survives from the last call
             total += tl.load(part + row64 * HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
         res = tl.load(residual_ptr + row64 * stride_residual + offs, mask=mask, other=0.0)
@@ -124,10 +135,18 @@ def _all_reduce_add_rms_norm_kernel(
         inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
         normed = (h * inv_rms).to(dtype).to(tl.float32)
         tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
-    # Every warp of this program is done reading the peers before the flag says so (a fast warp holding
-    # the flags must not signal while a slower one still reads: the peer would overwrite its buffer).
-    _sync_threads()
-    _barrier(signal_pad_ptrs, pid, RANK, WORLD, False)
+    if END_BARRIER:
+        # Every warp of this program is done reading the peers before the flag says so (a fast warp holding
+        # the flags must not signal while a slower one still reads: the peer would overwrite its buffer).
+        _sync_threads()
+        _barrier(signal_pad_ptrs, pid, RANK, WORLD, False)
+
+
+@triton.jit
+def _barrier_kernel(signal_pad_ptrs, RANK: tl.constexpr, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
+    """Every peer meets here once its kernels before have ended (and so every read of the buffers)."""
+    prologue(USE_PDL)
+    _barrier(signal_pad_ptrs, 0, RANK, WORLD, True)
 
 
 def all_reduce_add_rms_norm(
@@ -138,9 +157,11 @@ def all_reduce_add_rms_norm(
     residual: torch.Tensor,  # [num_rows, hidden]: updated in place to residual + the sum
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    offset: int = 0,  # elements: where every rank's partial starts in its buffer
+    end_barrier: bool = True,  # False: the next call's partial goes to the other half (module docstring)
 ) -> torch.Tensor:  # rmsnorm(residual + sum) * weight, a new tensor
     """Every rank calls this with the same shapes after writing its [num_rows, hidden] partial (residual's
-    dtype, contiguous) at the start of its symmetric buffer."""
+    dtype, contiguous) at `offset` in its symmetric buffer."""
     num_rows, hidden = residual.shape
     assert residual.stride(1) == 1 and weight.shape == (hidden,)
     assert world_size in (2, 4, 8), world_size
@@ -148,9 +169,11 @@ def all_reduce_add_rms_norm(
     if num_rows == 0:
         return out
     block = next_power_of_2(hidden)
+    use_pdl = pdl.active(residual.device)
     _all_reduce_add_rms_norm_kernel[(min(num_rows, MAX_PROGRAMS),)](
         buffer_ptrs,
         signal_pad_ptrs,
+        offset,
         residual,
         weight,
         out,
@@ -163,8 +186,19 @@ def all_reduce_add_rms_norm(
         HIDDEN=hidden,
         BLOCK=block,
         num_warps=min(16, max(4, block // 256)),
+        END_BARRIER=end_barrier,
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return out
+
+
+def barrier(signal_pad_ptrs: torch.Tensor, rank: int, world_size: int, device: torch.device) -> None:
+    """Returns at once; on the stream, every rank's kernels after it start once every peer's before it ended."""
+    use_pdl = pdl.active(device)
+    _barrier_kernel[(1,)](
+        signal_pad_ptrs, RANK=rank, WORLD=world_size, USE_PDL=use_pdl, num_warps=1, **pdl.launch_options(use_pdl)
+    )
 
 
 def all_reduce_add_rms_norm_reference(

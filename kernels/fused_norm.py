@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import next_power_of_2
+from pagedserve.kernels.pdl import prologue
 
 
 @triton.jit
@@ -26,7 +28,9 @@ def _add_rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -63,6 +67,7 @@ def add_rms_norm_(
     if num_tokens == 0:
         return x, residual
     block = next_power_of_2(hidden)
+    use_pdl = pdl.active(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x,
         residual,
@@ -74,5 +79,7 @@ def add_rms_norm_(
         BLOCK=block,
         HAS_RESIDUAL=has_residual,
         num_warps=min(16, max(1, block // 256)),
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return x, residual

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import split_k
+from pagedserve.kernels.pdl import prologue
 from pagedserve.kernels.w4a16_gemv import _store_split_k, split_k_buffers
 
 GemvConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K (0: auto)
@@ -45,6 +47,29 @@ def _load_x(x_ptr, ROW: tl.constexpr, M, ks, k_end, stride_xm, BLOCK_N: tl.const
 
 
 @triton.jit
+def _load_w(w_rows, ks, k_end, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile at inputs ks (< k_end), streamed past the caches once."""
+    if EVEN_K:
+        return tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _accumulate(
+    w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Adds one weight tile's products with each activation row (rows past BLOCK_M untouched)."""
+    w = w.to(tl.float32)
+    acc0 += w * _load_x(x_ptr, 0, M, ks, k_end, stride_xm, BLOCK_N)
+    if BLOCK_M > 1:
+        acc1 += w * _load_x(x_ptr, 1, M, ks, k_end, stride_xm, BLOCK_N)
+    if BLOCK_M > 2:
+        acc2 += w * _load_x(x_ptr, 2, M, ks, k_end, stride_xm, BLOCK_N)
+        acc3 += w * _load_x(x_ptr, 3, M, ks, k_end, stride_xm, BLOCK_N)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K], rows contiguous
@@ -66,6 +91,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every slice is whole BLOCK_K steps: no masks on the weight loads
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,19 +108,20 @@ def _gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    loop_start = k_start
+    if USE_PDL:  # the first weight tile streams in while the kernel before ends (weights: pdl.py's contract)
+        w = _load_w(w_rows, k_start + offs_k, k_end, EVEN_K)
+        prologue(USE_PDL)
+        acc0, acc1, acc2, acc3 = _accumulate(
+            w, x_ptr, k_start + offs_k, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
+        )
+        loop_start = k_start + BLOCK_K
+    for k0 in range(loop_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy="evict_first")
-        w = w.to(tl.float32)
-        acc0 += w * _load_x(x_ptr, 0, M, ks, k_end, stride_xm, BLOCK_N)
-        if BLOCK_M > 1:
-            acc1 += w * _load_x(x_ptr, 1, M, ks, k_end, stride_xm, BLOCK_N)
-        if BLOCK_M > 2:
-            acc2 += w * _load_x(x_ptr, 2, M, ks, k_end, stride_xm, BLOCK_N)
-            acc3 += w * _load_x(x_ptr, 3, M, ks, k_end, stride_xm, BLOCK_N)
+        w = _load_w(w_rows, ks, k_end, EVEN_K)
+        acc0, acc1, acc2, acc3 = _accumulate(
+            w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
+        )
     offs_m = tl.arange(0, BLOCK_M)
     y = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if BLOCK_M > 1:
@@ -138,6 +165,7 @@ def gemv(
     pitch = n if m == 1 else out.stride(0)
     assert pitch >= n, f"output rows overlap: {tuple(out.shape)} with strides {out.stride()}"
     partial, counters = split_k_buffers(out, split, num_tiles, pitch)
+    use_pdl = pdl.active(x.device)
     _gemv_kernel[(num_tiles, split)](
         x,
         weight,
@@ -159,6 +187,8 @@ def gemv(
         SPLIT_K=split,
         HAS_BIAS=bias is not None,
         EVEN_K=k % k_per_split == 0,
+        USE_PDL=use_pdl,
         num_warps=warps,
+        **pdl.launch_options(use_pdl),
     )
     return out

@@ -40,6 +40,19 @@ KV_LOADS = ("pointer", "host_tma", "device_tma")
 FP8_DECODE_TILE_N = 128
 
 
+# Programmatic dependent launch for the decode chain's kernels (kernels/pdl.py; RunnerConfig.pdl sets it).
+_pdl = False
+
+
+def set_pdl(on: bool) -> None:
+    global _pdl
+    _pdl = on
+
+
+def pdl_enabled() -> bool:
+    return _pdl
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import AttentionConfig, next_power_of_2
+from pagedserve.kernels.pdl import prologue
 from pagedserve.kernels.split_kv_reduce import reduce_segments
 
 LOG2_E = 1.4426950408889634
@@ -701,7 +703,9 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     if PERSISTENT_PROGRAMS > 0:
         # Work item = (seq, kv head, segment), seq fastest: the order a plain grid would run them in.
         num_kv_heads: tl.constexpr = NUM_HEADS // GROUP
@@ -878,6 +882,7 @@ def paged_attention(
         grid: tuple[int, ...] = (min(config.persistent_programs, num_seqs * num_kv_heads * num_segments),)
     else:
         grid = (num_q_blocks, num_kv_heads, num_segments)
+    use_pdl = pdl.active(query.device)
     _paged_attention_kernel[grid](
         out,
         seg_out,
@@ -925,8 +930,10 @@ def paged_attention(
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
         SOFTCAP=softcap is not None,
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.launch_options(use_pdl),
     )
     if num_segments > 1:
         reduce_segments(out, seg_out, seg_max, seg_sum)

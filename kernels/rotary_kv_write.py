@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import next_power_of_2
+from pagedserve.kernels.pdl import prologue
 
 
 @triton.jit
@@ -77,7 +79,9 @@ def _rotary_kv_write_kernel(
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_half = tl.arange(0, HALF_PADDED)
@@ -136,6 +140,7 @@ def rotary_write_kv_cache(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     half = rotary_dim // 2
     num_elements = next_power_of_2(num_heads) * next_power_of_2(head_dim)
+    use_pdl = pdl.active(query.device)
     _rotary_kv_write_kernel[(num_tokens,)](
         query,
         key,
@@ -168,6 +173,8 @@ def rotary_write_kv_cache(
         HALF_PADDED=next_power_of_2(half),
         BLOCK_SIZE=block_size_of(kv_cache),
         num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
 
 

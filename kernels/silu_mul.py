@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
+from pagedserve.kernels.pdl import prologue
+
 _BLOCK = 1024
 
 
@@ -22,7 +25,9 @@ def _silu_mul_kernel(
     stride_out,
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTERMEDIATE
@@ -44,6 +49,7 @@ def silu_mul(
     if num_tokens == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(intermediate))
+    use_pdl = pdl.active(gate_up.device)
     _silu_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
         gate_up,
         out,
@@ -52,5 +58,7 @@ def silu_mul(
         INTERMEDIATE=intermediate,
         BLOCK=block,
         num_warps=4,
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return out

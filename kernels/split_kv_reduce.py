@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
+from pagedserve.kernels.pdl import prologue
+
 
 @triton.jit
 def _reduce_segments_kernel(
@@ -24,7 +27,9 @@ def _reduce_segments_kernel(
     NUM_SEGMENTS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SEGMENTS)
@@ -48,6 +53,7 @@ def reduce_segments(
     num_tokens, num_heads, head_dim = out.shape
     num_segments, head_dim_padded = seg_out.shape[2], seg_out.shape[3]
     assert out.stride(2) == 1 and seg_out.is_contiguous() and seg_max.is_contiguous()
+    use_pdl = pdl.active(out.device)
     _reduce_segments_kernel[(num_tokens, num_heads)](
         out,
         seg_out,
@@ -60,5 +66,7 @@ def reduce_segments(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         num_warps=1 if head_dim_padded <= 64 else 2,
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return out

@@ -33,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import split_k
+from pagedserve.kernels.pdl import prologue
 
 TILE_ROWS = 128  # inputs per tile of the layout (models/int4_repack.TILE_ROWS)
 
@@ -101,7 +103,9 @@ def _w4a16_gemv_kernel(
     SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     SPLIT_K: tl.constexpr,
     ROWS: tl.constexpr,  # packed rows of a tile loaded and unpacked at a time (16 or 8): fewer live registers
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,6 +241,7 @@ def w4a16_gemv(
     split = split or split_k(num_tiles, k, TILE_ROWS, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
     partial, counters = split_k_buffers(out, split, num_tiles)
+    use_pdl = pdl.active(x.device)
     _w4a16_gemv_kernel[(num_tiles, split)](
         x,
         qweight,
@@ -263,5 +268,7 @@ def w4a16_gemv(
         SPLIT_K=split,
         ROWS=GEMV_ROWS,
         num_warps=warps,
+        USE_PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return out

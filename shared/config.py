@@ -218,6 +218,11 @@ class RunnerConfig:
         "CUDA: dense linears of up to this many rows (decode of a few sequences) run the GEMV kernel instead of "
         "cuBLAS (0-4; 0: cuBLAS always). Rows 2-4 measured slower than cuBLAS on the 8B linears (H200)",
     )
+    pdl: bool = opt(
+        True,
+        "CUDA sm_90+: launch the decode step's Triton kernels with programmatic dependent launch, so each "
+        "starts (and streams its first weights) while the one before ends",
+    )
     warm_up: bool = opt(True, "CUDA: compile kernels and capture graphs at start-up")
     profile_steps: bool = opt(False, "time each step's phases (Engine.profile)")
     speculative_config: str | None = opt(

@@ -43,6 +43,7 @@ from pagedserve.services.engine.attention import AttentionMetadata
 from pagedserve.services.engine.input_batch import HostBatch, InputBuffers, pad_decode_batch, pad_mixed_batch
 from pagedserve.services.engine.lora.layers import LoRABatch
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.parallel import partial_sums
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,8 @@ class StepGraphs:
             max_seq_len=self.max_model_len,  # read by no CUDA kernel: a graph serves every length
         )
         meta.with_groups([g.for_graph(num_tokens, num_seqs) for g in self.buffers.groups], self.buffers.layer_groups)
-        return self.model(ids["input_ids"][:num_tokens], ids["positions"][:num_tokens], self.kv_caches, meta)
+        with partial_sums.forward_pass():  # captured: the graph ends ready for any forward after it
+            return self.model(ids["input_ids"][:num_tokens], ids["positions"][:num_tokens], self.kv_caches, meta)
 
     def _fill_dummy(self, shape: GraphShape) -> None:
         """Inputs that write nothing (slot -1). Decode: one-token sequences at position 0 reading one cached

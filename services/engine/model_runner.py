@@ -36,6 +36,7 @@ from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.int4 import largest_dequantized_bytes
 from pagedserve.services.engine.outputs import TokenLogprob
+from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.step_broadcast import StepSender
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.sampler import Sampler, SamplerOutput
@@ -237,7 +238,8 @@ class ModelRunner:
         if graph_id is not None and self.graphs is not None:
             hidden = self.graphs.replay(graph_id, uses_lora)  # [the graph's num_tokens, hidden]
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            with partial_sums.forward_pass():
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.on_aux_hidden is not None:
             self.on_aux_hidden(scheduled, self.model.aux_hidden_states)
         prompt_chunks = (

@@ -28,7 +28,7 @@ from pagedserve.services.engine.models import fused_ops, load_model
 from pagedserve.services.engine.models.layers import Attention, GatedMLP
 from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.linear import Part, RowParallelLinear
-from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials
+from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials, half_size
 from pagedserve.services.engine.parallel.state import ParallelContext, all_reduce_limits
 from pagedserve.shared.config import ParallelConfig
 from tests.models.paged_driver import PagedDriver
@@ -53,19 +53,23 @@ class _TwoRankPartials(SymmetricPartials):
 
     def __init__(self, max_bytes: int) -> None:
         handle = SimpleNamespace(rank=0, world_size=2, buffer_ptrs_dev=None, signal_pad_ptrs_dev=None)
-        super().__init__(torch.zeros(max_bytes, dtype=torch.uint8), handle, max_bytes)
+        super().__init__(torch.zeros(2 * half_size(max_bytes), dtype=torch.uint8), handle, max_bytes)
         self.peer: torch.Tensor | None = None
         self.written = 0
+        self.halves: list[int] = []  # the half each finished partial was read from
 
-    def finish_add_rms_norm(
-        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sum_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, half: int
+    ) -> torch.Tensor:
         assert self.peer is not None and self.peer.shape == partial.shape, "a partial finished twice"
-        self.calls += 1
+        self.halves.append(half)
         normed, new_residual = all_reduce_add_rms_norm_reference([partial, self.peer], residual, weight, eps)
         residual.copy_(new_residual)
         self.peer = None
-        return normed, residual
+        return normed
+
+    def _barrier(self) -> None:
+        pass  # no peer: `barriers` counts the launches settle() would make
 
 
 class _SplitRowLinear(nn.Module):
@@ -120,12 +124,16 @@ def test_split_projections_summed_in_the_norm_match_the_whole_model(aux_layers: 
             module.down_proj = _SplitRowLinear(module.down_proj, partials)  # type: ignore[assignment]
     partial_sums.register(partials)
     try:
-        got = torch.cat(PagedDriver(model, block_size=8).step(prompts))
+        with partial_sums.forward_pass():
+            got = torch.cat(PagedDriver(model, block_size=8).step(prompts))
         got_aux = model.aux_hidden_states
         num_layers = model.spec.num_layers
         # two per layer, less the MLP output an aux layer copies
         assert partials.written == partials.calls == 2 * num_layers - len(aux_layers)
         assert partials.peer is None
+        # consecutive partials alternate halves (no end barrier in the kernel); an odd count ends in a barrier
+        assert partials.halves == [i % 2 for i in range(partials.calls)]
+        assert partials.barriers == partials.calls % 2
         big = {i: [4 + i] * 32 for i in range(2)}  # 64 rows: past the buffer, reduced as before
         before = partials.calls
         PagedDriver(model, block_size=8).step(big)
@@ -138,7 +146,7 @@ def test_split_projections_summed_in_the_norm_match_the_whole_model(aux_layers: 
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-def test_owner_of_finds_only_the_buffers_start() -> None:
+def test_owner_of_finds_only_the_starts_of_the_halves_which_partials_alternate() -> None:
     partials = _TwoRankPartials(max_bytes=256)
     partial_sums.register(partials)
     try:
@@ -146,6 +154,12 @@ def test_owner_of_finds_only_the_buffers_start() -> None:
         assert partial_sums.owner_of(slot) is partials
         assert partial_sums.owner_of(slot.clone()) is None
         assert partial_sums.owner_of(partials.buffer[16:].view(torch.float32)) is None
+        partials.peer = torch.zeros(2, 8)
+        partials.finish_add_rms_norm(slot, torch.zeros(2, 8), torch.ones(8), 1e-5)
+        second = partials.slot(2, 8, torch.float32)  # the other half: peers may still read the first
+        assert second.data_ptr() == slot.data_ptr() + 256 and partial_sums.owner_of(second) is partials
+        partials.settle()  # an odd count: a barrier, then the first half again
+        assert partials.barriers == 1 and partials.slot(2, 8, torch.float32).data_ptr() == slot.data_ptr()
     finally:
         partial_sums.unregister(partials)
     assert partial_sums.owner_of(slot) is None

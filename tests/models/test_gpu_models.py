@@ -139,6 +139,25 @@ def test_bf16_decode_logits_through_the_gemv(case: str, tmp_path: Path, monkeypa
     assert ours_err <= 1.5 * hf_err + 1e-3
 
 
+def test_programmatic_dependent_launch_keeps_every_token(tmp_path: Path) -> None:
+    """bf16 with CUDA graphs: the decode chain's kernels launched with PDL (kernels/pdl.py: each waits for the
+    one before in its prologue) give the same greedy tokens and logprobs as plain launches, one sequence (the
+    GEMV path) and five at once."""
+    case = next(iter(CASES))
+    hf_on_gpu(case, tmp_path, torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    runs = {}
+    for pdl in (False, True):
+        config = Config.of(model=str(tmp_path), dtype="bfloat16", device="cuda", num_kv_blocks=64, pdl=pdl)
+        engine = Engine(config)
+        single = engine.generate(PROMPTS[2:3], params)
+        batch = engine.generate(PROMPTS, params)
+        runs[pdl] = [(r.token_ids, [lp.logprob for lp in r.logprobs or []]) for r in single + batch]
+        del engine
+        torch.cuda.empty_cache()
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_through_engine_on_gpu(case: str, tmp_path: Path) -> None:
     hf = hf_on_gpu(case, tmp_path, torch.float32)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedserve.kernels import launch_config
 from pagedserve.services.engine import attention, dense
 from pagedserve.services.engine.config import model_dir, torch_device
 from pagedserve.services.engine.input_batch import to_model_input
@@ -35,6 +36,7 @@ from pagedserve.services.engine.lora.manager import LoRAManager
 from pagedserve.services.engine.model_runner import ModelRunner, num_kv_blocks_for
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.state import (
     ParallelContext,
     all_reduce_limits,
@@ -62,6 +64,7 @@ class Worker:
         self.model = model if model is not None else load_rank_model(config, ctx)
         select_attention_backend(self.device)
         dense.set_gemv_max_rows(config.runner.gemv_max_rows, self.device)
+        launch_config.set_pdl(config.runner.pdl)
         refuse_unsupported_attention(self.model)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:  # before the KV cache is sized: the slots take device memory too
@@ -184,7 +187,8 @@ def follow_step(runner: ModelRunner, ctx: ParallelContext, message: StepMessage)
         assert runner.graphs is not None
         hidden = runner.graphs.replay(message.graph_id)
     else:
-        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        with partial_sums.forward_pass():  # as rank 0's runner does: the same kernels on every rank
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
     if batch.logits_rows.shape[0] > 0:
         runner.model.compute_logits(hidden[inputs.logits_rows])  # joins the logits all-gather
 

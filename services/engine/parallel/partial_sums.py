@@ -8,12 +8,20 @@ tensor that lives in that buffer (`owner_of`), finishes it with one kernel: sum 
 residual add and RMSNorm (kernels/all_reduce_norm.py).
 
 A partial is only meant for that norm: nothing else may read it (its values are this rank's addend), and
-the next partial overwrites it. Models ask for partials only where the norm follows directly.
+the partial after next overwrites it. Models ask for partials only where the norm follows directly.
+
+Partials alternate between two halves of the buffer, so the kernel needs no barrier at its end (one round
+trip between the GPUs a call instead of two; the argument is in kernels/all_reduce_norm.py). That holds
+while consecutive calls use different halves, also from one CUDA graph replay to the next: every forward
+runs inside `forward_pass`, which starts it on the first half and, after an odd number of calls, ends it
+with a barrier kernel.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,16 +37,26 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _active: list[SymmetricPartials] = []  # this process's buffers (one per tensor-parallel replica)
 
 
+def half_size(max_bytes: int) -> int:
+    """Bytes of each half: max_bytes rounded up to 256 (every dtype's rows start aligned)."""
+    return -(-max_bytes // 256) * 256
+
+
 class SymmetricPartials:
-    """One symmetric buffer of `max_bytes` per rank for partial sums, and the kernel that finishes them."""
+    """One symmetric buffer per rank, two halves of `max_bytes` for partial sums, and the kernel that finishes
+    them."""
 
     def __init__(self, buffer: torch.Tensor, handle: Any, max_bytes: int) -> None:
         self.buffer, self.max_bytes = buffer, max_bytes
+        self.half_bytes = half_size(max_bytes)
+        assert buffer.numel() >= 2 * self.half_bytes, (buffer.numel(), max_bytes)
         self.rank, self.world_size = int(handle.rank), int(handle.world_size)
         self.buffer_ptrs = handle.buffer_ptrs_dev  # [world] int64 on the device
         self.signal_pad_ptrs = handle.signal_pad_ptrs_dev
         self._start = buffer.data_ptr()
+        self._half = 0  # where the next partial goes
         self.calls = 0  # finishes launched (eager calls and graph captures)
+        self.barriers = 0  # barrier kernels launched by `settle`
 
     @classmethod
     def allocate(cls, group: Any, device: torch.device, max_bytes: int) -> SymmetricPartials:
@@ -46,7 +64,7 @@ class SymmetricPartials:
         the custom all-reduce's, so neither protocol's flags or slots meet the other's."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        buffer = symm_mem.empty(2 * half_size(max_bytes), dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, group)
         return cls(buffer, handle, max_bytes)
 
@@ -54,27 +72,61 @@ class SymmetricPartials:
         return 0 < num_rows * hidden * dtype.itemsize <= self.max_bytes and dtype in FUSED_DTYPES
 
     def slot(self, num_rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """Where this rank's [num_rows, hidden] partial goes (the buffer's start)."""
-        return self.buffer[: num_rows * hidden * dtype.itemsize].view(dtype).view(num_rows, hidden)
+        """Where this rank's next [num_rows, hidden] partial goes (the start of the half after the last one's)."""
+        start = self._half * self.half_bytes
+        return self.buffer[start : start + num_rows * hidden * dtype.itemsize].view(dtype).view(num_rows, hidden)
+
+    def _half_of(self, x: torch.Tensor) -> int | None:
+        if x.device != self.buffer.device:
+            return None
+        return {self._start: 0, self._start + self.half_bytes: 1}.get(x.data_ptr())
 
     def holds(self, x: torch.Tensor) -> bool:
-        return x.device == self.buffer.device and x.data_ptr() == self._start
+        return self._half_of(x) is not None
+
+    def settle(self) -> None:
+        """Makes the next partial go to the first half. After an odd number of calls the last one used it, so
+        a barrier kernel first waits until no peer still reads it."""
+        if self._half == 1:
+            self._barrier()
+            self.barriers += 1
+        self._half = 0
+
+    def _barrier(self) -> None:
+        from pagedserve.kernels.all_reduce_norm import barrier
+
+        barrier(self.signal_pad_ptrs, self.rank, self.world_size, self.buffer.device)
 
     def finish_add_rms_norm(
         self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(residual + sum) * weight, residual + sum)
-        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm
-
         if residual.shape != partial.shape or residual.dtype != partial.dtype or not partial.is_contiguous():
             raise ValueError(
                 f"a partial sum {tuple(partial.shape)} {partial.dtype} needs a residual of its shape and dtype,"
                 f" got {tuple(residual.shape)} {residual.dtype}"
             )
+        half = self._half_of(partial)
+        assert half is not None, "not a partial of this buffer"
         self.calls += 1
-        out = all_reduce_add_rms_norm(
-            self.buffer_ptrs, self.signal_pad_ptrs, self.rank, self.world_size, residual, weight, eps
+        self._half = 1 - half
+        return self._sum_add_norm(partial, residual, weight, eps, half), residual
+
+    def _sum_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, half: int
+    ) -> torch.Tensor:
+        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(
+            self.buffer_ptrs,
+            self.signal_pad_ptrs,
+            self.rank,
+            self.world_size,
+            residual,
+            weight,
+            eps,
+            offset=half * self.half_bytes // partial.element_size(),
+            end_barrier=False,
         )
-        return out, residual
 
 
 def register(partials: SymmetricPartials) -> None:
@@ -84,6 +136,17 @@ def register(partials: SymmetricPartials) -> None:
 def unregister(partials: SymmetricPartials) -> None:
     if partials in _active:
         _active.remove(partials)
+
+
+@contextmanager
+def forward_pass() -> Iterator[None]:
+    """Around every model forward, eager or captured in a CUDA graph (module docstring): its partials start
+    on the first half, and it leaves the buffers ready for the next forward to do the same."""
+    for partials in _active:
+        partials.settle()  # a forward outside this block may have left an odd count
+    yield
+    for partials in _active:
+        partials.settle()
 
 
 def owner_of(x: torch.Tensor) -> SymmetricPartials | None:
