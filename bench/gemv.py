@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from bench.w4a16_gemm import copies, rotated_us
-from pagedserve.kernels.gemv import GemvConfig, default_config, gemv
+from pagedserve.kernels import launch_config
+from pagedserve.kernels.gemv import GemvConfig, default_config, gemv, gemv_silu_mul
+from pagedserve.kernels.silu_mul import silu_mul
 
 HIDDEN, INTERMEDIATE, Q, KV = 4096, 14336, 4096, 1024  # Llama-3.1-8B
 
@@ -78,6 +80,9 @@ def measure(name: str, n: int, k: int, rows: int, sweep: bool) -> dict[str, obje
     row["cublas_us"] = _timed(lambda w: F.linear(x, w[0]), weights)
     row["gemv_default_us"] = _timed(lambda w: gemv(x, w[0]), weights)
     row["default_config"] = list(default_config(rows, n, k))
+    if name == "gate_up" and rows == 1:  # the SiLU in the GEMV's epilogue vs the projection, then the SiLU kernel
+        row["gate_up_then_silu_us"] = _timed(lambda w: silu_mul(gemv(x, w[0])), weights)
+        row["gate_up_silu_us"] = _timed(lambda w: gemv_silu_mul(x, w[0]), weights)
     if sweep:
         timings = {config: _timed(lambda w, c=config: gemv(x, w[0], config=c), weights) for config in SWEEP}
         best = min(timings, key=timings.__getitem__)
@@ -97,7 +102,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="cuBLAS and the default tiles only")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
     args = parser.parse_args()
+    launch_config.set_pdl(args.pdl)
     print(torch.cuda.get_device_name(), flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
@@ -115,12 +122,19 @@ def main() -> None:
                     f"{best:>7.2f} {rates:>17}  {row.get('best_config', '')}",
                     flush=True,
                 )
+                if "gate_up_silu_us" in row:
+                    print(
+                        f"{shape:<8} gate_up then SiLU kernel {row['gate_up_then_silu_us']:.2f} µs, SiLU in the GEMV "
+                        f"{row['gate_up_silu_us']:.2f} µs",
+                        flush=True,
+                    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
+            "pdl": args.pdl,
             "results": results,
         }
         args.json.write_text(json.dumps(doc, indent=1))

@@ -156,6 +156,11 @@ case "${PART:-tp8b}" in
         > "$OUT/pdl_tests.log" 2>&1
       echo "pdl tests rc=$?"; tail -n 6 "$OUT/pdl_tests.log"
     fi
+    if [[ ${GEMV_BENCH:-0} == 1 ]]; then  # the dense GEMVs (and the gate_up GEMV with its SiLU) launched with PDL
+      timeout 200 python3 -m bench gemv --rows 1 --no-sweep --pdl --shapes "${GEMV_SHAPES:-8b-tp1,8b-tp2,smollm2}" \
+        --json "$OUT/gemv_pdl.json" > "$OUT/gemv_pdl.log" 2>&1
+      echo "gemv bench rc=$?"; tail -n 20 "$OUT/gemv_pdl.log"
+    fi
     sizes=${TP_SIZES:-1}
     [[ $NUM_GPUS -ge 2 && -z ${TP_SIZES:-} ]] && sizes="1 2"
     n=${NUM_REQUESTS:-64}

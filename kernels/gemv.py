@@ -21,6 +21,7 @@ import triton.language as tl
 from pagedserve.kernels import pdl
 from pagedserve.kernels.launch_config import split_k
 from pagedserve.kernels.pdl import prologue
+from pagedserve.kernels.silu_mul import silu_mul
 from pagedserve.kernels.w4a16_gemv import _store_split_k, split_k_buffers
 
 GemvConfig = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K (0: auto)
@@ -70,6 +71,13 @@ def _accumulate(
 
 
 @triton.jit
+def _accumulate_gated(w_gate, w_up, x_ptr, ks, k_end, M, stride_xm, acc_gate, acc_up, BLOCK_N: tl.constexpr):
+    """One row: adds a gate tile's and the matching up tile's products (one activation load for both)."""
+    x = _load_x(x_ptr, 0, M, ks, k_end, stride_xm, BLOCK_N)
+    return acc_gate + w_gate.to(tl.float32) * x, acc_up + w_up.to(tl.float32) * x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K], rows contiguous
@@ -91,7 +99,8 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every slice is whole BLOCK_K steps: no masks on the weight loads
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    GATED: tl.constexpr,  # one row, W = [gate; up] of 2N rows: out = silu(x @ gate^T) * (x @ up^T), no split-K
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -108,22 +117,38 @@ def _gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    up_rows = w_rows + N * stride_wn  # GATED: the up row of each gate row (acc1 holds its products)
     loop_start = k_start
     if USE_PDL:  # the first weight tile streams in while the kernel before ends (weights: pdl.py's contract)
-        w = _load_w(w_rows, k_start + offs_k, k_end, EVEN_K)
-        prologue(USE_PDL)
-        acc0, acc1, acc2, acc3 = _accumulate(
-            w, x_ptr, k_start + offs_k, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
-        )
+        ks = k_start + offs_k
+        w = _load_w(w_rows, ks, k_end, EVEN_K)
+        if GATED:
+            w_up = _load_w(up_rows, ks, k_end, EVEN_K)
+            prologue(USE_PDL)
+            acc0, acc1 = _accumulate_gated(w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, BLOCK_N)
+        else:
+            prologue(USE_PDL)
+            acc0, acc1, acc2, acc3 = _accumulate(
+                w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
+            )
         loop_start = k_start + BLOCK_K
     for k0 in range(loop_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         w = _load_w(w_rows, ks, k_end, EVEN_K)
-        acc0, acc1, acc2, acc3 = _accumulate(
-            w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
-        )
+        if GATED:
+            w_up = _load_w(up_rows, ks, k_end, EVEN_K)
+            acc0, acc1 = _accumulate_gated(w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, BLOCK_N)
+        else:
+            acc0, acc1, acc2, acc3 = _accumulate(
+                w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
+            )
     offs_m = tl.arange(0, BLOCK_M)
     y = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if GATED:  # rounded to the output dtype first, as gate_up is before kernels/silu_mul.py: the same bits
+        dtype = out_ptr.dtype.element_ty
+        gate = tl.sum(acc0, axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(acc1, axis=1).to(dtype).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up)[None, :]
     if BLOCK_M > 1:
         y += tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
     if BLOCK_M > 2:
@@ -187,6 +212,56 @@ def gemv(
         SPLIT_K=split,
         HAS_BIAS=bias is not None,
         EVEN_K=k % k_per_split == 0,
+        GATED=False,
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **pdl.launch_options(use_pdl),
+    )
+    return out
+
+
+def gemv_silu_mul(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [2 * I, K]: the gate rows, then the up rows (a fused gate_up projection)
+    config: GemvConfig | None = None,
+) -> torch.Tensor:  # [1, I]
+    """silu(x @ gate^T) * (x @ up^T) in one launch, equal bit for bit to kernels/silu_mul.py after `gemv`: each
+    program reads a gate row and its up row, so the [1, 2I] projection never goes to memory. Where the grid
+    is short enough for split-K (small I), the two launches run instead."""
+    m, k = x.shape
+    rows, width = weight.shape
+    assert m == 1 and width == k and rows % 2 == 0, (tuple(x.shape), tuple(weight.shape))
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
+    n = rows // 2
+    block_n, block_k, warps, split = config or default_config(m, n, k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    num_tiles = triton.cdiv(n, block_n)
+    if (split or split_k(2 * num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)) > 1:
+        return silu_mul(gemv(x, weight, config=config))
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    use_pdl = pdl.active(x.device)
+    _gemv_kernel[(num_tiles, 1)](
+        x,
+        weight,
+        weight,
+        out,
+        out,
+        out,
+        1,
+        n,
+        k,
+        triton.cdiv(k, block_k) * block_k,
+        x.stride(0),
+        weight.stride(0),
+        n,
+        n,
+        BLOCK_M=1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=1,
+        HAS_BIAS=False,
+        EVEN_K=k % block_k == 0,
+        GATED=True,
         USE_PDL=use_pdl,
         num_warps=warps,
         **pdl.launch_options(use_pdl),

@@ -8,13 +8,19 @@ parallel/linear.py can import it without loading every model family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedserve.services.engine import attention
 
 MAX_ROWS = 4  # kernels/gemv.MAX_ROWS (this module imports no kernels: Triton is optional)
 _max_rows = 1  # RunnerConfig.gemv_max_rows (its default here too: models driven without a worker); 0: cuBLAS
+_plain_forwards: set[Callable[..., Any]] = set()  # forwards that are exactly linear(x, self.weight, self.bias)
+L = TypeVar("L", bound=type[nn.Module])
 
 
 def set_gemv_max_rows(rows: int, device: torch.device | None = None) -> None:
@@ -66,3 +72,24 @@ def linear(
         return F.linear(x, weight, bias)
     assert bias is None, "linear(out=...) takes no bias on the cuBLAS path"
     return torch.mm(x, weight.t(), out=out)
+
+
+def plain_linear(cls: L) -> L:
+    """Class decorator: `cls.forward(x)` is `linear(x, self.weight, self.bias)`, so `gate_up_silu` may stand in
+    for it (a subclass that overrides forward, as LoRA and quantized layers do, is not plain)."""
+    _plain_forwards.add(cls.forward)
+    return cls
+
+
+def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a fused [gate; up] projection of one row in one GEMV launch (kernels/gemv.py
+    `gemv_silu_mul`: the same bits as the projection, then the SiLU kernel), where `linear` would take the
+    GEMV; None elsewhere (the caller projects, then applies the activation)."""
+    if type(layer).forward not in _plain_forwards or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    weight, bias = layer.weight, layer.bias
+    if bias is not None or not isinstance(weight, torch.Tensor) or weight.shape[0] % 2 or not takes_gemv(x, weight):
+        return None
+    from pagedserve.kernels.gemv import gemv_silu_mul
+
+    return gemv_silu_mul(x, weight)

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from pagedserve.kernels import gemv as gemv_module
-from pagedserve.kernels.gemv import GemvConfig, gemv
+from pagedserve.kernels.gemv import GemvConfig, gemv, gemv_silu_mul
+from pagedserve.kernels.silu_mul import silu_mul
 from pagedserve.services.engine import attention, dense
+from pagedserve.services.engine.models.layers import DenseLinear
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -108,3 +110,51 @@ def test_linear_dispatch_takes_the_gemv_for_decode_rows(gemv_rows: None) -> None
     assert not dense.takes_gemv(x[:2].float(), weight.float())  # fp32 stays on cuBLAS
     assert not dense.takes_gemv(x[:2], weight, weight[0].float())  # a bias of another dtype: F.linear's error
     torch.testing.assert_close(dense.linear(x[:2], weight), gemv(x[:2], weight), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (40, 256, (4, 64, 2, 1)),  # whole steps
+        (37, 200, (8, 64, 2, 1)),  # ragged: masked gate/up rows and inputs
+        (24, 512, (4, 128, 4, 2)),  # a split config: the two launches instead, the same result
+    ],
+)
+def test_gemv_silu_mul_equals_the_projection_then_the_silu_kernel(
+    device: torch.device, n: int, k: int, config: GemvConfig
+) -> None:
+    """One program per (gate row, up row): bit for bit what the gate_up GEMV and kernels/silu_mul.py give."""
+    torch.manual_seed(4)
+    dtype = _dtype(device)
+    x = torch.randn(1, k).to(device, dtype)
+    weight = (torch.randn(2 * n, k) * 0.1).to(device, dtype)
+    want = silu_mul(gemv(x, weight, config=config))
+    got = gemv_silu_mul(x, weight, config=config)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gate, up = (x.float() @ weight.float().T).split(n, dim=-1)
+    _check(got, F.silu(gate) * up)
+
+
+def test_gate_up_silu_takes_only_plain_one_row_layers(gemv_rows: None) -> None:
+    """dense.gate_up_silu stands in for a plain layer's forward only: not for a subclass that overrides
+    forward (LoRA, quantized), a biased layer, or CPU rows (those project, then apply the SiLU)."""
+
+    class Scaled(DenseLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    x = torch.randn(1, 32)
+    assert dense.gate_up_silu(DenseLinear(32, 16, bias=False), x) is None  # CPU: takes_gemv says no
+    assert type(DenseLinear(32, 16)).forward in dense._plain_forwards
+    assert Scaled.forward not in dense._plain_forwards
+    assert dense.gate_up_silu(Scaled(32, 16, bias=False), x) is None
+    if torch.cuda.is_available():
+        attention.use_backend("triton")
+        cuda_x = x.to("cuda", torch.bfloat16)
+        plain = DenseLinear(32, 16, bias=False).to("cuda", torch.bfloat16)
+        got = dense.gate_up_silu(plain, cuda_x)
+        assert got is not None
+        torch.testing.assert_close(got, silu_mul(plain(cuda_x)), rtol=0, atol=0)
+        assert dense.gate_up_silu(Scaled(32, 16, bias=False).to("cuda", torch.bfloat16), cuda_x) is None
+        assert dense.gate_up_silu(DenseLinear(32, 16, bias=True).to("cuda", torch.bfloat16), cuda_x) is None

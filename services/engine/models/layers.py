@@ -49,6 +49,7 @@ class RMSNorm(nn.Module):
         return fused_ops.rms_norm(x, self.weight, self.eps)
 
 
+@dense.plain_linear
 class DenseLinear(nn.Linear):
     """nn.Linear through dense.linear: decode rows on CUDA take the GEMV."""
 
@@ -95,7 +96,11 @@ class GatedMLP(nn.Module):
         """partial: under tensor parallelism the down projection's output may be this rank's unreduced
         addend, which only fused_ops.add_rms_norm may read (parallel/partial_sums.py)."""
         if self.is_silu:
-            return project_out(self.down_proj, fused_ops.silu_and_mul(self.gate_up_proj(x)), partial)
+            # one row on CUDA: the gate_up GEMV applies the SiLU itself (one launch, no [1, 2I] round trip)
+            h = dense.gate_up_silu(self.gate_up_proj, x) if fused_ops.is_fused(x) else None
+            if h is None:
+                h = fused_ops.silu_and_mul(self.gate_up_proj(x))
+            return project_out(self.down_proj, h, partial)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return project_out(self.down_proj, self.act(gate) * up, partial)
 

@@ -70,6 +70,7 @@ def attention_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: Paral
     return q, kv
 
 
+@dense.plain_linear
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, parts: dict[str, Part], bias: bool) -> None:
         super().__init__()
