@@ -225,9 +225,11 @@ def gemv_silu_mul(
     weight: torch.Tensor,  # [2 * I, K]: the gate rows, then the up rows (a fused gate_up projection)
     config: GemvConfig | None = None,
 ) -> torch.Tensor:  # [1, I]
-    """silu(x @ gate^T) * (x @ up^T) in one launch, equal bit for bit to kernels/silu_mul.py after `gemv`: each
-    program reads a gate row and its up row, so the [1, 2I] projection never goes to memory. Where the grid
-    is short enough for split-K (small I), the two launches run instead."""
+    """silu(x @ gate^T) * (x @ up^T), equal bit for bit to kernels/silu_mul.py after `gemv`. For rows of at most
+    one BLOCK_K step, one launch: each program reads a gate row and its up row, so the [1, 2I] projection never
+    goes to memory. Elsewhere the two launches, which measured faster (H200, graph-timed with PDL,
+    bench/results/pdl_h200x2_2026-11-28/): SmolLM2's 3072 x 576 took 3.04 µs in one launch against 5.18 in two,
+    but the 8B shape's 28672 x 4096 took 56.86 against 54.71 (14336 x 4096, TP=2: 30.04 against 29.01)."""
     m, k = x.shape
     rows, width = weight.shape
     assert m == 1 and width == k and rows % 2 == 0, (tuple(x.shape), tuple(weight.shape))
@@ -236,7 +238,7 @@ def gemv_silu_mul(
     block_n, block_k, warps, split = config or default_config(m, n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
     num_tiles = triton.cdiv(n, block_n)
-    if (split or split_k(2 * num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)) > 1:
+    if k > block_k or (split or split_k(2 * num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)) > 1:
         return silu_mul(gemv(x, weight, config=config))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     use_pdl = pdl.active(x.device)

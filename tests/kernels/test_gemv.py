@@ -115,9 +115,10 @@ def test_linear_dispatch_takes_the_gemv_for_decode_rows(gemv_rows: None) -> None
 @pytest.mark.parametrize(
     ("n", "k", "config"),
     [
-        (40, 256, (4, 64, 2, 1)),  # whole steps
-        (37, 200, (8, 64, 2, 1)),  # ragged: masked gate/up rows and inputs
-        (24, 512, (4, 128, 4, 2)),  # a split config: the two launches instead, the same result
+        (40, 64, (4, 64, 2, 1)),  # one step a row: one launch
+        (37, 200, (8, 256, 2, 1)),  # ragged: masked gate/up rows and inputs, one launch
+        (24, 512, (4, 128, 4, 1)),  # rows of several steps: the two launches instead, the same result
+        (24, 128, (4, 128, 4, 2)),  # a split config: the two launches
     ],
 )
 def test_gemv_silu_mul_equals_the_projection_then_the_silu_kernel(
