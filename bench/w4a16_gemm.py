@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
-from pagedserve.kernels import w4a16_gemm
+from pagedserve.kernels import launch_config, w4a16_gemm
 from pagedserve.kernels.w4a16_gemm import Tiles, default_tiled_tiles, default_tiles, w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import GemvTiles, default_gemv_tiles, w4a16_gemv
 
@@ -134,12 +134,14 @@ def _time_tiles(x: torch.Tensor, fmt: str, weights: list[Weight], candidates: li
     return {tiles: timed(tiles) for tiles in candidates}
 
 
-def _time_gemv(x: torch.Tensor, weights: list[Weight], candidates: list[GemvTiles]) -> dict[GemvTiles, float]:
+def _time_gemv(
+    x: torch.Tensor, weights: list[Weight], candidates: list[GemvTiles], prefetch: bool | None = None
+) -> dict[GemvTiles, float]:
     """µs per call of each GEMV tile choice (K-major weights)."""
 
     def timed(tiles: GemvTiles) -> float:
         try:
-            return rotated_us(lambda w: w4a16_gemv(x, w[0], w[1], w[2], GROUP, 1, tiles), weights)
+            return rotated_us(lambda w: w4a16_gemv(x, w[0], w[1], w[2], GROUP, 1, tiles, prefetch), weights)
         except OutOfResources as e:  # a sweep tile too large for this GPU's registers / shared memory
             print(f"  gemv {tiles}: {e}", flush=True)
             return float("inf")
@@ -180,6 +182,13 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
         result["gemv_us"], result["gemv_tiles"] = gemv[best_gemv], list(best_gemv)
         result["gemv_default_us"] = gemv.get(default_gemv_tiles(rows))
         result["gemv_all_us"] = {",".join(map(str, t)): us for t, us in gemv.items()}
+        if args.gemv_prefetch and rows == 1:  # the same tiles with each load issued a step early
+            for prefetch in (False, True):
+                by_tiles = _time_gemv(x, copies(packed(k, n, "tiled"), rotate), gemv_candidates, prefetch)
+                result[f"gemv_prefetch{int(prefetch)}_all_us"] = {
+                    ",".join(map(str, t)): us for t, us in by_tiles.items()
+                }
+                print(f"  {k}x{n} prefetch={prefetch}: " + " ".join(f"{t}:{us:.1f}" for t, us in by_tiles.items()))
     weight_bytes = k * n // 2 + (k // GROUP) * n * 2 + (k // GROUP) * n // 2
     result["floor_us"] = (weight_bytes + rows * (k + n) * 2) / bandwidth * 1e6
     result["bf16_floor_us"] = (k * n * 2 + rows * (k + n) * 2) / bandwidth * 1e6
@@ -194,7 +203,10 @@ def main() -> None:
     parser.add_argument("--gemv-sweep", action="store_true", help="time each GEMV tile / split candidate, no GEMM")
     parser.add_argument("--awq", action="store_true", help="also time the GEMM on AWQ's checkpoint layout")
     parser.add_argument("--l2-resident", action="store_true", help="time one weight copy (L2 hits between calls)")
+    parser.add_argument("--gemv-prefetch", action="store_true", help="M = 1: each GEMV tile without and with prefetch")
+    parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
     args = parser.parse_args()
+    launch_config.set_pdl(args.pdl)
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
     formats = ("awq", "gptq", "tiled_f32", "tiled", "gemv")
@@ -224,6 +236,7 @@ def main() -> None:
                 "copy_bytes_per_s": bandwidth,
                 "group_size": GROUP,
                 "weights_rotated": not args.l2_resident,
+                "pdl": args.pdl,
                 "results": results,
             },
             indent=1,

@@ -103,9 +103,9 @@ def _w4a16_gemv_kernel(
     SLICE_GROUPS: tl.constexpr,  # groups not whole tiles (32, 64, 192, ...): a scale per slice of 16 inputs
     SPLIT_K: tl.constexpr,
     ROWS: tl.constexpr,  # packed rows of a tile loaded and unpacked at a time (16 or 8): fewer live registers
+    PREFETCH: tl.constexpr,  # one row: each ROWS-row load is issued before the math of the one before
     USE_PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,49 +114,147 @@ def _w4a16_gemv_kernel(
     offs_j = tl.arange(0, ROWS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for kt in range(k_start, tl.minimum(k_start + k_per_split, K), 128):
-        for m in tl.static_range(BLOCK_M):
-            row = tl.minimum(m, M - 1)  # rows past M (BLOCK_M is a power of two) repeat the last; never stored
-            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            x_sum = tl.zeros((ROWS,), dtype=tl.float32)
-            x_bias = tl.zeros((ROWS,), dtype=tl.float32)  # sum of x * the codes' bias
-            for h in tl.static_range(16 // ROWS):  # the tile's 16 packed rows, ROWS at a time
-                rows = kt // 8 + h * ROWS + offs_j
-                packed = tl.load(
-                    qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :]
-                )
-                for i in tl.static_range(8):
-                    q = _biased_nibble(packed, i)  # bias + q, exact
-                    x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + h * ROWS + offs_j).to(tl.float32)
-                    if SLICE_GROUPS:
-                        scale, zero = _group_params(
-                            qzeros_ptr,
-                            scales_ptr,
-                            (kt + 16 * i) // group_size,
-                            stride_qz,
-                            stride_s,
-                            offs_n,
-                            mask_n,
-                            zero_offset,
-                        )
-                        part += scale * (tl.sum(x[:, None] * q, axis=0) - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
-                    else:
-                        acc2 += x[:, None] * q
-                        x_sum += x
-                        x_bias += x * _nibble_bias(i)
-            if not SLICE_GROUPS:
-                scale, zero = _group_params(
-                    qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
-                )
-                part = scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
-            if BLOCK_M == 1:
-                acc += part[None, :]
-            else:
-                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH:
+        acc += _prefetched_row(
+            x_ptr,
+            qweight_ptr,
+            qzeros_ptr,
+            scales_ptr,
+            k_start,
+            k_end,
+            group_size,
+            zero_offset,
+            stride_qw,
+            stride_qz,
+            stride_s,
+            offs_n,
+            mask_n,
+            offs_j,
+            BLOCK_N,
+            SLICE_GROUPS,
+            ROWS,
+            USE_PDL,
+        )[None, :]
+    else:
+        prologue(USE_PDL)
+        for kt in range(k_start, k_end, 128):
+            for m in tl.static_range(BLOCK_M):
+                row = tl.minimum(m, M - 1)  # rows past M (BLOCK_M is a power of two) repeat the last; never stored
+                part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+                x_sum = tl.zeros((ROWS,), dtype=tl.float32)
+                x_bias = tl.zeros((ROWS,), dtype=tl.float32)  # sum of x * the codes' bias
+                for h in tl.static_range(16 // ROWS):  # the tile's 16 packed rows, ROWS at a time
+                    rows = kt // 8 + h * ROWS + offs_j
+                    packed = tl.load(
+                        qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :]
+                    )
+                    for i in tl.static_range(8):
+                        q = _biased_nibble(packed, i)  # bias + q, exact
+                        x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + h * ROWS + offs_j).to(tl.float32)
+                        if SLICE_GROUPS:
+                            scale, zero = _group_params(
+                                qzeros_ptr,
+                                scales_ptr,
+                                (kt + 16 * i) // group_size,
+                                stride_qz,
+                                stride_s,
+                                offs_n,
+                                mask_n,
+                                zero_offset,
+                            )
+                            dot = tl.sum(x[:, None] * q, axis=0)
+                            part += scale * (dot - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
+                        else:
+                            acc2 += x[:, None] * q
+                            x_sum += x
+                            x_bias += x * _nibble_bias(i)
+                if not SLICE_GROUPS:
+                    scale, zero = _group_params(
+                        qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+                    )
+                    part = scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
+                if BLOCK_M == 1:
+                    acc += part[None, :]
+                else:
+                    acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     _store_split_k(acc, out_ptr, partial_ptr, counter_ptr, out_offs, mask, pid_n, pid_k, stride_osplit, SPLIT_K)
+
+
+@triton.jit
+def _prefetched_row(
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    k_start,
+    k_end,
+    group_size,
+    zero_offset,
+    stride_qw,
+    stride_qz,
+    stride_s,
+    offs_n,
+    mask_n,
+    offs_j,
+    BLOCK_N: tl.constexpr,
+    SLICE_GROUPS: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Row 0's [BLOCK_N] sum over inputs k_start..k_end, walked in steps of ROWS packed rows (8 * ROWS inputs
+    over the tile's nibbles) whose load is issued one step early: the next weights are in flight during this
+    step's unpacking and FMAs (registers hold two steps' codes). The first load goes before the PDL wait."""
+    halves: tl.constexpr = 16 // ROWS  # steps a tile of 128 inputs
+    step = (k_start // 128) * halves
+    step_end = tl.cdiv(k_end, 128) * halves
+    rows = step * ROWS + offs_j
+    following = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :])
+    prologue(USE_PDL)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    while step < step_end:
+        packed = following
+        rows = (step + 1) * ROWS + offs_j  # past the end: masked off (no traffic)
+        in_range = rows < tl.where(step + 1 < step_end, (step + 2) * ROWS, 0)
+        following = tl.load(
+            qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
+            mask=in_range[:, None] & mask_n[None, :],
+            other=0,
+        )
+        kt = (step // halves) * 128
+        first = kt + (step % halves) * ROWS  # input of nibble 0, packed row 0 of this step
+        acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((ROWS,), dtype=tl.float32)
+        x_bias = tl.zeros((ROWS,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            q = _biased_nibble(packed, i)
+            x = tl.load(x_ptr + first + 16 * i + offs_j).to(tl.float32)
+            if SLICE_GROUPS:
+                scale, zero = _group_params(
+                    qzeros_ptr,
+                    scales_ptr,
+                    (kt + 16 * i) // group_size,
+                    stride_qz,
+                    stride_s,
+                    offs_n,
+                    mask_n,
+                    zero_offset,
+                )
+                total += scale * (tl.sum(x[:, None] * q, axis=0) - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
+            else:
+                acc2 += x[:, None] * q
+                x_sum += x
+                x_bias += x * _nibble_bias(i)
+        if not SLICE_GROUPS:
+            scale, zero = _group_params(
+                qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+            )
+            total += scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
+        step += 1
+    return total
 
 
 @triton.jit
@@ -183,6 +281,7 @@ GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
 # (the old layout's GEMV was 7-33x slower than its GEMM at M = 4 and 8: bench/results/w4a16_gemv_h100/).
 MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100
+PREFETCH = False  # one-row calls load a step ahead (`_prefetched_row`); not yet measured on a GPU
 GEMV_ROWS = 8  # packed rows a load brings: 160 registers a thread against 244 for 16 (w4a16_tiled_h100/gemv_bits/rows/)
 
 
@@ -226,6 +325,7 @@ def w4a16_gemv(
     group_size: int,
     zero_offset: int = 0,
     tiles: GemvTiles | None = None,
+    prefetch: bool | None = None,  # one row: issue each load a step early (default: PREFETCH)
 ) -> torch.Tensor:
     """x @ the tiled packed weight -> [M, N] in x's dtype (groups of consecutive rows, G % 16 == 0, K % 128 == 0)."""
     m, k = x.shape
@@ -267,6 +367,7 @@ def w4a16_gemv(
         SLICE_GROUPS=group_size % TILE_ROWS != 0,
         SPLIT_K=split,
         ROWS=GEMV_ROWS,
+        PREFETCH=(PREFETCH if prefetch is None else prefetch) and m == 1,
         num_warps=warps,
         USE_PDL=use_pdl,
         **pdl.launch_options(use_pdl),

@@ -71,6 +71,36 @@ def test_gemv_matches_the_dequantized_weight(
     _check(got, x.float() @ meaning.to(device))
 
 
+@pytest.mark.parametrize(
+    ("k", "n", "group", "tiles"),
+    [
+        (384, 200, 128, None),  # three tiles: six steps, a ragged last n-tile
+        (512, 64, 64, (32, 1, 2)),  # 2 slices: each walks only its own steps; groups of two slices of 16
+        (384, 72, 192, (64, 2, 3)),  # a group ends inside a tile
+    ],
+)
+def test_prefetching_gemv_equals_the_plain_loop(
+    device: torch.device, k: int, n: int, group: int, tiles: GemvTiles | None
+) -> None:
+    """One row with each load issued a step early (`_prefetched_row`): the dequantized product, and the plain
+    loop's result up to where its fp32 sums round."""
+    torch.manual_seed(2)
+    weight = torch.randn(k, n) * 0.05
+    tensors, meaning = gptq_tensors(weight, group)
+    dtype = _dtype(device)
+    x = torch.randn(1, k).to(device, dtype)
+    packed = (
+        tile_rows(tensors["qweight"]).to(device),
+        tensors["qzeros"].to(device),
+        tensors["scales"].to(device, dtype),
+    )
+    got = w4a16_gemv(x, *packed, group, zero_offset=1, tiles=tiles, prefetch=True)
+    plain = w4a16_gemv(x, *packed, group, zero_offset=1, tiles=tiles, prefetch=False)
+    _check(got, x.float() @ meaning.to(device))
+    # the codes' bias (up to 2048) leaves with fp32 sums taken per step instead of per tile: ~1e-4 of the scale
+    torch.testing.assert_close(got.float(), plain.float(), rtol=0, atol=1e-4 * plain.abs().max().item())
+
+
 def test_gemv_in_half_precision(device: torch.device) -> None:
     """fp16 activations and scales (the checkpoints' scale dtype), fp32 accumulation."""
     if device.type != "cuda":
