@@ -317,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--custom-all-reduce-max-bytes", type=int, default=0, help="the engine's flag (TP: torch's symm-mem kernels)"
     )
     parser.add_argument("--gemv-max-rows", type=int, help="the engine's flag (default: the engine's); 0: cuBLAS only")
+    parser.add_argument(
+        "--w4a16-prefetch", type=int, choices=(0, 1), help="the one-row W4A16 GEMV's PREFETCH (default: the kernel's)"
+    )
     parser.add_argument("--pdl", type=int, choices=(0, 1), help="programmatic dependent launch (default: the engine's)")
     parser.add_argument("--fused-all-reduce-max-bytes", type=int, help="the engine's flag (TP; default: the engine's)")
     parser.add_argument("--kernel-profile", type=int, default=0, help="CUDA: profile this many decode steps")
@@ -363,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on the lent machines
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if args.w4a16_prefetch is not None:  # a kernel constant, set in this process (and each child's)
+        from pagedserve.kernels import w4a16_gemv
+
+        w4a16_gemv.PREFETCH = bool(args.w4a16_prefetch)
     if args.run_one:  # a child: one run, its JSON into the work dir
         name, mode = args.run_one.rsplit("-", 1)
         result = run_one(name, mode == "on", args)

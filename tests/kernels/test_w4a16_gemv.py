@@ -98,7 +98,9 @@ def test_prefetching_gemv_equals_the_plain_loop(
     plain = w4a16_gemv(x, *packed, group, zero_offset=1, tiles=tiles, prefetch=False)
     _check(got, x.float() @ meaning.to(device))
     # the codes' bias (up to 2048) leaves with fp32 sums taken per step instead of per tile: ~1e-4 of the scale
-    torch.testing.assert_close(got.float(), plain.float(), rtol=0, atol=1e-4 * plain.abs().max().item())
+    # in fp32; in bf16 (CUDA) that may round an output to its neighbour
+    rtol = 8e-3 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(got.float(), plain.float(), rtol=rtol, atol=1e-4 * plain.abs().max().item())
 
 
 def test_gemv_in_half_precision(device: torch.device) -> None:
