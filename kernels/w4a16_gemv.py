@@ -211,8 +211,13 @@ def _prefetched_row(
     halves: tl.constexpr = 16 // ROWS  # steps a tile of 128 inputs
     step = (k_start // 128) * halves
     step_end = tl.cdiv(k_end, 128) * halves
-    rows = step * ROWS + offs_j
-    following = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :])
+    rows = step * ROWS + offs_j  # an empty slice (split-K past K) loads nothing
+    in_range = rows < tl.where(step < step_end, (step + 1) * ROWS, 0)
+    following = tl.load(
+        qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
+        mask=in_range[:, None] & mask_n[None, :],
+        other=0,
+    )
     prologue(USE_PDL)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     while step < step_end:

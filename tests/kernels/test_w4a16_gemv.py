@@ -77,6 +77,7 @@ def test_gemv_matches_the_dequantized_weight(
         (384, 200, 128, None),  # three tiles: six steps, a ragged last n-tile
         (512, 64, 64, (32, 1, 2)),  # 2 slices: each walks only its own steps; groups of two slices of 16
         (384, 72, 192, (64, 2, 3)),  # a group ends inside a tile
+        (384, 40, 128, (64, 2, 5)),  # 5 slices of one tile over 3 tiles: the empty ones load nothing
     ],
 )
 def test_prefetching_gemv_equals_the_plain_loop(
