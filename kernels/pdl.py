@@ -31,7 +31,8 @@ from pagedserve.kernels.launch_config import pdl_enabled
 
 @cache
 def _supports(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """NVIDIA sm_90 and later (a ROCm build reports its own capability numbers and has no griddepcontrol)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def active(device: torch.device) -> bool:
