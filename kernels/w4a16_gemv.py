@@ -78,6 +78,60 @@ def _nibble_bias(i: tl.constexpr):
 
 
 @triton.jit
+def _load_codes(qweight_ptr, rows, stride_qw, offs_n, mask):
+    """Packed rows `rows` of the tiled weight at columns offs_n: [ROWS, BLOCK_N] int32, 0 where masked off."""
+    return tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _add_codes(
+    packed,  # [ROWS, BLOCK_N]: packed rows of one tile, nibble i of row j = input kt + 16 i + first_row + j
+    x_row_ptr,  # the activation row, at input kt + first_row
+    kt,
+    part,  # SLICE_GROUPS: the scaled sum so far [BLOCK_N]
+    acc2,  # otherwise: sum of x * (bias + q) [ROWS, BLOCK_N], sum of x and of x * bias [ROWS], scaled per tile
+    x_sum,
+    x_bias,
+    qzeros_ptr,
+    scales_ptr,
+    group_size,
+    zero_offset,
+    stride_qz,
+    stride_s,
+    offs_n,
+    mask_n,
+    offs_j,
+    SLICE_GROUPS: tl.constexpr,
+):
+    """Adds the products of `packed`'s codes with their activations (the module docstring's identity)."""
+    for i in tl.static_range(8):
+        q = _biased_nibble(packed, i)  # bias + q, exact
+        x = tl.load(x_row_ptr + 16 * i + offs_j).to(tl.float32)
+        if SLICE_GROUPS:
+            scale, zero = _group_params(
+                qzeros_ptr, scales_ptr, (kt + 16 * i) // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+            )
+            dot = tl.sum(x[:, None] * q, axis=0)
+            part += scale * (dot - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
+        else:
+            acc2 += x[:, None] * q
+            x_sum += x
+            x_bias += x * _nibble_bias(i)
+    return part, acc2, x_sum, x_bias
+
+
+@triton.jit
+def _scaled_tile(
+    acc2, x_sum, x_bias, kt, qzeros_ptr, scales_ptr, group_size, zero_offset, stride_qz, stride_s, offs_n, mask_n
+):
+    """A tile's (or a step's) sums of `_add_codes`, scaled by its group (groups of whole tiles)."""
+    scale, zero = _group_params(
+        qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+    )
+    return scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [M, K] fp16 / bf16 / fp32
     qweight_ptr,  # [K/8, N] int32, tiled
@@ -146,35 +200,41 @@ def _w4a16_gemv_kernel(
                 x_sum = tl.zeros((ROWS,), dtype=tl.float32)
                 x_bias = tl.zeros((ROWS,), dtype=tl.float32)  # sum of x * the codes' bias
                 for h in tl.static_range(16 // ROWS):  # the tile's 16 packed rows, ROWS at a time
-                    rows = kt // 8 + h * ROWS + offs_j
-                    packed = tl.load(
-                        qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :], mask=mask_n[None, :]
+                    packed = _load_codes(qweight_ptr, kt // 8 + h * ROWS + offs_j, stride_qw, offs_n, mask_n[None, :])
+                    part, acc2, x_sum, x_bias = _add_codes(
+                        packed,
+                        x_ptr + row * stride_xm + kt + h * ROWS,
+                        kt,
+                        part,
+                        acc2,
+                        x_sum,
+                        x_bias,
+                        qzeros_ptr,
+                        scales_ptr,
+                        group_size,
+                        zero_offset,
+                        stride_qz,
+                        stride_s,
+                        offs_n,
+                        mask_n,
+                        offs_j,
+                        SLICE_GROUPS,
                     )
-                    for i in tl.static_range(8):
-                        q = _biased_nibble(packed, i)  # bias + q, exact
-                        x = tl.load(x_ptr + row * stride_xm + kt + 16 * i + h * ROWS + offs_j).to(tl.float32)
-                        if SLICE_GROUPS:
-                            scale, zero = _group_params(
-                                qzeros_ptr,
-                                scales_ptr,
-                                (kt + 16 * i) // group_size,
-                                stride_qz,
-                                stride_s,
-                                offs_n,
-                                mask_n,
-                                zero_offset,
-                            )
-                            dot = tl.sum(x[:, None] * q, axis=0)
-                            part += scale * (dot - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
-                        else:
-                            acc2 += x[:, None] * q
-                            x_sum += x
-                            x_bias += x * _nibble_bias(i)
                 if not SLICE_GROUPS:
-                    scale, zero = _group_params(
-                        qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+                    part = _scaled_tile(
+                        acc2,
+                        x_sum,
+                        x_bias,
+                        kt,
+                        qzeros_ptr,
+                        scales_ptr,
+                        group_size,
+                        zero_offset,
+                        stride_qz,
+                        stride_s,
+                        offs_n,
+                        mask_n,
                     )
-                    part = scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
                 if BLOCK_M == 1:
                     acc += part[None, :]
                 else:
@@ -213,51 +273,52 @@ def _prefetched_row(
     step_end = tl.cdiv(k_end, 128) * halves
     rows = step * ROWS + offs_j  # an empty slice (split-K past K) loads nothing
     in_range = rows < tl.where(step < step_end, (step + 1) * ROWS, 0)
-    following = tl.load(
-        qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
-        mask=in_range[:, None] & mask_n[None, :],
-        other=0,
-    )
+    following = _load_codes(qweight_ptr, rows, stride_qw, offs_n, in_range[:, None] & mask_n[None, :])
     prologue(USE_PDL)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     while step < step_end:
         packed = following
         rows = (step + 1) * ROWS + offs_j  # past the end: masked off (no traffic)
         in_range = rows < tl.where(step + 1 < step_end, (step + 2) * ROWS, 0)
-        following = tl.load(
-            qweight_ptr + rows[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
-            mask=in_range[:, None] & mask_n[None, :],
-            other=0,
-        )
+        following = _load_codes(qweight_ptr, rows, stride_qw, offs_n, in_range[:, None] & mask_n[None, :])
         kt = (step // halves) * 128
-        first = kt + (step % halves) * ROWS  # input of nibble 0, packed row 0 of this step
         acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((ROWS,), dtype=tl.float32)
         x_bias = tl.zeros((ROWS,), dtype=tl.float32)
-        for i in tl.static_range(8):
-            q = _biased_nibble(packed, i)
-            x = tl.load(x_ptr + first + 16 * i + offs_j).to(tl.float32)
-            if SLICE_GROUPS:
-                scale, zero = _group_params(
-                    qzeros_ptr,
-                    scales_ptr,
-                    (kt + 16 * i) // group_size,
-                    stride_qz,
-                    stride_s,
-                    offs_n,
-                    mask_n,
-                    zero_offset,
-                )
-                total += scale * (tl.sum(x[:, None] * q, axis=0) - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
-            else:
-                acc2 += x[:, None] * q
-                x_sum += x
-                x_bias += x * _nibble_bias(i)
+        total, acc2, x_sum, x_bias = _add_codes(
+            packed,
+            x_ptr + kt + (step % halves) * ROWS,
+            kt,
+            total,
+            acc2,
+            x_sum,
+            x_bias,
+            qzeros_ptr,
+            scales_ptr,
+            group_size,
+            zero_offset,
+            stride_qz,
+            stride_s,
+            offs_n,
+            mask_n,
+            offs_j,
+            SLICE_GROUPS,
+        )
         if not SLICE_GROUPS:
-            scale, zero = _group_params(
-                qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+            total += _scaled_tile(
+                acc2,
+                x_sum,
+                x_bias,
+                kt,
+                qzeros_ptr,
+                scales_ptr,
+                group_size,
+                zero_offset,
+                stride_qz,
+                stride_s,
+                offs_n,
+                mask_n,
             )
-            total += scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
         step += 1
     return total
 
@@ -286,7 +347,8 @@ GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
 # (the old layout's GEMV was 7-33x slower than its GEMM at M = 4 and 8: bench/results/w4a16_gemv_h100/).
 MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100
-# One-row calls load a step ahead (`_prefetched_row`): 128 registers a thread against 165 on sm_90. On an H200
+# One-row calls load a step ahead (`_prefetched_row`). ptxas for sm_90, 512 columns over 4 warps: 128 registers a
+# thread against 165 without split-K, 163 against 160 with it (most 8B linears split). On an H200
 # (graph-timed, PDL, default tiles) the 8B linears took 8.6 / 8.2 / 28.9 / 18.4 µs against 11.1 / 7.7 / 28.7 /
 # 20.8 (qkv / o / gate_up / down): 64.1 against 68.3 µs a layer (bench/results/pdl_h200x2_2026-11-28/).
 PREFETCH = True
