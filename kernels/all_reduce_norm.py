@@ -169,7 +169,6 @@ def all_reduce_add_rms_norm(
     if num_rows == 0:
         return out
     block = next_power_of_2(hidden)
-    use_pdl = pdl.active(residual.device)
     _all_reduce_add_rms_norm_kernel[(min(num_rows, MAX_PROGRAMS),)](
         buffer_ptrs,
         signal_pad_ptrs,
@@ -187,18 +186,14 @@ def all_reduce_add_rms_norm(
         BLOCK=block,
         num_warps=min(16, max(4, block // 256)),
         END_BARRIER=end_barrier,
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(residual.device),
     )
     return out
 
 
 def barrier(signal_pad_ptrs: torch.Tensor, rank: int, world_size: int, device: torch.device) -> None:
     """Returns at once; on the stream, every rank's kernels after it start once every peer's before it ended."""
-    use_pdl = pdl.active(device)
-    _barrier_kernel[(1,)](
-        signal_pad_ptrs, RANK=rank, WORLD=world_size, USE_PDL=use_pdl, num_warps=1, **pdl.launch_options(use_pdl)
-    )
+    _barrier_kernel[(1,)](signal_pad_ptrs, RANK=rank, WORLD=world_size, num_warps=1, **pdl.launch(device))
 
 
 def all_reduce_add_rms_norm_reference(

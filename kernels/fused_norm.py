@@ -67,7 +67,6 @@ def add_rms_norm_(
     if num_tokens == 0:
         return x, residual
     block = next_power_of_2(hidden)
-    use_pdl = pdl.active(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x,
         residual,
@@ -79,7 +78,6 @@ def add_rms_norm_(
         BLOCK=block,
         HAS_RESIDUAL=has_residual,
         num_warps=min(16, max(1, block // 256)),
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(x.device),
     )
     return x, residual

@@ -190,7 +190,6 @@ def gemv(
     pitch = n if m == 1 else out.stride(0)
     assert pitch >= n, f"output rows overlap: {tuple(out.shape)} with strides {out.stride()}"
     partial, counters = split_k_buffers(out, split, num_tiles, pitch)
-    use_pdl = pdl.active(x.device)
     _gemv_kernel[(num_tiles, split)](
         x,
         weight,
@@ -213,9 +212,8 @@ def gemv(
         HAS_BIAS=bias is not None,
         EVEN_K=k % k_per_split == 0,
         GATED=False,
-        USE_PDL=use_pdl,
         num_warps=warps,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(x.device),
     )
     return out
 
@@ -241,7 +239,6 @@ def gemv_silu_mul(
     if k > block_k or (split or split_k(2 * num_tiles, k, 2 * block_k, _TARGET_PROGRAMS)) > 1:
         return silu_mul(gemv(x, weight, config=config))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    use_pdl = pdl.active(x.device)
     _gemv_kernel[(num_tiles, 1)](
         x,
         weight,
@@ -264,8 +261,7 @@ def gemv_silu_mul(
         HAS_BIAS=False,
         EVEN_K=k % block_k == 0,
         GATED=True,
-        USE_PDL=use_pdl,
         num_warps=warps,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(x.device),
     )
     return out

@@ -882,7 +882,6 @@ def paged_attention(
         grid: tuple[int, ...] = (min(config.persistent_programs, num_seqs * num_kv_heads * num_segments),)
     else:
         grid = (num_q_blocks, num_kv_heads, num_segments)
-    use_pdl = pdl.active(query.device)
     _paged_attention_kernel[grid](
         out,
         seg_out,
@@ -930,10 +929,9 @@ def paged_attention(
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
         SOFTCAP=softcap is not None,
-        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(query.device),
     )
     if num_segments > 1:
         reduce_segments(out, seg_out, seg_max, seg_sum)

@@ -43,8 +43,15 @@ def active(device: torch.device) -> bool:
 
 
 def launch_options(on: bool) -> dict[str, Any]:
-    """Keyword arguments of a kernel launch (none when off: the interpreter takes no launch_pdl)."""
-    return {"launch_pdl": True} if on else {}
+    """A PDL kernel's launch keywords: its USE_PDL constexpr and, when on, `launch_pdl`, always together (the
+    contract needs the wait whenever the launch lets the kernel start early; the interpreter takes no
+    launch_pdl)."""
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+def launch(device: torch.device) -> dict[str, Any]:
+    """`launch_options` for a launch on `device` now (`active`)."""
+    return launch_options(active(device))
 
 
 @triton.jit

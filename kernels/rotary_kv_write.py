@@ -140,7 +140,6 @@ def rotary_write_kv_cache(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     half = rotary_dim // 2
     num_elements = next_power_of_2(num_heads) * next_power_of_2(head_dim)
-    use_pdl = pdl.active(query.device)
     _rotary_kv_write_kernel[(num_tokens,)](
         query,
         key,
@@ -173,8 +172,7 @@ def rotary_write_kv_cache(
         HALF_PADDED=next_power_of_2(half),
         BLOCK_SIZE=block_size_of(kv_cache),
         num_warps=4 if num_elements >= 2048 else 1 if num_elements <= 256 else 2,
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(query.device),
     )
 
 

@@ -49,7 +49,6 @@ def silu_mul(
     if num_tokens == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(intermediate))
-    use_pdl = pdl.active(gate_up.device)
     _silu_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
         gate_up,
         out,
@@ -58,7 +57,6 @@ def silu_mul(
         INTERMEDIATE=intermediate,
         BLOCK=block,
         num_warps=4,
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(gate_up.device),
     )
     return out

@@ -53,7 +53,6 @@ def reduce_segments(
     num_tokens, num_heads, head_dim = out.shape
     num_segments, head_dim_padded = seg_out.shape[2], seg_out.shape[3]
     assert out.stride(2) == 1 and seg_out.is_contiguous() and seg_max.is_contiguous()
-    use_pdl = pdl.active(out.device)
     _reduce_segments_kernel[(num_tokens, num_heads)](
         out,
         seg_out,
@@ -66,7 +65,6 @@ def reduce_segments(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         num_warps=1 if head_dim_padded <= 64 else 2,
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(out.device),
     )
     return out

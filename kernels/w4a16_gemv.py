@@ -411,7 +411,6 @@ def w4a16_gemv(
     split = split or split_k(num_tiles, k, TILE_ROWS, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
     partial, counters = split_k_buffers(out, split, num_tiles)
-    use_pdl = pdl.active(x.device)
     _w4a16_gemv_kernel[(num_tiles, split)](
         x,
         qweight,
@@ -439,7 +438,6 @@ def w4a16_gemv(
         ROWS=GEMV_ROWS,
         PREFETCH=(PREFETCH if prefetch is None else prefetch) and m == 1,
         num_warps=warps,
-        USE_PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch(x.device),
     )
     return out

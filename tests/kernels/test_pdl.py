@@ -57,9 +57,11 @@ def pdl_on() -> Iterator[None]:
 
 def test_pdl_is_for_cuda_launches_only(pdl_on: None) -> None:
     assert not pdl.active(torch.device("cpu"))  # the interpreter never launches with it
-    assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+    assert pdl.launch(torch.device("cpu")) == {"USE_PDL": False}  # no launch_pdl keyword for the interpreter
+    assert pdl.launch_options(True) == {"USE_PDL": True, "launch_pdl": True}  # the wait goes with the launch
     launch_config.set_pdl(False)
     assert not pdl.active(torch.device("cuda", 0))  # off: no device query at all
+    assert pdl.launch(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
 def test_the_gemv_streams_its_first_weights_before_it_waits() -> None:
