@@ -33,6 +33,17 @@ config_dir() {  # shape -> a config-only model directory (with SmolLM2's tokeniz
   echo "$dir"
 }
 
+tp_variant() {  # tp, tag, requests, bench.tensor_parallel flags...: 8B at TP=tp into $OUT/tp$tp-$tag (and its .log),
+               # comparing with the TP=1 run of the same tag when there was one
+  local tp=$1 tag=$2 n=$3; shift 3
+  local dir="tp$tp-$tag"
+  mkdir -p "$WORK/$dir" && cp "$WORK/tp1-$tag/8b-tp1.json" "$WORK/$dir/" 2> /dev/null
+  timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" "$@" \
+    --work-dir "$WORK/$dir" --out-dir "$OUT/$dir" > "$OUT/$dir.log" 2>&1
+  echo "$dir rc=$?"
+  grep -E "^\| 8b-" "$OUT/$dir.log" | tail -n 2
+}
+
 serve_and_bench() {  # model dir, name, serve flags..., then bench.serve flags after "--"
   local dir=$1 name=$2; shift 2
   local serve_args=() bench_args=()
@@ -134,11 +145,7 @@ case "${PART:-tp8b}" in
     n=${NUM_REQUESTS:-256}
     for tp in $sizes; do
       for rows in ${GEMV_ROWS:-0 1}; do
-        mkdir -p "$WORK/tp$tp-gemv$rows" && cp "$WORK/tp1-gemv$rows/8b-tp1.json" "$WORK/tp$tp-gemv$rows/" 2> /dev/null
-        timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" --gemv-max-rows "$rows" \
-          --work-dir "$WORK/tp$tp-gemv$rows" --out-dir "$OUT/tp$tp-gemv$rows" > "$OUT/tp$tp-gemv$rows.log" 2>&1
-        echo "tp$tp gemv_max_rows=$rows rc=$?"
-        grep -E "^\| 8b-" "$OUT/tp$tp-gemv$rows.log" | tail -n 2
+        tp_variant "$tp" "gemv$rows" "$n" --gemv-max-rows "$rows"
       done
       if [[ ${PROFILE:-1} == 1 ]]; then
         timeout 150 python3 -m bench model_shapes --models llama-3.1-8b --tensor-parallel-size "$tp" --batches 1 \
@@ -166,11 +173,7 @@ case "${PART:-tp8b}" in
     n=${NUM_REQUESTS:-64}
     for tp in $sizes; do
       for p in ${PDL_VALUES:-0 1}; do
-        mkdir -p "$WORK/tp$tp-pdl$p" && cp "$WORK/tp1-pdl$p/8b-tp1.json" "$WORK/tp$tp-pdl$p/" 2> /dev/null
-        timeout 200 python3 -m bench.tensor_parallel --phases "8b-tp$tp" --num-requests "$n" --pdl "$p" \
-          --work-dir "$WORK/tp$tp-pdl$p" --out-dir "$OUT/tp$tp-pdl$p" > "$OUT/tp$tp-pdl$p.log" 2>&1
-        echo "tp$tp pdl=$p rc=$?"
-        grep -E "^\| 8b-" "$OUT/tp$tp-pdl$p.log" | tail -n 2
+        tp_variant "$tp" "pdl$p" "$n" --pdl "$p"
       done
     done
     if [[ ${QUANT:-0} == 1 ]]; then
