@@ -78,6 +78,42 @@ def _accumulate_gated(w_gate, w_up, x_ptr, ks, k_end, M, stride_xm, acc_gate, ac
 
 
 @triton.jit
+def _load_tiles(w_rows, up_rows, ks, k_end, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """This step's weight tile and, GATED, its up rows' tile (else the same tile again, unused)."""
+    w = _load_w(w_rows, ks, k_end, EVEN_K)
+    if GATED:
+        return w, _load_w(up_rows, ks, k_end, EVEN_K)
+    return w, w
+
+
+@triton.jit
+def _add_tiles(
+    w,
+    w_up,
+    x_ptr,
+    ks,
+    k_end,
+    M,
+    stride_xm,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """`_accumulate`, or GATED `_accumulate_gated` into acc0 (gate) and acc1 (up)."""
+    if GATED:
+        acc0, acc1 = _accumulate_gated(w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, BLOCK_N)
+    else:
+        acc0, acc1, acc2, acc3 = _accumulate(
+            w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
+        )
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K], rows contiguous
@@ -121,27 +157,18 @@ def _gemv_kernel(
     loop_start = k_start
     if USE_PDL:  # the first weight tile streams in while the kernel before ends (weights: pdl.py's contract)
         ks = k_start + offs_k
-        w = _load_w(w_rows, ks, k_end, EVEN_K)
-        if GATED:
-            w_up = _load_w(up_rows, ks, k_end, EVEN_K)
-            prologue(USE_PDL)
-            acc0, acc1 = _accumulate_gated(w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, BLOCK_N)
-        else:
-            prologue(USE_PDL)
-            acc0, acc1, acc2, acc3 = _accumulate(
-                w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
-            )
+        w, w_up = _load_tiles(w_rows, up_rows, ks, k_end, EVEN_K, GATED)
+        prologue(USE_PDL)
+        acc0, acc1, acc2, acc3 = _add_tiles(
+            w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N, GATED
+        )
         loop_start = k_start + BLOCK_K
     for k0 in range(loop_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        w = _load_w(w_rows, ks, k_end, EVEN_K)
-        if GATED:
-            w_up = _load_w(up_rows, ks, k_end, EVEN_K)
-            acc0, acc1 = _accumulate_gated(w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, BLOCK_N)
-        else:
-            acc0, acc1, acc2, acc3 = _accumulate(
-                w, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N
-            )
+        w, w_up = _load_tiles(w_rows, up_rows, ks, k_end, EVEN_K, GATED)
+        acc0, acc1, acc2, acc3 = _add_tiles(
+            w, w_up, x_ptr, ks, k_end, M, stride_xm, acc0, acc1, acc2, acc3, BLOCK_M, BLOCK_N, GATED
+        )
     offs_m = tl.arange(0, BLOCK_M)
     y = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if GATED:  # rounded to the output dtype first, as gate_up is before kernels/silu_mul.py: the same bits
