@@ -12,6 +12,8 @@
 #   SHAPE=llama-3.1-8b SWEEP=1,8,64,256 SERVE_ARGS="--workers 4" ...
 #   PHASES=model,offline ... then PHASES=served ...  # split a run over two commands (model kept in build/)
 #   PYSPY=12 ...           # py-spy samples (collapsed stacks) of every server process for 12 s of the client run
+#   PROFILE_STEPS=1 ...    # step phases, offline (its JSON) and served (the engine logs them at exit: server log)
+#   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
@@ -73,6 +75,7 @@ WORKLOAD=(--model "$NAME" --tokenizer "$MODEL_DIR" --num-prompts "$NUM_PROMPTS" 
           --output-len "$OUTPUT_LEN" --single-stream "$SINGLE" --device-label "$GPU" --result-dir "$OUT")
 if has_phase offline; then
   # shellcheck disable=SC2086
+  [[ -n "${PROFILE_STEPS:-}" ]] && OFFLINE_ARGS="$OFFLINE_ARGS --offline-profile-steps"
   python3 -m bench.serve "${WORKLOAD[@]}" $OFFLINE_ARGS --offline-only --offline-model-dir "$MODEL_DIR" \
     --offline-device "$DEVICE" --offline-max-model-len "$MAX_MODEL_LEN" --result-name "serve_${SHAPE}_${TAG}_offline" \
     2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
@@ -80,6 +83,7 @@ if has_phase offline; then
 fi
 has_phase served || exit 0
 
+[[ -n "${PROFILE_STEPS:-}" ]] && export PAGEDSERVE_PROFILE_STEPS=1
 # shellcheck disable=SC2086  # SERVE_ARGS holds several flags
 python3 -m pagedserve.services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --max-model-len "$MAX_MODEL_LEN" --device "$DEVICE" $SERVE_ARGS > "$OUT/server_${SHAPE}_${TAG}.log" 2>&1 &
@@ -118,3 +122,10 @@ fi
 python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
   --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" \
   --result-name "serve_${SHAPE}_${TAG}" 2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
+if [[ -n "${TIMELINE:-}" ]]; then
+  REDIS_URL=$(grep -o 'redis://[^ ]*' "$OUT/server_${SHAPE}_${TAG}.log" | head -1)
+  python3 -m bench.stream_timeline --redis-url "$REDIS_URL" --model "$NAME" --json "$OUT/stream_timeline_${SHAPE}_${TAG}.json" \
+    2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
+fi
+stop_server
+grep -h "step profile" "$OUT/server_${SHAPE}_${TAG}.log" | tee -a "$OUT/serve_${SHAPE}_${TAG}.log" || true

@@ -120,16 +120,7 @@ def serve(config: Config, models: list[str | None]) -> None:
     if len(models) > 1 and config.model.served_model_name:
         raise SystemExit("pagedserve: --served-model-name names one model; serve several under their own names")
     warn_if_open(config)
-    me = [sys.executable, "-m", "pagedserve"]
-    commands: list[tuple[list[str], dict[str, str]]] = []  # (command line, environment)
-    for model in models:
-        model_config = config.replace(model=model)
-        commands.append(([*me, "tokenizer"], child_env(model_config)))
-        for replica_config, replica_env in engine_replicas(model_config):
-            commands.append(([*me, "engine"], {**child_env(replica_config), **replica_env}))
-    gateway_config = config.replace(workers=config.gateway.workers or default_gateway_workers())
-    commands.append(([*me, "gateway"], child_env(gateway_config)))
-    children = [subprocess.Popen(cmd, env=env) for cmd, env in commands]
+    children = [subprocess.Popen(cmd, env=env) for cmd, env in service_commands(config, models)]
     host, port = config.gateway.host, config.gateway.port
     print(
         f"pagedserve: starting on http://{host}:{port}; a line follows once every model has a live "
@@ -170,6 +161,22 @@ def serve(config: Config, models: list[str | None]) -> None:
     failed = [c.args for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     if failed and not stopping:
         sys.exit(f"pagedserve: a service exited unexpectedly: {failed[0]!r}")
+
+
+def service_commands(config: Config, models: list[str | None]) -> list[tuple[list[str], dict[str, str]]]:
+    """(command line, environment) of every process `serve` starts: per model its tokenizers and engine
+    replicas, then the gateway (last: it is stopped first)."""
+    me = [sys.executable, "-m", "pagedserve"]
+    commands: list[tuple[list[str], dict[str, str]]] = []
+    num_gateways = config.gateway.workers or default_gateway_workers()
+    num_tokenizers = config.tokenizer.tokenizer_workers or max(1, num_gateways // 2)
+    for model in models:
+        model_config = config.replace(model=model)
+        commands += [([*me, "tokenizer"], child_env(model_config))] * num_tokenizers
+        for replica_config, replica_env in engine_replicas(model_config):
+            commands.append(([*me, "engine"], {**child_env(replica_config), **replica_env}))
+    commands.append(([*me, "gateway"], child_env(config.replace(workers=num_gateways))))
+    return commands
 
 
 def engine_replicas(config: Config) -> list[tuple[Config, dict[str, str]]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 # apply_chat_template's own parameters (and this module's), never taken from a request.
 _FIXED_KWARGS = frozenset(
@@ -88,6 +88,10 @@ def text_prompt_ids(tokenizer: Any, prompt: str | list[int], add_special_tokens:
 
 def first_out_of_vocab(token_ids: Iterable[object], vocab_size: int) -> object | None:
     """The first id that is not an int in [0, vocab_size), or None when all are."""
+    if isinstance(token_ids, list) and token_ids and set(map(type, token_ids)) == {int}:
+        ints = cast(list[int], token_ids)
+        if min(ints) >= 0 and max(ints) < vocab_size:
+            return None  # a prompt's ids checked in C, not a Python loop
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             return t

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.services.cli import engine_replicas, parse_config
+from pagedserve.services.cli import engine_replicas, parse_config, service_commands
 
 
 def _replicas(*flags: str) -> list[tuple[str, dict[str, str]]]:
@@ -39,3 +39,17 @@ def test_data_parallel_size_starts_that_many_replicas() -> None:
         _replicas("--device", "cuda", "-dp", "2")
     with pytest.raises(SystemExit):  # --gpus makes two replicas, not four
         _replicas("--gpus", "0,1", "-dp", "4")
+
+
+def _services(*flags: str, models: tuple[str | None, ...] = (None,)) -> list[str]:
+    _, config = parse_config(["serve", *flags])
+    return [command[-1] for command, _ in service_commands(config, list(models))]
+
+
+def test_serve_starts_half_as_many_tokenizers_as_gateway_workers_per_model() -> None:
+    assert _services("--workers", "4") == ["tokenizer", "tokenizer", "engine", "gateway"]
+    assert _services("--workers", "1") == ["tokenizer", "engine", "gateway"]
+    assert _services("--workers", "2", "--tokenizer-workers", "3", models=("a", "b")) == [
+        *("tokenizer", "tokenizer", "tokenizer", "engine") * 2,
+        "gateway",
+    ]

@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     offline.add_argument("--offline-shape", default=None, help="random bf16 weights of a bench/throughput.py shape")
     offline.add_argument("--offline-device", default=None, help="default cuda when available")
     offline.add_argument("--offline-dtype", default="auto")
+    offline.add_argument(
+        "--offline-profile-steps",
+        action="store_true",
+        help="time the offline engine's step phases (its JSON gets them; adds CUDA events to every step)",
+    )
     offline.add_argument("--offline-max-num-seqs", type=int, default=256)
     offline.add_argument("--offline-max-num-batched-tokens", type=int, default=8192)
     offline.add_argument("--offline-max-model-len", type=int, default=2048)

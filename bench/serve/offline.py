@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 from typing import Any
 
@@ -49,7 +50,11 @@ def build_engine(args: argparse.Namespace) -> Any:
     else:
         model_dir = resolve_model_dir(args.offline_model_dir or args.tokenizer or args.model)
     config = throughput.engine_config(
-        model_dir, settings, device=args.offline_device, dtype=args.offline_dtype, profile_steps=False
+        model_dir,
+        settings,
+        device=args.offline_device,
+        dtype=args.offline_dtype,
+        profile_steps=getattr(args, "offline_profile_steps", False),
     )
     return Engine(config, model=model)
 
@@ -115,8 +120,12 @@ def run_offline(args: argparse.Namespace, main: list[BenchRequest], single: list
         "startup_s": round(startup, 1),
         "model": args.offline_shape or args.offline_model_dir or args.tokenizer or args.model,
     }
+    engine.profile.reset()
     out["throughput"] = run_throughput(engine, main, device)
     print(f"offline: {out['throughput']}", flush=True)
+    if engine.profile.enabled:  # the served engine logs the same table at exit (PAGEDSERVE_PROFILE_STEPS=1)
+        out["step_profile"] = engine.profile.summary()
+        print(f"offline step profile: {json.dumps(out['step_profile'])}", flush=True)
     engine.kv_cache.reset_prefix_cache()  # the single-stream prompts must not hit the cache either
     if single:
         out["single"] = run_single(engine, single, device)

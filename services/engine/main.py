@@ -15,6 +15,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.metrics import EngineMetrics
 from pagedserve.services.engine.service import EngineService
 from pagedserve.shared.config import Config
+from pagedserve.shared.heap import freeze_startup_heap
 from pagedserve.shared.ids import new_id
 from pagedserve.shared.model_source import model_name_for
 from pagedserve.shared.ops_http import serve_ops
@@ -58,6 +59,7 @@ def main(config: Config) -> None:
     log.info("engine settings: %s", json.dumps({s: dataclasses.asdict(getattr(config, s)) for s in ENGINE_SECTIONS}))
     service = EngineService(config, model, engine, model_source=config.model.model, metrics=metrics)
     services.append(service)
+    freeze_startup_heap()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.serve()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import queue
 import sys
@@ -45,6 +46,7 @@ from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.metrics import EngineMetrics
 from pagedserve.services.engine.request_trace import RequestTrace, StreamRead
 from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.step_profile import LoopProfile
 from pagedserve.shared import kv_blocks, streams, telemetry
 from pagedserve.shared.config import Config
 from pagedserve.shared.generation_defaults import fill_sampling, read_generation_defaults
@@ -192,6 +194,7 @@ class EngineService:
         self._last_load: tuple[int, int, int] | None = None  # (running, waiting, used blocks) last published
         self._last_kv_event = 0.0  # monotonic time of the last KV event
         self.lora = LoRAControl(engine)
+        self.loop_profile = LoopProfile(enabled=engine.profile.enabled)
 
     # ── compute side ──────────────────────────────────────────────────────────────────────────
     def serve(self) -> None:
@@ -206,24 +209,36 @@ class EngineService:
         self._io_thread.start()
         self._io_ready.wait()
         log.info("engine %s serving %s", self.settings.engine_id, self.model)
+        profile = self.loop_profile
         while not self._is_done():
-            self._drain_inbox(block=not self.engine.has_unfinished())
+            is_idle = not self.engine.has_unfinished()
+            profile.start()
+            self._drain_inbox(block=is_idle)
+            profile.mark("idle" if is_idle else "inbox")
             if self.engine.has_unfinished():
+                profile.num_steps += 1
                 try:
                     started = time.perf_counter()
                     outputs = self.engine.step()
                     step_seconds = time.perf_counter() - started
+                    profile.mark("step")
                     self._track_admissions()
                     self._publish_step(outputs)
                     if self.metrics is not None:
                         self.metrics.observe_step(step_seconds, self.engine.stats())
+                    profile.mark("publish")
                 except Exception:  # a bug must not take every request of this replica down with it
                     log.exception("engine step failed; ending the running requests with an error")
                     self._fail_active("internal engine error")
             self._update_room()
             self._publish_kv_events()
+            profile.mark("room")
         self._send(_Close())
         self._io_thread.join(timeout=5)
+        if profile.enabled:
+            profile.note_thread_cpu("compute")
+            summary = {"steps": self.engine.profile.summary(), "loop": profile.summary()}
+            log.info("engine %s step profile: %s", self.settings.engine_id, json.dumps(summary))
 
     def stop(self) -> None:
         """Begin draining; a second call stops at once."""
@@ -470,6 +485,7 @@ class EngineService:
         try:
             await self._write_outputs(redis, reader)
         finally:
+            self.loop_profile.note_thread_cpu("io")
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

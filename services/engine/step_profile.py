@@ -99,3 +99,40 @@ class StepProfile:
                 "gpu_ms": gpu,
             }
         return out
+
+
+@dataclass(slots=True)
+class LoopProfile:
+    """The engine service's loop around `Engine.step` (off unless steps are profiled): what a served step costs
+    the compute thread besides the step itself, and the CPU each of the service's two threads used.
+
+        inbox    taking new requests and aborts from the I/O thread (never counting an idle wait)
+        step     Engine.step (its own phases: StepProfile)
+        publish  the step's tokens grouped per gateway and handed to the I/O thread, metrics
+        room     load snapshot, how many requests to read next, KV events
+    """
+
+    enabled: bool = False
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    num_steps: int = 0
+    thread_cpu_s: dict[str, float] = field(default_factory=dict)  # thread name -> CPU seconds, at the end
+    _last: float = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.enabled:
+            now = time.perf_counter()
+            self.seconds[phase] += now - self._last
+            self._last = now
+
+    def note_thread_cpu(self, name: str) -> None:
+        """Called on the thread itself as it ends."""
+        if self.enabled:
+            self.thread_cpu_s[name] = round(time.thread_time(), 3)
+
+    def summary(self) -> dict[str, Any]:
+        per_step = {p: round(s * 1e3 / max(self.num_steps, 1), 3) for p, s in self.seconds.items()}
+        return {"steps": self.num_steps, "ms_per_step": per_step, "thread_cpu_s": dict(self.thread_cpu_s)}

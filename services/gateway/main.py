@@ -32,6 +32,7 @@ from pagedserve.services.gateway.app import build_app
 from pagedserve.services.gateway.drain import DrainingServer
 from pagedserve.services.gateway.worker_readiness import WorkerReadiness
 from pagedserve.shared.config import Config
+from pagedserve.shared.heap import freeze_startup_heap
 from pagedserve.shared.ids import new_id
 from pagedserve.shared.telemetry import setup_logging, setup_tracing
 
@@ -55,6 +56,7 @@ def serve(config: Config, workers: WorkerReadiness | None = None) -> None:
     settings = config.gateway
     sock = listening_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
     app = build_app(config, workers)
+    freeze_startup_heap()
     server_config = uvicorn.Config(
         app,
         log_level=settings.uvicorn_log_level,

@@ -11,6 +11,7 @@ from pagedserve.services.tokenizer.processor import PromptProcessor, read_limits
 from pagedserve.services.tokenizer.service import TokenizerService
 from pagedserve.shared.config import Config
 from pagedserve.shared.generation_defaults import read_generation_defaults
+from pagedserve.shared.heap import freeze_startup_heap
 from pagedserve.shared.ids import new_id
 from pagedserve.shared.model_source import model_name_for, resolve_model_dir
 from pagedserve.shared.ops_http import serve_ops
@@ -31,6 +32,7 @@ def main(config: Config) -> None:
     )
     metrics = TokenizerMetrics(model) if settings.metrics_port else None
     service = TokenizerService(config, model, processor, metrics)
+    freeze_startup_heap()
     if metrics is not None:
         serve_ops(settings.metrics_port, metrics.registry, service.is_ready, settings.metrics_host)
 

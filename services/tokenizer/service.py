@@ -175,18 +175,19 @@ class TokenizerService:
         requests = [e.message.request_id for e in entries if isinstance(e.message, ChatRequest | CompletionRequest)]
         given_up = asyncio.ensure_future(streams.aborted_ids(self.redis, self.model, requests))
         try:
-            await asyncio.gather(*(self._handle(entry, given_up) for entry in entries))
+            handled = await asyncio.gather(*(self._handle(entry, given_up) for entry in entries))
         finally:
             if given_up.done() and not given_up.cancelled():
                 given_up.exception()  # retrieved: a failed check was raised to the requests that awaited it
             given_up.cancel()  # done by now, unless a request failed first
+        await self.reader.ack(*handled)  # one round trip for the batch, once every answer is in Redis
 
-    async def _handle(self, entry: streams.Entry, given_up: asyncio.Future[set[str]]) -> None:
+    async def _handle(self, entry: streams.Entry, given_up: asyncio.Future[set[str]]) -> bytes:
+        """Answer one entry; returns its id, to acknowledge."""
         req = entry.message
         if not isinstance(req, ChatRequest | CompletionRequest):
             log.error("unexpected %s on the request stream; skipped", type(req).__name__)
-            await self.reader.ack(entry.entry_id)
-            return
+            return entry.entry_id
         lag = telemetry.record_stream_wait(self.reader.stream, entry.entry_id, req.traceparent)
         operation = telemetry.genai_operation(req)
         attributes = telemetry.genai_request_attributes(operation, req.model, req.sampling, req.max_tokens)
@@ -199,13 +200,12 @@ class TokenizerService:
             outcome = await self._process(req, given_up)
         if outcome == "dropped":
             log.info("request %s was aborted before it was tokenized; dropped", req.request_id)
-            await self.reader.ack(entry.entry_id)
-            return
+            return entry.entry_id
         if self.metrics is not None:
             self.metrics.queue_lag.observe(lag)
             self.metrics.duration.observe(time.perf_counter() - started)
             self.metrics.count(outcome)
-        await self.reader.ack(entry.entry_id)
+        return entry.entry_id
 
     async def _process(self, req: ChatRequest | CompletionRequest, given_up: asyncio.Future[set[str]]) -> str:
         """Answer one request; returns the outcome ("accepted", "rejected" or "error") for the metrics, or
@@ -233,12 +233,18 @@ class TokenizerService:
 
     async def _tokenize(self, req: ChatRequest | CompletionRequest) -> tuple[Accepted, GenerateRequest] | RequestError:
         try:
+            if _is_token_ids(req):  # nothing to tokenize: a thread hop would cost more than the checks
+                return self.processor.process(req)
             return await asyncio.to_thread(self.processor.process, req)
         except Exception:  # a bug, or a malformed message from a foreign producer: answer, keep serving
             log.exception("could not process request %s", req.request_id)
             return RequestError(
                 req.request_id, 500, "internal error while preparing the prompt", type="internal_server_error"
             )
+
+
+def _is_token_ids(req: ChatRequest | CompletionRequest) -> bool:
+    return isinstance(req, CompletionRequest) and req.pooling is None and isinstance(req.prompt, list)
 
 
 async def live_engines(redis: Any, model: str) -> list[EngineHeartbeat]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
 from pagedserve.shared import telemetry
@@ -51,3 +52,32 @@ def test_genai_operation_names_each_kind_of_request() -> None:
 def test_a_stream_entry_id_gives_its_time() -> None:
     assert telemetry.entry_time_ns(b"1700000000123-4") == 1_700_000_000_123_000_000
     assert telemetry.entry_time_ns("5-0") == 5_000_000
+
+
+def test_with_nothing_to_export_spans_are_not_recorded_but_the_trace_id_still_travels(monkeypatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    quiet = telemetry.tracer_provider("tokenizer").get_tracer(__name__)
+    incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    span = quiet.start_span("tokenizer.process", context=telemetry.context_from(incoming))
+    assert not span.is_recording()
+    outgoing = telemetry.traceparent_of(span)
+    assert outgoing is not None and "0af7651916cd43dd8448eb211c80319c" in outgoing
+    assert telemetry.tracer_provider("engine", console=True).get_tracer(__name__).start_span("x").is_recording()
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    assert telemetry.tracer_provider("engine").get_tracer(__name__).start_span("x").is_recording()
+
+
+def test_tracer_is_made_once_per_provider_and_follows_a_new_provider() -> None:
+    original = trace._TRACER_PROVIDER
+    try:
+        first, second = TracerProvider(), TracerProvider()
+        trace._TRACER_PROVIDER = first
+        assert telemetry.tracer("a") is telemetry.tracer("a")
+        assert telemetry.tracer("a") is not telemetry.tracer("b")
+        trace._TRACER_PROVIDER = second
+        tracer = telemetry.tracer("a")
+        assert tracer is telemetry.tracer("a") and tracer is not telemetry._tracers[(first, "a")]
+        assert telemetry._tracers[(second, "a")] is tracer
+    finally:
+        trace._TRACER_PROVIDER = original
