@@ -14,6 +14,8 @@
 #   PYSPY=12 ...           # py-spy samples (collapsed stacks) of every server process for 12 s of the client run
 #   PROFILE_STEPS=1 ...    # step phases, offline (its JSON) and served (the engine logs them at exit: server log)
 #   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
+#   GRAPH_TOKENS=8192 ...  # mixed/prefill steps of up to that many tokens replay CUDA graphs (offline and served)
+#   ENGINE_NICE=-10 ...    # renice the served engine once it is ready (root): is it losing its core to the rest?
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
@@ -76,6 +78,7 @@ WORKLOAD=(--model "$NAME" --tokenizer "$MODEL_DIR" --num-prompts "$NUM_PROMPTS" 
 if has_phase offline; then
   # shellcheck disable=SC2086
   [[ -n "${PROFILE_STEPS:-}" ]] && OFFLINE_ARGS="$OFFLINE_ARGS --offline-profile-steps"
+  [[ -n "${GRAPH_TOKENS:-}" ]] && OFFLINE_ARGS="$OFFLINE_ARGS --offline-cuda-graph-max-tokens $GRAPH_TOKENS"
   python3 -m bench.serve "${WORKLOAD[@]}" $OFFLINE_ARGS --offline-only --offline-model-dir "$MODEL_DIR" \
     --offline-device "$DEVICE" --offline-max-model-len "$MAX_MODEL_LEN" --result-name "serve_${SHAPE}_${TAG}_offline" \
     2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
@@ -84,6 +87,7 @@ fi
 has_phase served || exit 0
 
 [[ -n "${PROFILE_STEPS:-}" ]] && export PAGEDSERVE_PROFILE_STEPS=1
+[[ -n "${GRAPH_TOKENS:-}" ]] && export PAGEDSERVE_CUDA_GRAPH_MAX_TOKENS=$GRAPH_TOKENS
 # shellcheck disable=SC2086  # SERVE_ARGS holds several flags
 python3 -m pagedserve.services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --max-model-len "$MAX_MODEL_LEN" --device "$DEVICE" $SERVE_ARGS > "$OUT/server_${SHAPE}_${TAG}.log" 2>&1 &
@@ -108,10 +112,15 @@ while time.monotonic() < deadline:
 sys.exit("the server was not ready after 600 s")
 EOF
 
+descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
+if [[ -n "${ENGINE_NICE:-}" ]]; then
+  for pid in $(descendants "$SERVER"); do
+    if tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q " engine"; then renice -n "$ENGINE_NICE" -p "$pid"; fi
+  done
+fi
 if [[ -n "${PYSPY:-}" ]] && ! command -v py-spy > /dev/null; then
   python3 -m pip install -q --no-index --find-links "$WHEELS" py-spy
 fi
-descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
 if [[ -n "${PYSPY:-}" ]]; then  # PYSPY=seconds: sample every server process from the start of the client run
   for pid in $(descendants "$SERVER"); do
     tr '\0' ' ' < "/proc/$pid/cmdline" | sed "s/^/$pid /" >> "$OUT/pyspy_processes.txt"; echo >> "$OUT/pyspy_processes.txt"

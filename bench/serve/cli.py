@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     offline.add_argument("--offline-device", default=None, help="default cuda when available")
     offline.add_argument("--offline-dtype", default="auto")
     offline.add_argument(
+        "--offline-cuda-graph-max-tokens",
+        type=int,
+        default=None,
+        help="mixed/prefill steps of up to this many tokens replay CUDA graphs (default: the engine's)",
+    )
+    offline.add_argument(
         "--offline-profile-steps",
         action="store_true",
         help="time the offline engine's step phases (its JSON gets them; adds CUDA events to every step)",

@@ -49,12 +49,15 @@ def build_engine(args: argparse.Namespace) -> Any:
         del hf  # ours holds the same tensors
     else:
         model_dir = resolve_model_dir(args.offline_model_dir or args.tokenizer or args.model)
+    max_tokens = getattr(args, "offline_cuda_graph_max_tokens", None)
+    graph_tokens = {} if max_tokens is None else {"cuda_graph_max_tokens": max_tokens}
     config = throughput.engine_config(
         model_dir,
         settings,
         device=args.offline_device,
         dtype=args.offline_dtype,
         profile_steps=getattr(args, "offline_profile_steps", False),
+        **graph_tokens,
     )
     return Engine(config, model=model)
 
