@@ -11,6 +11,7 @@ import multiprocessing
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from bench.serve.client import ClientConfig, RequestResult, new_session, send
 from bench.serve.datasets import BenchRequest
@@ -36,17 +37,25 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
+_start_together: Any = None  # a client process's barrier: every process has imported and connected
+
+
+def _join(barrier: Any) -> None:
+    global _start_together
+    _start_together = barrier
+
+
 async def _run(
     config: ClientConfig,
     requests: list[BenchRequest],
     offsets: list[float],
     max_concurrency: int | None,
-    start_wall: float,
 ) -> list[RequestResult]:
     limit = max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
     async with new_session(config, max(1, limit)) as session:
-        await asyncio.sleep(max(0.0, start_wall - time.time()))  # processes start together
+        if _start_together is not None:  # processes start together, however long their imports took
+            await asyncio.to_thread(_start_together.wait)
         start = time.perf_counter()
 
         async def one(request: BenchRequest, offset: float) -> RequestResult:
@@ -57,7 +66,7 @@ async def _run(
         return list(await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets))))
 
 
-def _run_in_process(args: tuple[ClientConfig, list[BenchRequest], list[float], int | None, float]) -> list[dict]:
+def _run_in_process(args: tuple[ClientConfig, list[BenchRequest], list[float], int | None]) -> list[dict]:
     return [r.to_dict() for r in asyncio.run(_run(*args))]
 
 
@@ -66,14 +75,16 @@ def run_load(config: ClientConfig, requests: list[BenchRequest], spec: LoadSpec)
     offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
     procs = max(1, min(spec.client_processes, len(requests)))
     if procs == 1:
-        return asyncio.run(_run(config, requests, offsets, spec.max_concurrency, time.time()))
+        return asyncio.run(_run(config, requests, offsets, spec.max_concurrency))
     # Request i goes to process i % procs, keeping its arrival time; the concurrency cap is split.
     cap = spec.max_concurrency
     caps = [None if cap is None else max(1, cap // procs + (p < cap % procs)) for p in range(procs)]
-    start_wall = time.time() + 2.0  # time for the processes to start and connect
-    jobs = [(config, requests[p::procs], offsets[p::procs], caps[p], start_wall) for p in range(procs)]
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        parts = pool.map(_run_in_process, jobs)
+    jobs = [(config, requests[p::procs], offsets[p::procs], caps[p]) for p in range(procs)]
+    # A spawned process imports the benchmark again (torch among it): seconds on a cold machine, more than
+    # any fixed head start. A barrier starts them together once the last one is ready.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(procs, initializer=_join, initargs=(context.Barrier(procs),)) as pool:
+        parts = pool.map(_run_in_process, jobs, chunksize=1)
     results: list[RequestResult] = [RequestResult(0.0, 0, 0)] * len(requests)
     for p, part in enumerate(parts):
         for i, row in zip(range(p, len(requests), procs), part):
