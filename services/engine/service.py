@@ -212,6 +212,8 @@ class EngineService:
         profile = self.loop_profile
         while not self._is_done():
             is_idle = not self.engine.has_unfinished()
+            if is_idle and profile.num_steps:
+                self._log_profile("busy period")  # one line per burst of work: a warm-up apart from a run
             profile.start()
             self._drain_inbox(block=is_idle)
             profile.mark("idle" if is_idle else "inbox")
@@ -235,10 +237,17 @@ class EngineService:
             profile.mark("room")
         self._send(_Close())
         self._io_thread.join(timeout=5)
-        if profile.enabled:
-            profile.note_thread_cpu("compute")
-            summary = {"steps": self.engine.profile.summary(), "loop": profile.summary()}
-            log.info("engine %s step profile: %s", self.settings.engine_id, json.dumps(summary))
+        profile.note_thread_cpu("compute")
+        self._log_profile("exit")
+
+    def _log_profile(self, when: str) -> None:
+        """Log the step and loop profiles (when on) since the last such line, and start them afresh."""
+        if not self.loop_profile.enabled:
+            return
+        summary = {"at": when, "steps": self.engine.profile.summary(), "loop": self.loop_profile.summary()}
+        log.info("engine %s step profile: %s", self.settings.engine_id, json.dumps(summary))
+        self.engine.profile.reset()
+        self.loop_profile.reset()
 
     def stop(self) -> None:
         """Begin draining; a second call stops at once."""

@@ -104,7 +104,8 @@ class StepProfile:
 @dataclass(slots=True)
 class LoopProfile:
     """The engine service's loop around `Engine.step` (off unless steps are profiled): what a served step costs
-    the compute thread besides the step itself, and the CPU each of the service's two threads used.
+    the compute thread besides the step itself, and the CPU each of the service's two threads used (at exit).
+    The service logs both profiles each time it falls idle (one line per busy period) and at exit.
 
         inbox    taking new requests and aborts from the I/O thread (never counting an idle wait)
         step     Engine.step (its own phases: StepProfile)
@@ -132,6 +133,10 @@ class LoopProfile:
         """Called on the thread itself as it ends."""
         if self.enabled:
             self.thread_cpu_s[name] = round(time.thread_time(), 3)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.num_steps = 0
 
     def summary(self) -> dict[str, Any]:
         per_step = {p: round(s * 1e3 / max(self.num_steps, 1), 3) for p, s in self.seconds.items()}
