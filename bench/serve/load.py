@@ -37,6 +37,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
+_START_TIMEOUT_S = 300.0
 _start_together: Any = None  # a client process's barrier: every process has imported and connected
 
 
@@ -55,7 +56,7 @@ async def _run(
     gate = asyncio.Semaphore(limit)
     async with new_session(config, max(1, limit)) as session:
         if _start_together is not None:  # processes start together, however long their imports took
-            await asyncio.to_thread(_start_together.wait)
+            await asyncio.to_thread(_start_together.wait, _START_TIMEOUT_S)  # a process that died: an error, not a hang
         start = time.perf_counter()
 
         async def one(request: BenchRequest, offset: float) -> RequestResult:
