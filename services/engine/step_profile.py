@@ -41,18 +41,11 @@ class GpuMarks:
 
 
 @dataclass(slots=True)
-class StepProfile:
-    """Sums per kind of step ("graph": a decode batch replayed from a CUDA graph, "eager": the rest).
-
-    An engine call with overlap launches step N+1 and finishes step N; its host time goes to the
-    kind of the step it launched (in steady state both have the same kind)."""
+class PhaseClock:
+    """Charges the wall time between marks to named phases (`seconds`); does nothing when not enabled."""
 
     enabled: bool = False
-    num_steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    num_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    host_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
-    gpu_ms: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
-    _current: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _last: float = 0.0
 
     def start(self) -> None:
@@ -60,17 +53,31 @@ class StepProfile:
             self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        """Charge the time since the last mark to `phase` of the current call."""
+        """Charge the time since the last mark (or start) to `phase`."""
         if self.enabled:
             now = time.perf_counter()
-            self._current[phase] += now - self._last
+            self.seconds[phase] += now - self._last
             self._last = now
+
+
+@dataclass(slots=True)
+class StepProfile(PhaseClock):
+    """Sums per kind of step ("graph": a decode batch replayed from a CUDA graph, "eager": the rest).
+    `seconds` holds the current engine call's phases until `end_call` charges them to its kind.
+
+    An engine call with overlap launches step N+1 and finishes step N; its host time goes to the
+    kind of the step it launched (in steady state both have the same kind)."""
+
+    num_steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    num_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    host_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    gpu_ms: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
 
     def end_call(self, kind: str) -> None:
         if self.enabled:
-            for phase, seconds in self._current.items():
+            for phase, seconds in self.seconds.items():
                 self.host_s[kind][phase] += seconds
-            self._current.clear()
+            self.seconds.clear()
 
     def count_step(self, kind: str, num_tokens: int, marks: GpuMarks | None) -> None:
         """A step's results arrived: count it, with its GPU times."""
@@ -82,7 +89,7 @@ class StepProfile:
                     self.gpu_ms[kind][phase] += ms
 
     def reset(self) -> None:
-        for table in (self.num_steps, self.num_tokens, self.host_s, self.gpu_ms, self._current):
+        for table in (self.num_steps, self.num_tokens, self.host_s, self.gpu_ms, self.seconds):
             table.clear()
 
     def summary(self) -> dict[str, Any]:
@@ -102,7 +109,7 @@ class StepProfile:
 
 
 @dataclass(slots=True)
-class LoopProfile:
+class LoopProfile(PhaseClock):
     """The engine service's loop around `Engine.step` (off unless steps are profiled): what a served step costs
     the compute thread besides the step itself, and the CPU each of the service's two threads used (at exit).
     The service logs both profiles each time it falls idle (one line per busy period) and at exit.
@@ -113,21 +120,8 @@ class LoopProfile:
         room     load snapshot, how many requests to read next, KV events
     """
 
-    enabled: bool = False
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     num_steps: int = 0
     thread_cpu_s: dict[str, float] = field(default_factory=dict)  # thread name -> CPU seconds, at the end
-    _last: float = 0.0
-
-    def start(self) -> None:
-        if self.enabled:
-            self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        if self.enabled:
-            now = time.perf_counter()
-            self.seconds[phase] += now - self._last
-            self._last = now
 
     def note_thread_cpu(self, name: str) -> None:
         """Called on the thread itself as it ends."""
