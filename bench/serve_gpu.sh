@@ -12,7 +12,7 @@
 #   SHAPE=llama-3.1-8b SWEEP=1,8,64,256 SERVE_ARGS="--workers 4" ...
 #   PHASES=model,offline ... then PHASES=served ...  # split a run over two commands (model kept in build/)
 #   PYSPY=12 ...           # py-spy samples (collapsed stacks) of every server process for 12 s of the client run
-#   PROFILE_STEPS=1 ...    # step phases, offline (its JSON) and served (the engine logs them at exit: server log)
+#   PROFILE_STEPS=1 ...    # step phases, offline (its JSON) and served (server log: a line per busy period, one at exit)
 #   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
 #   GRAPH_TOKENS=8192 ...  # mixed/prefill steps of up to that many tokens replay CUDA graphs (offline and served)
 #   ENGINE_NICE=-10 ...    # renice the served engine once it is ready (root): is it losing its core to the rest?

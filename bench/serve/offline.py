@@ -49,14 +49,14 @@ def build_engine(args: argparse.Namespace) -> Any:
         del hf  # ours holds the same tensors
     else:
         model_dir = resolve_model_dir(args.offline_model_dir or args.tokenizer or args.model)
-    max_tokens = getattr(args, "offline_cuda_graph_max_tokens", None)
+    max_tokens = args.offline_cuda_graph_max_tokens
     graph_tokens = {} if max_tokens is None else {"cuda_graph_max_tokens": max_tokens}
     config = throughput.engine_config(
         model_dir,
         settings,
         device=args.offline_device,
         dtype=args.offline_dtype,
-        profile_steps=getattr(args, "offline_profile_steps", False),
+        profile_steps=args.offline_profile_steps,
         **graph_tokens,
     )
     return Engine(config, model=model)
@@ -126,7 +126,7 @@ def run_offline(args: argparse.Namespace, main: list[BenchRequest], single: list
     engine.profile.reset()
     out["throughput"] = run_throughput(engine, main, device)
     print(f"offline: {out['throughput']}", flush=True)
-    if engine.profile.enabled:  # the served engine logs the same table at exit (PAGEDSERVE_PROFILE_STEPS=1)
+    if engine.profile.enabled:  # the served engine logs the same table per busy period (PAGEDSERVE_PROFILE_STEPS=1)
         out["step_profile"] = engine.profile.summary()
         print(f"offline step profile: {json.dumps(out['step_profile'])}", flush=True)
     engine.kv_cache.reset_prefix_cache()  # the single-stream prompts must not hit the cache either
