@@ -6,8 +6,9 @@
              + ps:{model}:gen:{engine id} ───┴─(while room)──►  inbox ──► engine.add_request / abort
     XREAD ps:{model}:ctl (aborts, LoRA) ─────►  inbox          │
     heartbeat key + claim refresh                               ▼ engine.step()
-    XADD ps:{gw}:resp + XACK  ◄──────────────── outbox ◄── one TokenDeltas per gateway per step
-    XADD ps:{model}:kv       ◄──────────────── outbox ◄── the prefix blocks cached and evicted (KV events)
+    publisher process (publisher.py):
+    XADD ps:{gw}:resp + XACK  ◄────────────── its stdin ◄── one TokenDeltas per gateway per step
+    XADD ps:{model}:kv       ◄────────────── its stdin ◄── the prefix blocks cached and evicted (KV events)
 
 The shared stream ps:{model}:gen is pulled by every replica; ps:{model}:gen:{engine id} holds what the
 tokenizer's prefix router sent to this replica (services/tokenizer/prefix_router.py). Work left in the
@@ -23,7 +24,6 @@ reminder every few seconds (shared/outage.py), never a line per failed operation
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import queue
@@ -44,6 +44,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.metrics import EngineMetrics
+from pagedserve.services.engine.publisher import Ack, ErrorReply, Outbound, PublisherProcess, StepDeltas, ack_all
 from pagedserve.services.engine.request_trace import RequestTrace, StreamRead
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.step_profile import LoopProfile
@@ -70,9 +71,7 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 _UNAVAILABLE = "service_unavailable_error"
-_MAX_BUFFERED_ITEMS = 50_000  # outputs held through a Redis outage (about a step each), beyond: lost
 _KV_EVENT_INTERVAL_S = 0.02  # at most 50 KV events a second per replica: each one costs every router a read
-_KV_EVENTS_MAXLEN = 10_000  # a router that falls further behind catches up from the next snapshot
 
 
 EntryRef = tuple[str, bytes]  # (stream, entry id): what to XACK once the request ends
@@ -96,34 +95,12 @@ class _Wake:
     """Nothing to do but look at the stop flag."""
 
 
-_Inbound = _Generate | Abort | LoRAUpdate | _Lost | _Wake
-
-
-# ...and what the compute loop hands the I/O thread (the outbox), in order.
 @dataclass(slots=True, frozen=True)
-class _StepDeltas:
-    by_gateway: dict[str, TokenDeltas]
-    finished: list[EntryRef]
+class _PublisherGone:
+    """The publisher process died: what it held may be lost."""
 
 
-@dataclass(slots=True, frozen=True)
-class _Error:
-    reply_to: str
-    error: RequestError
-    entry: EntryRef | None  # acknowledged with the error, when the request came from a stream
-
-
-@dataclass(slots=True, frozen=True)
-class _Ack:
-    entry: EntryRef
-
-
-@dataclass(slots=True, frozen=True)
-class _Close:
-    """The compute loop is done: send what is buffered, then stop."""
-
-
-_Outbound = _StepDeltas | _Error | _Ack | KVEvents | _Close
+_Inbound = _Generate | Abort | LoRAUpdate | _Lost | _Wake | _PublisherGone
 
 
 @dataclass(slots=True)
@@ -153,6 +130,7 @@ class EngineService:
     def __init__(
         self, config: Config, model: str, engine: Engine, model_source: str | None, metrics: EngineMetrics | None = None
     ) -> None:
+        self.config = config
         self.settings = config.engine
         self.routing = config.routing
         self.model, self.engine = model, engine
@@ -172,12 +150,12 @@ class EngineService:
         self.num_requests_finished = 0
         self.last_stats = engine.stats()
         self.redis_ok = False  # the last heartbeat reached Redis
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[_Outbound] | None = None
+        self.publisher: PublisherProcess | None = None  # started by serve()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the I/O thread's
+        self._io_done: asyncio.Event | None = None  # set by serve() when it ends: the I/O thread stops
         self._io_ready = threading.Event()
         self._io_thread = threading.Thread(target=self._run_io, name="engine-redis-io", daemon=True)
         self.outage = OutageLog(log)  # I/O thread only
-        self._lost: OrderedDict[str, None] = OrderedDict()  # I/O thread only: requests whose tokens were lost
         self.shared_stream = streams.generate_stream(model)
         self.own_stream = streams.engine_stream(model, self.settings.engine_id)
         self._orphan_readers: dict[str, streams.GroupReader] = {}  # I/O thread only: dead replicas' streams
@@ -206,6 +184,7 @@ class EngineService:
         # The I/O thread must not wait out the default 5 ms GIL switch interval while this loop runs
         # Python between kernels: that wait would be added to every request's first token.
         sys.setswitchinterval(0.0005)
+        self._start_publisher()
         self._io_thread.start()
         self._io_ready.wait()
         log.info("engine %s serving %s", self.settings.engine_id, self.model)
@@ -235,7 +214,9 @@ class EngineService:
             self._update_room()
             self._publish_kv_events()
             profile.mark("room")
-        self._send(_Close())
+        assert self.publisher is not None and self._loop is not None and self._io_done is not None
+        self.publisher.close(timeout=5)  # the drain's last tokens and XACKs, before the heartbeat goes
+        self._loop.call_soon_threadsafe(self._io_done.set)
         self._io_thread.join(timeout=5)
         profile.note_thread_cpu("compute")
         self._log_profile("exit")
@@ -279,6 +260,8 @@ class EngineService:
                     self.lora.apply(item)
                 case _Lost(requests):
                     self._fail_lost(requests)
+                case _PublisherGone():
+                    self._replace_publisher()
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -305,7 +288,7 @@ class EngineService:
         """Hand the request to the engine; False if it was not taken (a duplicate, or answered with an error)."""
         if req.request_id in self.active or req.request_id in self.recent:
             if req.request_id not in self.active:
-                self._send(_Ack(entry))  # finished, aborted, or a redelivered duplicate
+                self._send(Ack(entry))  # finished, aborted, or a redelivered duplicate
             return False
         try:
             if req.pooling is not None:  # /v1/embeddings: a forward pass, no sampling parameters
@@ -322,13 +305,13 @@ class EngineService:
         except UnknownAdapterError:  # unloaded after the gateway looked, or never loaded here
             message = f"The model '{req.lora_name}' does not exist"
             error = RequestError(req.request_id, 404, message, param="model", code="model_not_found")
-            self._send(_Error(req.reply_to, error, entry))
+            self._send(ErrorReply(req.reply_to, error, entry))
             return False
         except (TypeError, ValueError) as exc:
             param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
             what = "invalid input" if req.pooling is not None else "invalid sampling parameters"
             error = RequestError(req.request_id, 400, f"{what}: {exc}", param=param)
-            self._send(_Error(req.reply_to, error, entry))
+            self._send(ErrorReply(req.reply_to, error, entry))
             return False
         trace = RequestTrace(req, self.settings.engine_id, read)
         num_choices = params.n if resumed is None else len(resumed)
@@ -382,7 +365,7 @@ class EngineService:
                     del self.active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
-            self._send(_StepDeltas(dict(by_gateway), finished_entries))
+            self._send(StepDeltas(dict(by_gateway), finished_entries))
         for state, finish_reason in ended:
             state.trace.finish(finish_reason, state.num_output_tokens, state.num_cached_tokens)
 
@@ -396,7 +379,7 @@ class EngineService:
             state = self.active.pop(request_id)
             self._queued.pop(request_id, None)
             error = RequestError(request_id, status, message, type=error_type)
-            self._send(_Error(state.reply_to, error, state.entry))
+            self._send(ErrorReply(state.reply_to, error, state.entry))
             state.trace.fail(message)
             self._remember(request_id)
 
@@ -407,7 +390,7 @@ class EngineService:
         self._fail(active, 503, message, _UNAVAILABLE)
         for rid, reply_to in lost:  # finished in the very step whose tokens were lost: tell the gateway too
             if rid not in active:
-                self._send(_Error(reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None))
+                self._send(ErrorReply(reply_to, RequestError(rid, 503, message, type=_UNAVAILABLE), None))
 
     def _publish_kv_events(self) -> None:
         """What the prefix cache gained and lost since the last event, and the load, as one KV event when
@@ -460,9 +443,29 @@ class EngineService:
         else:
             self.has_room.clear()
 
-    def _send(self, item: _Outbound) -> None:
-        assert self._loop is not None and self._outbox is not None
-        self._loop.call_soon_threadsafe(self._outbox.put_nowait, item)
+    def _send(self, item: Outbound) -> None:
+        assert self.publisher is not None
+        self.publisher.send(item)
+
+    def _start_publisher(self) -> None:
+        self.publisher = PublisherProcess(self.config, self.model, self._on_publisher_notice)
+
+    def _on_publisher_notice(self, notice: list[Any]) -> None:
+        """From the publisher's notice thread."""
+        match notice:
+            case ["lost", pairs]:
+                self.inbox.put(_Lost([(rid, gateway) for rid, gateway in pairs]))
+            case ["recovered"]:
+                self._snapshot_due = 0.0  # Redis may have restarted empty: routers rebuild from a snapshot
+            case ["gone"]:
+                self.inbox.put(_PublisherGone())
+
+    def _replace_publisher(self) -> None:
+        """Start a new publisher; the running requests end with an error (the old one may have lost tokens of
+        theirs: better an error than a stream with a gap)."""
+        self._start_publisher()
+        message = "tokens of this request were lost: the engine's publisher died"
+        self._fail(list(self.active), 503, message, _UNAVAILABLE)
 
     # ── I/O side (its own thread and event loop) ─────────────────────────────────────────────
     def _run_io(self) -> None:
@@ -470,7 +473,7 @@ class EngineService:
 
     async def _io_main(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._outbox = asyncio.Queue()
+        self._io_done = asyncio.Event()
         redis = streams.connect(self.routing.url)
         reader = streams.GroupReader(
             redis,
@@ -492,7 +495,7 @@ class EngineService:
             asyncio.create_task(self._heartbeat(redis, reader)),
         ]
         try:
-            await self._write_outputs(redis, reader)
+            await self._io_done.wait()
         finally:
             self.loop_profile.note_thread_cpu("io")
             for task in tasks:
@@ -599,7 +602,7 @@ class EngineService:
 
     async def _ack(self, redis: Any, group: str, entry: streams.Entry) -> None:
         pipe = redis.pipeline(transaction=False)
-        _ack_all(pipe, group, [(entry.stream, entry.entry_id)], self.shared_stream)
+        ack_all(pipe, group, [(entry.stream, entry.entry_id)], self.shared_stream)
         await pipe.execute()
 
     async def _read_aborts(self, redis: Any) -> None:
@@ -711,105 +714,9 @@ class EngineService:
             log.warning("gateway %s is gone: stopping its %d requests", gateway, len(request_ids))
             self.inbox.put(Abort(request_ids, reason="gateway gone"))
 
-    async def _write_outputs(self, redis: Any, reader: streams.GroupReader) -> None:
-        """Everything the compute loop sent since the last round trip goes out as one pipeline:
-        each step's TokenDeltas (one per gateway) and errors in order, then the XACKs of what ended.
-
-        While Redis is away, what could not be sent stays buffered, in order, and goes out once it is
-        back (gateways drop a delta they already have): an outage shorter than redis_outage_grace_s
-        loses no token. Past the grace, or past _MAX_BUFFERED_ITEMS, the buffered tokens are lost and
-        their requests end with an error, as before the grace existed."""
-        assert self._outbox is not None
-        buffered: list[_Outbound] = []  # items whose round trip failed, oldest first
-        down_since: float | None = None
-        backoff = 0.05
-        while True:
-            if buffered:  # retry soon even if the compute loop sends nothing new
-                try:
-                    first = await asyncio.wait_for(self._outbox.get(), backoff)
-                    buffered.append(first)
-                except TimeoutError:
-                    pass
-            else:
-                buffered.append(await self._outbox.get())
-            while not self._outbox.empty():
-                buffered.append(self._outbox.get_nowait())
-            sent_deltas = await self._send_items(redis, reader.group, buffered)
-            is_closing = any(isinstance(item, _Close) for item in buffered)
-            if sent_deltas is None:  # delivered
-                buffered, down_since, backoff = [], None, 0.05
-                if self.outage.recovered():
-                    self._snapshot_due = 0.0
-            else:
-                down_since = down_since or time.monotonic()
-                backoff = min(backoff * 2, 1.0)
-                outage_s = time.monotonic() - down_since
-                if is_closing or outage_s > self.routing.redis_outage_grace_s or len(buffered) > _MAX_BUFFERED_ITEMS:
-                    self._lose([(rid, gw) for gw, deltas in sent_deltas for rid in deltas.request_ids])
-                    buffered = []
-            if is_closing:
-                return
-
-    async def _send_items(self, redis: Any, group: str, items: list[_Outbound]) -> list[tuple[str, TokenDeltas]] | None:
-        """One pipeline for `items`; None once Redis has them, else the deltas that did not go out."""
-        maxlen = self.routing.stream_maxlen
-        pipe = redis.pipeline(transaction=False)
-        acks: list[EntryRef] = []
-        sent_deltas: list[tuple[str, TokenDeltas]] = []
-        for item in items:
-            match item:
-                case _StepDeltas(by_gateway, finished):
-                    for gateway_id, deltas in by_gateway.items():
-                        deltas = _without_requests(deltas, self._lost)
-                        if deltas.request_ids:
-                            _xadd(pipe, streams.response_stream(gateway_id), deltas, maxlen)
-                            sent_deltas.append((gateway_id, deltas))
-                    acks.extend(finished)
-                case _Error(reply_to, error, entry):
-                    _xadd(pipe, streams.response_stream(reply_to), error, maxlen)
-                    if entry is not None:
-                        acks.append(entry)
-                case _Ack(entry):
-                    acks.append(entry)
-                case KVEvents():
-                    _xadd(pipe, streams.kv_events_stream(self.model), item, _KV_EVENTS_MAXLEN)
-        _ack_all(pipe, group, acks, self.shared_stream)
-        try:
-            # an XACK whose group a restarted Redis no longer has fails alone; the XADDs still count
-            for result in await pipe.execute(raise_on_error=False):
-                if isinstance(result, ResponseError):
-                    log.debug("an output command failed: %s", result)
-        except _REDIS_ERRORS as exc:
-            self.outage.failed(f"publishing {len(items)} outputs", exc)
-            return sent_deltas
-        return None
-
-    def _lose(self, lost: list[tuple[str, str]]) -> None:
-        """(request id, gateway) pairs whose tokens never reached the gateway: send none of their later
-        tokens (the client would see a gap) and have the compute thread end them with an error."""
-        new = [(rid, gw) for rid, gw in dict.fromkeys(lost) if rid not in self._lost]
-        for rid, _ in new:
-            self._lost[rid] = None
-        while len(self._lost) > _RECENT_IDS:
-            self._lost.popitem(last=False)
-        if new:
-            self.inbox.put(_Lost(new))
-
     async def _backoff(self, doing: str, exc: BaseException) -> None:
         self.outage.failed(doing, exc)
         await asyncio.sleep(0.5)
-
-
-def _ack_all(pipe: Any, group: str, entries: list[EntryRef], shared_stream: str) -> None:
-    """XACK ended requests; on a replica's own stream also delete them, so the stream of a replica that is
-    gone empties and can be deleted (the shared stream is trimmed by length instead)."""
-    by_stream: dict[str, list[bytes]] = defaultdict(list)
-    for stream, entry_id in entries:
-        by_stream[stream].append(entry_id)
-    for stream, entry_ids in by_stream.items():
-        pipe.xack(stream, group, *entry_ids)
-        if stream != shared_stream:
-            pipe.xdel(stream, *entry_ids)
 
 
 _DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
@@ -817,10 +724,6 @@ _DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('
 
 async def _delete_if_empty(redis: Any, stream: str) -> bool:
     return bool(await redis.eval(_DELETE_IF_EMPTY, 1, stream))
-
-
-def _xadd(pipe: Any, stream: str, msg: Any, maxlen: int) -> None:
-    pipe.xadd(stream, {streams.DATA_FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
 
 
 def _resumed_choices(req: GenerateRequest) -> dict[int, list[int]] | None:
@@ -838,20 +741,6 @@ def _wire_logprobs(logprobs: Any) -> list[Any] | None:
     if logprobs is None:
         return None
     return [[lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
-
-
-def _without_requests(deltas: TokenDeltas, request_ids: OrderedDict[str, None]) -> TokenDeltas:
-    """`deltas` minus the columns of `request_ids`."""
-    num_rows = len(deltas.request_ids)
-    keep = [i for i, rid in enumerate(deltas.request_ids) if rid not in request_ids]
-    if len(keep) == num_rows:
-        return deltas
-    columns: dict[str, Any] = {  # an optional column a sender left empty stays empty
-        f.name: [getattr(deltas, f.name)[i] for i in keep]
-        for f in dataclasses.fields(deltas)
-        if isinstance(getattr(deltas, f.name), list) and len(getattr(deltas, f.name)) == num_rows
-    }
-    return dataclasses.replace(deltas, **columns)
 
 
 def _wire_prompt_logprobs(logprobs: Any) -> list[Any] | None:

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.models.base import CausalLM
-from pagedserve.services.engine.service import EngineService, _without_requests
+from pagedserve.services.engine.publisher import without_requests
+from pagedserve.services.engine.service import EngineService
 from pagedserve.shared import streams
 from pagedserve.shared.config import Config
 from pagedserve.shared.protocol import GenerateRequest, TokenDeltas
@@ -37,7 +38,7 @@ def deltas() -> TokenDeltas:
 
 
 def test_lost_requests_are_dropped_column_by_column() -> None:
-    kept = _without_requests(deltas(), OrderedDict.fromkeys(["a"]))
+    kept = without_requests(deltas(), OrderedDict.fromkeys(["a"]))
     assert (kept.engine_id, kept.step) == ("eng", 7)
     assert (kept.request_ids, kept.indexes, kept.token_ids, kept.finish_reasons) == (["b"], [0], [[2]], ["length"])
     assert (kept.num_prompt_tokens, kept.num_output_tokens, kept.num_cached_tokens, kept.logprobs) == (
@@ -50,8 +51,8 @@ def test_lost_requests_are_dropped_column_by_column() -> None:
 
 def test_nothing_lost_keeps_the_message() -> None:
     original = deltas()
-    assert _without_requests(original, OrderedDict.fromkeys(["zzz"])) is original
-    assert _without_requests(original, OrderedDict.fromkeys(["a", "b"])).request_ids == []
+    assert without_requests(original, OrderedDict.fromkeys(["zzz"])) is original
+    assert without_requests(original, OrderedDict.fromkeys(["a", "b"])).request_ids == []
 
 
 def test_a_request_whose_tokens_were_lost_ends_with_an_error(tiny_model: CausalLM, tiny_model_dir: Path) -> None:
@@ -109,3 +110,22 @@ def test_a_request_given_up_before_the_engine_took_it_is_stopped(
         if rid == "given-up"
     ]
     assert given_up == [([], "abort")]  # ended, with no token computed for it
+
+
+def test_when_the_publisher_dies_a_new_one_starts_and_running_requests_end_with_an_error(
+    tiny_model: CausalLM, tiny_model_dir: Path
+) -> None:
+    engine = Engine(Config.of(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4), model=tiny_model)
+    service = EngineService(Config.of(engine_id="eng-pub"), "m", engine, model_source=None)
+    sent: list[Any] = []
+    started: list[bool] = []
+    service._send = sent.append  # type: ignore[method-assign,assignment]  # what the publisher gets
+    service._start_publisher = lambda: started.append(True)  # type: ignore[method-assign]
+    params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
+    service._add(b"1-0", GenerateRequest("running", "gw1", "m", [5, 6, 7], params))
+    service._publish_step(engine.step())
+    sent.clear()
+    service._on_publisher_notice(["gone"])  # from its notice thread
+    service._drain_inbox(block=False)
+    assert started == [True] and not service.active
+    assert [(e.reply_to, e.error.request_id, e.error.status) for e in sent] == [("gw1", "running", 503)]
