@@ -16,6 +16,7 @@
 #   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
 #   GRAPH_TOKENS=8192 ...  # mixed/prefill steps of up to that many tokens replay CUDA graphs (offline and served)
 #   ENGINE_NICE=-10 ...    # renice the served engine once it is ready (root): is it losing its core to the rest?
+#   BENCH_ARGS="--save-requests" ...  # more bench.serve flags for the served run (here: each request's timings)
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
 #
@@ -129,7 +130,7 @@ if [[ -n "${PYSPY:-}" ]]; then  # PYSPY=seconds: sample every server process fro
   done
 fi
 python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
-  --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" \
+  --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" ${BENCH_ARGS:-} \
   --result-name "serve_${SHAPE}_${TAG}" 2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
 if [[ -n "${TIMELINE:-}" ]]; then
   REDIS_URL=$(grep -o 'redis://[^ ]*' "$OUT/server_${SHAPE}_${TAG}.log" | head -1)

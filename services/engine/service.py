@@ -44,6 +44,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.lora.manager import UnknownAdapterError
 from pagedserve.services.engine.lora_control import LoRAControl
 from pagedserve.services.engine.metrics import EngineMetrics
+from pagedserve.services.engine.outputs import RequestOutput
 from pagedserve.services.engine.publisher import Ack, ErrorReply, Outbound, PublisherProcess, StepDeltas, ack_all
 from pagedserve.services.engine.request_trace import RequestTrace, StreamRead
 from pagedserve.services.engine.sampling_params import SamplingParams
@@ -328,28 +329,17 @@ class EngineService:
                 if self.metrics is not None:
                     self.metrics.queue_wait.observe(wait)
 
-    def _publish_step(self, outputs: list[Any]) -> None:
+    def _publish_step(self, outputs: list[RequestOutput]) -> None:
         self.step_count += 1
-        by_gateway: dict[str, TokenDeltas] = defaultdict(
-            lambda: TokenDeltas(self.settings.engine_id, self.step_count, [], [], [], [], [], [], [], [])
-        )
+        by_gateway: dict[str, list[RequestOutput]] = defaultdict(list)
         finished_entries: list[EntryRef] = []
         ended: list[tuple[_Active, str]] = []  # traces to end once the tokens are on their way
+        active = self.active
         for out in outputs:
-            state = self.active.get(out.request_id)
+            state = active.get(out.request_id)
             if state is None:
                 continue
-            d = by_gateway[state.reply_to]
-            d.request_ids.append(out.request_id)
-            d.indexes.append(out.index)
-            d.token_ids.append(list(out.new_token_ids))
-            d.logprobs.append(_wire_logprobs(out.new_logprobs))
-            d.finish_reasons.append(out.finish_reason)
-            d.num_prompt_tokens.append(out.num_prompt_tokens)
-            d.num_output_tokens.append(out.num_output_tokens)
-            d.num_cached_tokens.append(out.num_cached_tokens)
-            d.prompt_logprobs.append(_wire_prompt_logprobs(out.prompt_logprobs))
-            d.embeddings.append(out.embedding)
+            by_gateway[state.reply_to].append(out)
             if out.new_token_ids and not state.trace.has_first_token:
                 self._queued.pop(out.request_id, None)
                 state.trace.first_token()
@@ -362,12 +352,31 @@ class EngineService:
                     state.num_cached_tokens = out.num_cached_tokens
                     finished_entries.append(state.entry)
                     self.num_requests_finished += 1
-                    del self.active[out.request_id]
+                    del active[out.request_id]
                     self._remember(out.request_id)
         if by_gateway:
-            self._send(StepDeltas(dict(by_gateway), finished_entries))
+            deltas = {gateway: self._deltas(outs) for gateway, outs in by_gateway.items()}
+            self._send(StepDeltas(deltas, finished_entries))
         for state, finish_reason in ended:
             state.trace.finish(finish_reason, state.num_output_tokens, state.num_cached_tokens)
+
+    def _deltas(self, outs: list[RequestOutput]) -> TokenDeltas:
+        """One gateway's share of a step, column by column (a comprehension a column: this runs for every
+        request every step, on the compute thread)."""
+        return TokenDeltas(
+            self.settings.engine_id,
+            self.step_count,
+            [o.request_id for o in outs],
+            [o.index for o in outs],
+            [o.new_token_ids for o in outs],  # fresh lists (the engine keeps none), encoded before the next step
+            [None if o.new_logprobs is None else _wire_logprobs(o.new_logprobs) for o in outs],
+            [o.finish_reason for o in outs],
+            [o.num_prompt_tokens for o in outs],
+            [o.num_output_tokens for o in outs],
+            [o.num_cached_tokens for o in outs],
+            [None if o.prompt_logprobs is None else _wire_prompt_logprobs(o.prompt_logprobs) for o in outs],
+            [o.embedding for o in outs],
+        )
 
     def _fail_active(self, message: str) -> None:
         self._fail(list(self.active), 500, message, "internal_server_error")
@@ -737,13 +746,9 @@ def _resumed_choices(req: GenerateRequest) -> dict[int, list[int]] | None:
     return dict(zip(req.choice_indexes, req.choice_output_token_ids))
 
 
-def _wire_logprobs(logprobs: Any) -> list[Any] | None:
-    if logprobs is None:
-        return None
+def _wire_logprobs(logprobs: Any) -> list[Any]:
     return [[lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
 
 
-def _wire_prompt_logprobs(logprobs: Any) -> list[Any] | None:
-    if logprobs is None:
-        return None
+def _wire_prompt_logprobs(logprobs: Any) -> list[Any]:
     return [None if lp is None else [lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
