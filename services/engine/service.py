@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import queue
+import random
 import sys
 import threading
 import time
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _RECENT_IDS = 10_000  # finished or aborted request ids remembered to drop late duplicates
 _UNAVAILABLE = "service_unavailable_error"
+_READ_BLOCK_MS = (100, 300)  # how long a read of new requests waits, drawn afresh each time
 _KV_EVENT_INTERVAL_S = 0.02  # at most 50 KV events a second per replica: each one costs every router a read
 
 
@@ -499,10 +501,12 @@ class EngineService:
         if self.lora.max_lora_rank:
             await self._replay_runtime_loras(redis)
         tasks = [
-            asyncio.create_task(self._read_requests(reader)),
-            asyncio.create_task(self._read_aborts(redis)),
-            asyncio.create_task(self._heartbeat(redis, reader)),
+            asyncio.create_task(self._read_requests(reader), name="read requests"),
+            asyncio.create_task(self._read_aborts(redis), name="read aborts"),
+            asyncio.create_task(self._heartbeat(redis, reader), name="heartbeat"),
         ]
+        for task in tasks:  # none is meant to end before shutdown: one that does must not do so unseen
+            task.add_done_callback(_log_if_failed)
         try:
             await self._io_done.wait()
         finally:
@@ -526,7 +530,10 @@ class EngineService:
                 await asyncio.sleep(0.01)
                 continue
             try:
-                await self._take(reader, await reader.read(count=wanted, block_ms=200))
+                # a random block: replicas that re-read on a fixed period phase-lock, and then one of them
+                # would be first in Redis's queue for every request of a steady trickle
+                block_ms = random.randint(*_READ_BLOCK_MS)
+                await self._take(reader, await reader.read(count=wanted, block_ms=block_ms))
                 if time.monotonic() >= reader.next_claim:
                     await self._take(reader, await reader.claim_stale_if_due(count=8))
                     try:
@@ -537,6 +544,9 @@ class EngineService:
                     self._snapshot_due = 0.0  # Redis may have restarted empty: routers rebuild from a snapshot
             except _REDIS_ERRORS as exc:
                 await self._backoff("reading requests", exc)
+            except Exception:  # a bug here must not leave the replica beating but deaf
+                log.exception("reading requests failed; reading on")
+                await asyncio.sleep(0.5)
 
     def _wanted(self) -> int:
         """How many requests to read at once: what the engine wants (Engine.num_wanted) less what is
@@ -752,3 +762,8 @@ def _wire_logprobs(logprobs: Any) -> list[Any]:
 
 def _wire_prompt_logprobs(logprobs: Any) -> list[Any]:
     return [None if lp is None else [lp.logprob, [[t, v] for t, v in lp.top_logprobs]] for lp in logprobs]
+
+
+def _log_if_failed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the engine's I/O task %s ended", task.get_name(), exc_info=task.exception())

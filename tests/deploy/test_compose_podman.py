@@ -276,7 +276,10 @@ def test_two_engine_replicas_both_take_work(stack: Stack) -> None:
     time.sleep(2)  # the replicas' counts reach the gateway with their next heartbeat
     metrics = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
     finished = [float(v) for v in re.findall(r"^pagedserve_engine_requests_finished\{[^}]*\} (\S+)$", metrics, re.M)]
-    assert len(finished) == 2 and all(n > 0 for n in finished), finished
+    if not (len(finished) == 2 and all(n > 0 for n in finished)):  # say why: each replica's own log
+        runs = {n: _run(["podman", "logs", "--tail", "40", n], check=False) for n in engines}
+        logs = {n: run.stdout + run.stderr for n, run in runs.items()}
+        raise AssertionError(f"finished per replica: {finished}\n{logs}")
 
 
 def test_a_killed_engine_container_restarts_and_the_stream_completes(stack: Stack) -> None:
