@@ -24,11 +24,6 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
 
 
-def random_prompts(count: int, length: int, seed: int, vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
-
-
 def run_burst(engine: Engine, prompts: list[list[int]], output_len: int, name: str) -> dict[str, Any]:
     """Every prompt at once, stepped to the end: the burst's time, each step's wall time, first-token times."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -62,10 +57,11 @@ def run_burst(engine: Engine, prompts: list[list[int]], output_len: int, name: s
 
 def run(engine: Engine, requests: int, input_len: int, output_len: int, vocab_size: int) -> list[dict[str, Any]]:
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # what a server's own warm-up request does
-    return [
-        {"burst": name, **run_burst(engine, random_prompts(requests, input_len, seed, vocab_size), output_len, name)}
-        for seed, name in enumerate(("first", "second", "third"), start=1)
-    ]
+    bursts = []
+    for seed, name in enumerate(("first", "second", "third"), start=1):
+        prompts = throughput.make_prompts(requests, input_len, vocab_size, seed)
+        bursts.append({"burst": name, **run_burst(engine, prompts, output_len, name)})
+    return bursts
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
