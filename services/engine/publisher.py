@@ -134,9 +134,16 @@ class PublisherProcess:
             log.warning("the publisher did not finish within %.0f s; stopping it", timeout)
             self.proc.kill()
             self.proc.wait()
+        self.release()
+
+    def release(self) -> None:
+        """Close this handle's pipes once its process has ended (a dead publisher's, or after `close`)."""
+        self._closing = True
         self._notices.join(timeout=1)
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
+        if not self._notices.is_alive():  # never under the notice thread's read
+            self.proc.stdout.close()
 
     def _read_notices(self) -> None:
         unpacker = msgpack.Unpacker(raw=False)

@@ -474,6 +474,8 @@ class EngineService:
     def _replace_publisher(self) -> None:
         """Start a new publisher; the running requests end with an error (the old one may have lost tokens of
         theirs: better an error than a stream with a gap)."""
+        assert self.publisher is not None
+        self.publisher.release()
         self._start_publisher()
         message = "tokens of this request were lost: the engine's publisher died"
         self._fail(list(self.active), 503, message, _UNAVAILABLE)

@@ -80,7 +80,10 @@ def test_a_publisher_that_dies_is_reported_gone(redis_server: PrivateRedis) -> N
     publisher.proc.kill()
     assert notices.get(timeout=10) == ["gone"]
     publisher.send(StepDeltas({"gw-a": deltas(1, ["r1"])}, []))  # into a dead pipe: dropped, not raised
-    publisher.close(timeout=1)
+    publisher.release()  # what the engine does before starting another: the dead one's pipes are closed
+    assert publisher.proc.stdin is not None and publisher.proc.stdout is not None
+    assert publisher.proc.stdin.closed and publisher.proc.stdout.closed
+    publisher.send(StepDeltas({"gw-a": deltas(2, ["r1"])}, []))  # still dropped, not raised
 
 
 def _closed_port() -> int:

@@ -121,11 +121,13 @@ def test_when_the_publisher_dies_a_new_one_starts_and_running_requests_end_with_
     started: list[bool] = []
     service._send = sent.append  # type: ignore[method-assign,assignment]  # what the publisher gets
     service._start_publisher = lambda: started.append(True)  # type: ignore[method-assign]
+    released: list[bool] = []
+    service.publisher = SimpleNamespace(release=lambda: released.append(True))  # type: ignore[assignment]
     params = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
     service._add(b"1-0", GenerateRequest("running", "gw1", "m", [5, 6, 7], params))
     service._publish_step(engine.step())
     sent.clear()
     service._on_publisher_notice(["gone"])  # from its notice thread
     service._drain_inbox(block=False)
-    assert started == [True] and not service.active
+    assert released == [True] and started == [True] and not service.active  # the dead one's pipes closed
     assert [(e.reply_to, e.error.request_id, e.error.status) for e in sent] == [("gw1", "running", 503)]
