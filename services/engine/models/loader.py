@@ -8,9 +8,10 @@ slow and the torch paged attention computes in fp32 anyway).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -21,6 +22,7 @@ from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.fp8 import (
     checkpoint_is_fp8,
     dequantize_experts,
+    fp8_kept_linears,
     quantize_linears,
     skip_input_scales,
 )
@@ -128,16 +130,14 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
     found = qc.get("quant_method", "none")
     if quantization in ("awq", "gptq", "compressed-tensors", "mxfp4") and found != quantization:
         raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
-    if checkpoint_is_mxfp4(cfg):
-        return "mxfp4"
-    if gptq8_format(cfg) is not None:
-        return GPTQ8
-    if int8_weights_format(cfg) is not None:
-        return CT_INT8
-    if (int4 := int4_format(cfg)) is not None:
-        return int4[0]
-    if pack_quantized_format(cfg) is not None:
-        return "compressed-tensors"
+    method = _prequantized_method(cfg)
+    if method is not None and quantization == "fp8":  # vLLM refuses this mismatch too: never a silent no-op
+        raise ValueError(
+            f"quantization 'fp8': the checkpoint's weights are already quantized ({method}); leave --quantization "
+            "unset (or name the checkpoint's method) to serve them as they are"
+        )
+    if method is not None:
+        return method
     if block_fp8_format(cfg) is not None:  # before "fp8": `--quantization fp8` names this checkpoint's method too
         return FP8_BLOCK
     if checkpoint_is_fp8(cfg):
@@ -148,6 +148,21 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
     if quantization == "compressed-tensors":
         raise ValueError("quantization 'compressed-tensors': the checkpoint's weights are not quantized")
     return "none"
+
+
+def _prequantized_method(cfg: dict[str, Any]) -> str | None:
+    """The checkpoint's own non-FP8 weight format, if it has one."""
+    if checkpoint_is_mxfp4(cfg):
+        return "mxfp4"
+    if gptq8_format(cfg) is not None:
+        return GPTQ8
+    if int8_weights_format(cfg) is not None:
+        return CT_INT8
+    if (int4 := int4_format(cfg)) is not None:
+        return int4[0]
+    if pack_quantized_format(cfg) is not None:
+        return "compressed-tensors"
+    return None
 
 
 def _refuse_unread_weights(qc: dict[str, Any]) -> None:
@@ -209,6 +224,47 @@ def _checkpoint_stream(
     if keep_experts:
         return repack_experts(tensors, *int4)
     return dequantize_int4_experts(tensors, *int4, act_order=int4_act_order(cfg))
+
+
+class KVCacheScales:
+    """Static KV-cache scales a checkpoint may hold beside any weight format (compressed-tensors' kv_cache_scheme:
+    `self_attn.k_scale` / `v_scale`; older FP8 exports: `k_proj` / `v_proj.output_scale`, or one `kv_scale`),
+    taken out of the weight stream and set on each layer's attention, which an fp8 KV cache divides K and V by
+    (vLLM's meaning). A per-head scale becomes the layer's largest: no head overflows e4m3."""
+
+    _NAMES: ClassVar[dict[str, str]] = {
+        ".k_scale": "k",
+        ".v_scale": "v",
+        ".kv_scale": "kv",
+        "k_proj.output_scale": "k",
+        "v_proj.output_scale": "v",
+    }
+    _UNUSED = (".q_scale", ".prob_scale")  # fp8 attention math: not done here
+    _LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+    def __init__(self) -> None:
+        self.by_layer: dict[int, dict[str, float]] = {}
+
+    def taken_from(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            kind = next((k for suffix, k in self._NAMES.items() if name.endswith(suffix)), None)
+            if kind is None and not name.endswith(self._UNUSED):
+                yield name, tensor
+            elif kind is not None and (layer := self._LAYER.search(name)) is not None:
+                scales = self.by_layer.setdefault(int(layer.group(1)), {})
+                scales[kind] = float(tensor.float().max())
+
+    def apply(self, model: CausalLM) -> None:
+        if not self.by_layer:
+            return
+        attentions = [m for m in model.modules() if hasattr(m, "k_scale")]  # every family's attention, in order
+        for layer, scales in self.by_layer.items():
+            if layer < len(attentions):
+                attention = attentions[layer]
+                for kind in ("k", "v"):
+                    if (scale := scales.get(kind, scales.get("kv"))) is not None:
+                        setattr(attention, f"{kind}_scale", scale)
+        log.info("static KV-cache scales of %d layers (used by an fp8 KV cache)", len(self.by_layer))
 
 
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:
@@ -280,7 +336,7 @@ def load_model(
         if method in INT4_METHODS:
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
         if method == "fp8":
-            log.info("fp8 weights: %d linears", quantize_linears(model))
+            log.info("fp8 weights: %d linears", quantize_linears(model, keep=fp8_kept_linears(cfg)))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -291,11 +347,11 @@ def load_model(
         if tensors is not None:
             raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
         load_sharded(model, safetensors_files(model_dir), show_progress)
-    elif tensors is None:
-        files = safetensors_files(model_dir)
-        load_tensors(model, _checkpoint_stream(iter_checkpoint(files, show_progress), method, cfg), str(model_dir))
     else:
-        load_tensors(model, _checkpoint_stream(tensors, method, cfg), str(model_dir))
+        kv_scales = KVCacheScales()
+        stream = iter_checkpoint(safetensors_files(model_dir), show_progress) if tensors is None else tensors
+        load_tensors(model, _checkpoint_stream(kv_scales.taken_from(stream), method, cfg), str(model_dir))
+        kv_scales.apply(model)
     if is_sharded and parallel is not None:
         model.spec = local_spec(spec, parallel)  # this rank's heads: sizes its KV cache
     for module in model.modules():

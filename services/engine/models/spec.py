@@ -68,19 +68,39 @@ def read_json(path: Path) -> dict[str, Any]:
 
 # Older AutoGPTQ / AutoAWQ exports keep the quantization settings beside config.json, not in it.
 QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+_AWQ_KEYS = ("w_bit", "q_group_size", "zero_point", "version")  # AutoAWQ's names (GPTQ's: bits, group_size, ...)
+# quant_method spellings that name a method we read under another name (vLLM normalises these too):
+# compressed-tensors' own older exports, and fbgemm's per-row FP8 (Llama-3.1-405B-FP8) read as FP8.
+_METHOD_ALIASES = {"compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
-    """config.json, with a quantization_config taken from quantize_config.json (AutoGPTQ) or quant_config.json
-    (AutoAWQ) when config.json has none; the file's own quant_method wins over the one its name implies."""
+    """config.json with its quantization settings in one place, `quantization_config`: taken from
+    `compression_config` (older compressed-tensors exports), else from quantize_config.json (AutoGPTQ; AutoAWQ
+    when its keys say so) or quant_config.json (AutoAWQ) beside it; quant_method lower-case and in our spelling."""
     cfg = read_json(model_dir / "config.json")
-    if cfg.get("quantization_config") or cfg.get("compression_config"):
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not qc:
+        for name, method in QUANTIZATION_FILES:
+            path = model_dir / name
+            if path.is_file():
+                found = read_json(path)
+                implied = "awq" if any(key in found for key in _AWQ_KEYS) else method
+                qc = {"quant_method": implied, **found}  # the file's own quant_method wins
+                break
+    if not qc:
         return cfg
-    for name, method in QUANTIZATION_FILES:
-        path = model_dir / name
-        if path.is_file():
-            return {**cfg, "quantization_config": {"quant_method": method, **read_json(path)}}
-    return cfg
+    return {**cfg, "quantization_config": normalized_quantization_config(qc)}
+
+
+def normalized_quantization_config(qc: dict[str, Any]) -> dict[str, Any]:
+    """quant_method lower-case and in our spelling ("GPTQ" -> "gptq", "compressed_tensors" -> "compressed-tensors",
+    "fbgemm_fp8" -> "fp8" with fbgemm's unconverted modules)."""
+    method = qc.get("quant_method")
+    if not isinstance(method, str):
+        return qc
+    method = method.lower()
+    return {**qc, "quant_method": _METHOD_ALIASES.get(method, method)}
 
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
