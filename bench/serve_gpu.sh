@@ -16,6 +16,7 @@
 #   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
 #   GRAPH_TOKENS=8192 ...  # mixed/prefill steps of up to that many tokens replay CUDA graphs (offline and served)
 #   ENGINE_NICE=-10 ...    # renice the served engine once it is ready (root): is it losing its core to the rest?
+#   SERVER_CPUS=0-9 CLIENT_CPUS=10-15 ...  # taskset: the server's processes and the clients on cores of their own
 #   BENCH_ARGS="--save-requests" ...  # more bench.serve flags for the served run (here: each request's timings)
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
 #     OFFLINE_ARGS="--offline-cpu-threads 1" PAGEDSERVE_CPU_THREADS=1 ...  # a CPU smoke test of the script
@@ -68,6 +69,7 @@ OFFLINE_JSON=${OFFLINE_JSON:-$MODEL_ROOT/serve_${SHAPE}_${TAG}_offline.json}
 echo "== $SHAPE on $GPU -> $OUT" | tee "$OUT/serve_${SHAPE}_${TAG}.log"
 
 has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
+pinned() { [[ -z "$1" ]] || echo "taskset -c $1"; }  # a command prefix: run (and its children) on cores $1
 
 if has_phase model; then
   python3 -m bench.serve.random_model --shape "$SHAPE" --out "$MODEL_DIR" --tokenizer-dir "$TOKENIZER_DIR" \
@@ -90,7 +92,7 @@ has_phase served || exit 0
 [[ -n "${PROFILE_STEPS:-}" ]] && export PAGEDSERVE_PROFILE_STEPS=1
 [[ -n "${GRAPH_TOKENS:-}" ]] && export PAGEDSERVE_CUDA_GRAPH_MAX_TOKENS=$GRAPH_TOKENS
 # shellcheck disable=SC2086  # SERVE_ARGS holds several flags
-python3 -m pagedserve.services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
+$(pinned "${SERVER_CPUS:-}") python3 -m pagedserve.services.cli serve --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --max-model-len "$MAX_MODEL_LEN" --device "$DEVICE" $SERVE_ARGS > "$OUT/server_${SHAPE}_${TAG}.log" 2>&1 &
 SERVER=$!
 stop_server() { kill -TERM "$SERVER" 2> /dev/null && wait "$SERVER" 2> /dev/null || true; }
@@ -129,7 +131,7 @@ if [[ -n "${PYSPY:-}" ]]; then  # PYSPY=seconds: sample every server process fro
       --output "$OUT/pyspy_$pid.txt" > "$OUT/pyspy_$pid.log" 2>&1 &
   done
 fi
-python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
+$(pinned "${CLIENT_CPUS:-}") python3 -m bench.serve "${WORKLOAD[@]}" --url "http://127.0.0.1:$PORT" --client-processes "$CLIENTS" \
   --concurrency-sweep "$SWEEP" --offline-from "$OFFLINE_JSON" ${BENCH_ARGS:-} \
   --result-name "serve_${SHAPE}_${TAG}" 2>&1 | tee -a "$OUT/serve_${SHAPE}_${TAG}.log"
 if [[ -n "${TIMELINE:-}" ]]; then
