@@ -9,14 +9,17 @@ Two ways in, one module (`Fp8Linear`), chosen at load (`quantize_linears`):
 - a pre-quantised checkpoint in the common HF layout (`quantization_config.quant_method` "fp8" or
   "compressed-tensors"): `weight` in float8_e4m3fn plus `weight_scale` (per tensor, or per row as [N] or
   [N, 1]); a per-tensor scale is repeated over the shard's rows, so fused q/k/v with three scales load
-  exactly. A static `input_scale` is not needed (activations are scaled per token) and is skipped.
+  exactly. A static `input_scale` is not needed (activations are scaled per token) and is skipped. Linears
+  the checkpoint left unquantized (`ignored_layers`, `modules_to_not_convert`, compressed-tensors' `ignore`:
+  `fp8_kept_linears`) stay full-precision linears, their weights loaded as they are.
 CPU runs the same `_scaled_mm` where this torch build has it, else dequantises: the CPU tests check the
 quantise/load/matmul logic with the GPU's arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.services.engine.models.int4 import whole_linears
 from pagedserve.services.engine.models.layers import replace_decoder_linears
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -144,11 +148,36 @@ class Fp8Linear(nn.Module):
         return ["weight", "weight_scale"]
 
 
-def quantize_linears(model: nn.Module) -> int:
+def quantize_linears(model: nn.Module, keep: Callable[[str], bool] | None = None) -> int:
     """Swap every nn.Linear inside the decoder layers, MoE routers aside, for an (empty) Fp8Linear; returns how
     many. Called on the meta-device model before loading. Embeddings and lm_head stay in full precision, and so
-    do MoE experts (3-D tensors, not linears)."""
-    return replace_decoder_linears(model, Fp8Linear.like)
+    do MoE experts (3-D tensors, not linears) and the linears `keep` names (full module names, e.g.
+    model.layers.0.mlp.down_proj: what an FP8 checkpoint left unquantized, `fp8_kept_linears`)."""
+    return replace_decoder_linears(model, Fp8Linear.like, keep)
+
+
+def fp8_kept_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
+    """Which of our linears an FP8 checkpoint left in full precision (their plain `weight` loads as is), or None:
+    HF fp8's `ignored_layers` (vLLM's key) and compressed-tensors' `ignore` (module names, or "re:<regex>" matched
+    from the start), and `modules_to_not_convert` (transformers: a module whose name contains one, or "re:").
+    A fused linear (qkv_proj, gate_up_proj) is kept when all its checkpoint parts are, or the checkpoint names it
+    fused (Phi-3); parts that disagree raise ValueError. None also for a checkpoint that is not FP8 (online
+    quantization of a full-precision checkpoint quantizes every decoder linear)."""
+    if not checkpoint_is_fp8(cfg):
+        return None
+    qc = cfg.get("quantization_config") or {}
+    named = [str(n) for key in ("ignored_layers", "ignore") for n in qc.get(key) or ()]
+    contained = [str(n) for n in qc.get("modules_to_not_convert") or ()]
+    patterns = [re.compile(n[3:]) for n in (*named, *contained) if n.startswith("re:")]
+    exact = {n for n in named if not n.startswith("re:")}
+    substrings = [n for n in contained if not n.startswith("re:")]
+    if not patterns and not exact and not substrings:
+        return None
+
+    def is_kept(name: str) -> bool:
+        return name in exact or any(s in name for s in substrings) or any(p.match(name) is not None for p in patterns)
+
+    return whole_linears(is_kept, "ignored layers")
 
 
 def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.expert_quant import pack_int4
-from pagedserve.services.engine.models.compressed_tensors import any_part
 from pagedserve.services.engine.models.int4_repack import (
     can_tile,
     group_sort,
@@ -41,6 +40,7 @@ from pagedserve.services.engine.models.int4_repack import (
     tiled_order,
 )
 from pagedserve.services.engine.models.layers import replace_decoder_linears
+from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
 FORMATS = ("awq", "gptq")
@@ -120,26 +120,115 @@ def gptq_zero_offset(qc: dict[str, Any]) -> int:
     return 0 if checkpoint_format == "gptq_v2" else 1
 
 
+# GPTQModel `dynamic` override fields that leave a linear's tensors laid out as the base config's: the zero points
+# (`sym`) and act order (`desc_act`) are read from the tensors themselves (qzeros; g_idx, see Int4Linear.load_weight),
+# the rest only steered the quantizer. bits and group_size size the tensors: they must equal the base config's.
+LAYOUT_NEUTRAL_OVERRIDES = frozenset(
+    {
+        "desc_act",
+        "sym",
+        "damp_percent",
+        "damp_auto_increment",
+        "static_groups",
+        "true_sequential",
+        "mse",
+        "act_group_aware",
+        "v2",
+        "v2_alpha",
+        "hyb_act",
+    }
+)
+
+
 def refuse_per_module_overrides(qc: dict[str, Any]) -> None:
-    """GPTQModel's `dynamic` rules other than "-:" (skip) give some modules their own bits or group size."""
-    overrides = {key: rule for key, rule in (qc.get("dynamic") or {}).items() if not str(key).startswith("-:")}
-    if any(rule.get(field, qc.get(field)) != qc.get(field) for rule in overrides.values() for field in rule):
-        raise ValueError(
-            f"quantization: GPTQModel's per-module overrides (dynamic {sorted(overrides)}) are not supported "
-            "(one bit width and group size for every linear; '-:' rules that skip modules are)"
-        )
+    """GPTQModel's `dynamic` rules: "-:<regex>" skips modules (`unconverted_linears` keeps them in full
+    precision); "+:<regex>" (or a bare regex) overrides settings of the modules it matches. Overrides that leave
+    the tensors' layout alone (LAYOUT_NEUTRAL_OVERRIDES, or a value equal to the base config's) are accepted;
+    others, such as another bit width or group size, raise ValueError naming the rule and field."""
+    for key, rule in (qc.get("dynamic") or {}).items():
+        if str(key).startswith("-:"):
+            continue
+        if not isinstance(rule, dict):
+            raise ValueError(f"quantization: GPTQModel's dynamic rule {key!r} is {rule!r}, not a dict of overrides")
+        changed = {
+            field: value
+            for field, value in rule.items()
+            if field not in LAYOUT_NEUTRAL_OVERRIDES and not (field in qc and _same_setting(field, value, qc[field]))
+        }
+        if changed:
+            raise ValueError(
+                f"quantization: GPTQModel's per-module overrides (dynamic {key!r}: {changed}) are not supported (every "
+                f"quantized linear loads with the config's bits {qc.get('bits')} and group size "
+                f"{qc.get('group_size')}; overrides of {', '.join(sorted(LAYOUT_NEUTRAL_OVERRIDES))} and '-:' rules "
+                "that skip modules are)"
+            )
+
+
+def _same_setting(field: str, value: Any, base: Any) -> bool:
+    if field == "group_size":  # -1 and 0 both mean one group of each linear's inputs
+        return max(int(value), 0) == max(int(base), 0)
+    return bool(value == base)
 
 
 def unconverted_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
     """Which of our linears an AWQ / GPTQ checkpoint left in full precision, or None (all are 4-bit):
-    `modules_to_not_convert` (AutoAWQ, transformers: a module whose name contains one of them) and GPTQModel's
-    `dynamic` rules whose key is "-:<regex>" (modules matching it were skipped)."""
+    `modules_to_not_convert` (AutoAWQ, transformers: a module whose name contains one of them), GPTQModel's
+    `dynamic` rules whose key is "-:<regex>" (modules matching it were skipped), and GPTQ's
+    `modules_in_block_to_quantize` (lists of names within a decoder layer, e.g. "self_attn.q_proj": the linears
+    none of them names were not quantized). A fused linear (qkv_proj, gate_up_proj) follows its checkpoint parts;
+    parts that differ raise ValueError (`whole_linears`)."""
     qc = cfg.get("quantization_config") or {}
     contained = [str(key) for key in qc.get("modules_to_not_convert") or ()]
     skipped = [re.compile(key[2:]) for key in qc.get("dynamic") or {} if str(key).startswith("-:")]
-    if not contained and not skipped:
+    in_block = _modules_in_block(qc)
+    if not contained and not skipped and in_block is None:
         return None
-    return any_part(lambda name: any(key in name for key in contained) or any(p.match(name) for p in skipped))
+
+    def is_skipped(name: str) -> bool:
+        return any(key in name for key in contained) or any(p.match(name) for p in skipped)
+
+    skip = whole_linears(is_skipped, "modules_to_not_convert / dynamic '-:' rules")
+    if in_block is None:
+        return skip
+    listed = in_block
+
+    def is_listed(name: str) -> bool:
+        return any(name == entry or name.endswith(f".{entry}") for entry in listed)
+
+    quantized = whole_linears(is_listed, "modules_in_block_to_quantize")
+    return lambda name: skip(name) or not quantized(name)
+
+
+def _modules_in_block(qc: dict[str, Any]) -> list[str] | None:
+    """GPTQ's `modules_in_block_to_quantize` flattened (a list of lists of names, or a flat list); None if absent."""
+    groups = qc.get("modules_in_block_to_quantize")
+    if not groups:
+        return None
+    names: list[str] = []
+    for group in groups:
+        names.extend([group] if isinstance(group, str) else group)
+    return [str(name).strip(".") for name in names]
+
+
+def whole_linears(matches: Callable[[str], bool], rule: str) -> Callable[[str], bool]:
+    """`matches` of a checkpoint's module names, for ours: a linear we fuse (qkv_proj, gate_up_proj) matches when
+    every checkpoint part it holds does (q/k/v_proj, gate/up_proj), or none does but its own name does (a
+    checkpoint that stores it fused, Phi-3's); any other linear when its name does. Parts that disagree cannot
+    load as one layer: ValueError naming them and `rule`."""
+
+    def match_ours(name: str) -> bool:
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{hf}" for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf]
+        hits = [part for part in parts if matches(part)]
+        if hits and len(hits) != len(parts):
+            raise ValueError(
+                f"quantization: the checkpoint's {rule} name {hits} but not "
+                f"{[part for part in parts if part not in hits]}: the parts of our fused {name} must share one "
+                "precision"
+            )
+        return bool(hits) or matches(name)
+
+    return match_ours
 
 
 class Int4Linear(nn.Module):
@@ -339,6 +428,7 @@ def linear_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
 
 
 _PACKED = ("qweight", "qzeros", "scales")
+HEADS = ("lm_head", "embed_out")  # the LM head's checkpoint names (GPT-NeoX: embed_out); a quantized one is dequantised
 
 
 def dequantize_experts(
@@ -347,12 +437,13 @@ def dequantize_experts(
     """4-bit MoE checkpoints (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) quantise the experts too; where ours hold
     them in full precision (off CUDA, or act order: see models/quantized_experts.py), each expert linear's packed
     tensors are dequantised to its `weight` [N, K] as they stream in, in any order. A GPTQ expert waits for its
-    g_idx when the checkpoint is act-order (`desc_act`); otherwise its g_idx, plain k // G, is dropped."""
+    g_idx when the checkpoint is act-order (`desc_act`); otherwise its g_idx, plain k // G, is dropped. The loader
+    runs every 4-bit checkpoint through this (or `repack_experts`), so a quantized LM head is dequantised here too."""
 
     def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        return [(f"{linear}.weight", _dequantized_expert(linear, parts, fmt, group_size, zero_offset, act_order))]
+        return [(f"{linear}.weight", _dequantized_linear(linear, parts, fmt, group_size, zero_offset, act_order))]
 
-    return _each_expert_linear(tensors, fmt, group_size, act_order, convert)
+    return _each_expert_linear(tensors, fmt, group_size, zero_offset, act_order, convert)
 
 
 def repack_experts(
@@ -361,28 +452,32 @@ def repack_experts(
     """Each expert linear's packed tensors -> the fused-MoE kernel's int4 layout (kernels/expert_quant.py), as
     models/quantized_experts.Int4Experts loads it: `weight` uint8 [N, K / 2] (codes along K, the low nibble
     first), `weight_scale` [N, K / G], `weight_zeros` uint8 [N, K / G] (GPTQ v1's stored z - 1 plus one).
-    Exact: the same codes, zero points and scales. Act-order experts cannot be repacked (their g_idx is refused)."""
+    Exact: the same codes, zero points and scales. Act-order experts cannot be repacked (their g_idx is refused).
+    A quantized LM head is dequantised to its `weight`."""
 
     def convert(linear: str, parts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return _repacked_expert(linear, parts, fmt, group_size, zero_offset)
 
-    return _each_expert_linear(tensors, fmt, group_size, False, convert)
+    return _each_expert_linear(tensors, fmt, group_size, zero_offset, False, convert)
 
 
 def _each_expert_linear(
     tensors: Iterable[tuple[str, torch.Tensor]],
     fmt: str,
     group_size: int,
+    zero_offset: int,
     act_order: bool,
     convert: Callable[[str, dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Gathers each expert linear's qweight/qzeros/scales (and act order's g_idx) in any order, then yields what
-    `convert` makes of them; other tensors pass through."""
+    `convert` makes of them; other tensors pass through. A quantized LM head (GPTQModel's `lm_head: true`) is
+    gathered the same way and dequantised to its `weight` (our head is a full-precision linear)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: dict[str, int] = {}  # converted expert linears: their number of inputs, to check a late g_idx
     for name, tensor in tensors:
         linear, _, part = name.rpartition(".")
-        if ".experts." not in name or part not in (*_PACKED, "g_idx"):
+        is_head = linear in HEADS
+        if not (is_head or ".experts." in name) or part not in (*_PACKED, "g_idx"):
             yield name, tensor
             continue
         if linear in done:  # a g_idx after its expert was converted with plain groups: it must be plain
@@ -393,7 +488,11 @@ def _each_expert_linear(
         if all(p in parts for p in _PACKED) and (fmt != "gptq" or not act_order or "g_idx" in parts):
             del pending[linear]
             done[linear] = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
-            yield from convert(linear, parts)
+            if is_head:
+                weight = _dequantized_linear(linear, parts, fmt, group_size, zero_offset, act_order)
+                yield f"{linear}.weight", weight
+            else:
+                yield from convert(linear, parts)
     if pending:
         missing = {linear: sorted(set(_PACKED) - set(parts)) or ["g_idx"] for linear, parts in pending.items()}
         raise ValueError(f"4-bit experts lack tensors: {dict(list(missing.items())[:4])}")
@@ -429,7 +528,7 @@ def _repacked_expert(
     ]
 
 
-def _dequantized_expert(
+def _dequantized_linear(
     linear: str, parts: dict[str, torch.Tensor], fmt: str, group_size: int, zero_offset: int, act_order: bool
 ) -> torch.Tensor:
     num_inputs = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
