@@ -9,9 +9,11 @@ Per linear with K inputs and N outputs (compressed_tensors' naive / pack_quantiz
     weight_zero_point  as weight_scale       asymmetric only (int-quantized: int8; pack-quantized: [N/4, K/G] int32
                                              packed along the outputs, stored z + 128)
     weight_shape       [2]                   pack-quantized: (N, K)
+    weight_g_idx       [K] int               strategy group, actorder "group": the group of each input
     input_scale, input_zero_point            static activation quantization: dropped (below)
 
-and W[n, k] = (q[n, k] - z) * s for the scale and zero of (n, k)'s tensor, channel or group. Each linear's
+and W[n, k] = (q[n, k] - z) * s for the scale and zero of (n, k)'s tensor, channel or group (group k // G, or
+g_idx[k] where the checkpoint has one: act order assigns inputs to groups out of order). Each linear's
 tensors are gathered in any order and replaced by its `weight` [N, K]; the model runs in its full-precision dtype
 (two bytes a weight in bf16: no int8 kernel yet) and its activations are not quantized, so it computes the
 checkpoint's weights more exactly than an int8 x int8 GEMM would.
@@ -25,11 +27,12 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.engine.models.compressed_tensors import group_act_order, refuse_mixed_schemes, weight_groups
 from pagedserve.services.engine.models.gptq8 import unpack_bytes
 
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
-_QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+_QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 _ACTIVATION_PARTS = ("input_scale", "input_zero_point")
 
 
@@ -39,6 +42,7 @@ class Int8Weights:
     group_size: int  # strategy group; 0: tensor or channel (the scale's shape says which)
     symmetric: bool
     ignore: tuple[str, ...]
+    act_order: bool = False  # actorder "group": every linear has a weight_g_idx
 
 
 def int8_weights_format(cfg: dict[str, Any]) -> Int8Weights | None:
@@ -46,12 +50,12 @@ def int8_weights_format(cfg: dict[str, Any]) -> Int8Weights | None:
     qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
     if qc.get("quant_method") != METHOD:
         return None
-    groups = list((qc.get("config_groups") or {}).values())
-    schemes = [g.get("weights") or {} for g in groups]
+    named = weight_groups(qc)
+    groups = list(named.values())
+    schemes = [g["weights"] for g in groups]
     if not schemes or any(s.get("type", "int") != "int" or s.get("num_bits") != 8 for s in schemes):
         return None
-    if any(s != schemes[0] for s in schemes):
-        raise ValueError("quantization: compressed-tensors config groups with different 8-bit weight schemes")
+    refuse_mixed_schemes(named)
     weights = schemes[0]
     formats = {g.get("format") or qc.get("format") for g in groups}
     if len(formats) != 1 or not formats <= set(FORMATS):
@@ -69,7 +73,11 @@ def int8_weights_format(cfg: dict[str, Any]) -> Int8Weights | None:
     if strategy == "group" and group_size <= 0:
         raise ValueError(f"quantization: compressed-tensors group strategy with group_size {group_size}")
     return Int8Weights(
-        formats == {"pack-quantized"}, group_size, bool(weights.get("symmetric", True)), tuple(qc.get("ignore") or ())
+        formats == {"pack-quantized"},
+        group_size,
+        bool(weights.get("symmetric", True)),
+        tuple(qc.get("ignore") or ()),
+        group_act_order(weights) and group_size > 0,
     )
 
 
@@ -79,12 +87,16 @@ def unpack_int8(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return unpack_bytes(packed, dim) - 128
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int) -> torch.Tensor:
-    """W [N, K] float32 from the signed values q [N, K] and a scale (and zero) per tensor, channel or group."""
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int, g_idx: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W [N, K] float32 from the signed values q [N, K] and a scale (and zero) per tensor, channel or group (input k
+    in group k // group_size, or g_idx[k])."""
     scale, zero = scale.float(), None if zero is None else zero.float()
     if group_size:  # [N, K/G] -> one per input
-        scale = scale.repeat_interleave(group_size, dim=1)
-        zero = None if zero is None else zero.repeat_interleave(group_size, dim=1)
+        groups = g_idx.long() if g_idx is not None else torch.arange(q.shape[1]) // group_size
+        scale = scale[:, groups]
+        zero = None if zero is None else zero[:, groups]
     shifted = q.float() if zero is None else q.float() - zero
     return shifted * scale
 
@@ -94,8 +106,11 @@ def int8_stream(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Int8Weights
     casts it). Linears the checkpoint left in full precision (its `ignore`) pass through: their `weight` is float.
     Tensors that do not fit together, or a linear left incomplete, raise ValueError naming them."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    needed = ("weight_packed" if scheme.packed else "weight", "weight_scale") + (
-        () if scheme.symmetric else ("weight_zero_point",)
+    done: set[str] = set()
+    needed = (
+        ("weight_packed" if scheme.packed else "weight", "weight_scale")
+        + (() if scheme.symmetric else ("weight_zero_point",))
+        + (("weight_g_idx",) if scheme.act_order else ())
     )
     for name, tensor in tensors:
         linear, _, part = name.rpartition(".")
@@ -105,10 +120,14 @@ def int8_stream(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Int8Weights
         if part not in _QUANTIZED_PARTS and not quantized_weight:
             yield name, tensor
             continue
+        if linear in done:  # a weight_g_idx the config did not announce (actorder "group"), after the rest
+            hint = "; the config's actorder is not 'group'" if part == "weight_g_idx" else ""
+            raise ValueError(f"{name}: came after {linear}'s tensors were complete{hint}")
         parts = pending.setdefault(linear, {})
         parts[part] = tensor
         if all(p in parts for p in needed) and (not scheme.packed or "weight_shape" in parts):
             del pending[linear]
+            done.add(linear)
             yield f"{linear}.weight", _dequantized(linear, parts, scheme)
     if pending:
         missing = {linear: sorted(set(needed) - set(parts)) or ["weight_shape"] for linear, parts in pending.items()}
@@ -148,4 +167,12 @@ def _dequantized(linear: str, parts: dict[str, torch.Tensor], scheme: Int8Weight
             raise fail(
                 "weight_zero_point", f"shape {tuple(zero.shape)}, expected that of weight_scale {tuple(scale.shape)}"
             )
-    return dequantize_int8(q, scale, zero, scheme.group_size)
+    g_idx = parts.get("weight_g_idx") if scheme.group_size else None  # tensor / channel: one group of all inputs
+    if g_idx is not None and (
+        g_idx.dim() != 1
+        or g_idx.numel() != k
+        or g_idx.dtype.is_floating_point
+        or not bool(((g_idx >= 0) & (g_idx < groups)).all())
+    ):
+        raise fail("weight_g_idx", f"{g_idx.dtype} {tuple(g_idx.shape)}, expected [{k}] group indices below {groups}")
+    return dequantize_int8(q, scale, zero, scheme.group_size, g_idx)

@@ -14,6 +14,12 @@ both packings are GPTQ's transposed: weight_packed.T is GPTQ's qweight [K/8, N] 
 its qzeros [K/G, N/8]. So each tensor converts on its own as it streams in (`to_gptq`), and Int4Linear
 (fmt "gptq", zero offset 0) with its kernel serves it unchanged. Symmetric checkpoints have no zero
 point: the scale brings a qzeros of all 8s.
+
+Which linears are quantized is the config's to say, as compressed-tensors (and vLLM) read it: a linear is
+quantized when a config group's `targets` names it (the class name "Linear", "re:<regex>" re.match-ed against its
+full module name, or its exact module name) and `ignore` does not (matched the same way). Linears no group targets
+stay in full precision, like ignored ones. Groups may target different linears but must share one weight scheme:
+a mixture (e.g. FP8 attention with W4A16 MLPs) is refused when the config is read, naming its groups.
 """
 
 from __future__ import annotations
@@ -37,31 +43,90 @@ class PackQuantized:
     group_size: int  # 0: per output channel (each linear is one group of all its inputs)
     symmetric: bool
     ignore: tuple[str, ...]  # linears left in full precision ("re:" prefix: a regex), as the checkpoint says
+    targets: tuple[str, ...] = ("Linear",)  # the linears its config groups quantize, matched as `ignore` is
+
+
+# The class names an nn.Linear answers to: compressed-tensors matches a target against every class of a module's MRO.
+_LINEAR_CLASSES = ("Linear", "Module")
+
+
+def weight_groups(qc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A compressed-tensors config's groups that quantize weights, by name (groups of activations or nothing: left
+    out, they change no weight)."""
+    groups = qc.get("config_groups") or {}
+    return {str(name): group for name, group in groups.items() if isinstance(group, dict) and group.get("weights")}
+
+
+def weight_scheme(weights: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a group's `weights` decides how its tensors read (observers and the like do not)."""
+    strategy = weights.get("strategy")
+    return (
+        weights.get("type", "int"),
+        weights.get("num_bits"),
+        strategy,
+        weights.get("group_size") if strategy == "group" else None,
+        weights.get("block_structure") if strategy == "block" else None,
+        bool(weights.get("symmetric", True)),
+        bool(weights.get("dynamic")),
+        group_act_order(weights),
+    )
+
+
+def group_act_order(weights: dict[str, Any]) -> bool:
+    """Whether the weights hold a `weight_g_idx` (actorder "group", alias "dynamic"; True in older configs)."""
+    return weights.get("actorder") in ("group", "dynamic", True)
+
+
+def describe_groups(groups: dict[str, dict[str, Any]]) -> str:
+    """`group_0 (targets [...]: int 4-bit group 128), ...`: for messages."""
+
+    def scheme(weights: dict[str, Any]) -> str:
+        size = f" {weights.get('group_size')}" if weights.get("strategy") == "group" else ""
+        symmetric = "" if weights.get("symmetric", True) else " asymmetric"
+        return f"{weights.get('type', 'int')} {weights.get('num_bits')}-bit {weights.get('strategy')}{size}{symmetric}"
+
+    return ", ".join(
+        f"{name} (targets {group.get('targets')}: {scheme(group['weights'])})" for name, group in groups.items()
+    )
+
+
+def refuse_mixed_schemes(groups: dict[str, dict[str, Any]]) -> None:
+    """Config groups quantizing their linears' weights differently: one layer type for all is what loads."""
+    if len({weight_scheme(group["weights"]) for group in groups.values()}) > 1:
+        raise ValueError(
+            f"quantization: compressed-tensors config groups with different weight schemes are not supported: "
+            f"{describe_groups(groups)}; supported: one weight scheme shared by every group (int 4-bit "
+            "pack-quantized, int 8-bit, or float 8-bit), the groups targeting any linears"
+        )
 
 
 def pack_quantized_format(cfg: dict[str, Any]) -> PackQuantized | None:
     """The scheme of a compressed-tensors checkpoint with integer weights, or None (not compressed-tensors,
-    or float weights: fp8.py's); raises ValueError naming what is supported for anything else."""
+    or float weights: fp8.py's); raises ValueError naming what is supported for anything else (config groups
+    with different weight schemes, float and int included)."""
     qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
     if qc.get("quant_method") != METHOD:
         return None
-    groups = list((qc.get("config_groups") or {}).values())
-    schemes = [g.get("weights") or {} for g in groups]
-    if not schemes or any(s.get("type", "int") != "int" for s in schemes):
-        return None  # float (fp8) weights, or nothing quantised: not ours
-    if all(s.get("num_bits") == 8 for s in schemes):
+    groups = weight_groups(qc)
+    types = {group["weights"].get("type", "int") for group in groups.values()}
+    if not groups or types == {"float"}:
+        return None  # nothing quantised, or float (fp8) weights: not ours
+    refuse_mixed_schemes(groups)  # before fp8.py's readers, which would take a float group's config for all
+    weights = next(iter(groups.values()))["weights"]
+    if types != {"int"}:
+        return None  # unknown type: the loader refuses it (_refuse_unread_weights)
+    if weights.get("num_bits") == 8:
         return None  # 8-bit int weights: compressed_int8.py's
     supported = "4-bit int weights, pack-quantized, group or channel strategy, no activation quantization; 8-bit int"
-    if any(s != schemes[0] for s in schemes):
-        raise ValueError(f"quantization: compressed-tensors config groups with different weight schemes ({supported})")
-    weights = schemes[0]
-    formats = {g.get("format") or qc.get("format") for g in groups}
+    formats = {g.get("format") or qc.get("format") for g in groups.values()}
+    all_groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    untargeted = [name for name, g in groups.items() if not g.get("targets")]
     problems = [
         f"format {sorted(map(str, formats))}" if formats != {"pack-quantized"} else "",
         f"{weights.get('num_bits')}-bit weights" if weights.get("num_bits") != 4 else "",
         f"strategy {weights.get('strategy')!r}" if weights.get("strategy") not in ("group", "channel") else "",
-        "activation quantization" if any(g.get("input_activations") for g in groups) else "",
-        f"targets {groups[0].get('targets')}" if any(g.get("targets") != ["Linear"] for g in groups) else "",
+        "activation quantization" if any(g.get("input_activations") for g in all_groups) else "",
+        f"config groups without targets {untargeted}" if untargeted else "",
         "dynamic weights" if weights.get("dynamic") else "",
     ]
     if problem := ", ".join(p for p in problems if p):
@@ -69,7 +134,8 @@ def pack_quantized_format(cfg: dict[str, Any]) -> PackQuantized | None:
     group_size = int(weights.get("group_size") or 0) if weights["strategy"] == "group" else 0
     if weights["strategy"] == "group" and group_size <= 0:
         raise ValueError(f"quantization: compressed-tensors group strategy with group_size {group_size}")
-    return PackQuantized(group_size, bool(weights.get("symmetric", True)), tuple(qc.get("ignore") or ()))
+    targets = tuple(dict.fromkeys(str(t) for g in groups.values() for t in g["targets"]))
+    return PackQuantized(group_size, bool(weights.get("symmetric", True)), tuple(qc.get("ignore") or ()), targets)
 
 
 def to_gptq(suffix: str, tensor: torch.Tensor, scheme: PackQuantized) -> list[tuple[str, torch.Tensor]]:
@@ -95,13 +161,21 @@ def gptq_stream(
     tensors: Iterable[tuple[str, torch.Tensor]], scheme: PackQuantized
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint stream with every pack-quantized tensor renamed and converted to GPTQ's (`to_gptq`).
-    A linear's tensors must agree on its (outputs, inputs), weight_shape included: else a ValueError names them."""
+    A linear's tensors must agree on its (outputs, inputs), weight_shape included, and the config must quantize
+    it (`ignored`): else a ValueError names them."""
     seen: dict[str, dict[str, tuple[int, str]]] = {}  # linear -> dimension -> (size, the tensor that said so)
+    keep = ignored(scheme)
     for name, tensor in tensors:
         base, _, suffix = name.rpartition(".")
         if suffix not in _SUFFIXES:
             yield name, tensor
             continue
+        if base not in seen and keep(_ours(base)):  # else its tensors reach a full-precision linear: a KeyError
+            raise ValueError(
+                f"{name}: the checkpoint quantizes {base}, but its quantization_config leaves {_ours(base)} in "
+                f"full precision (targets {list(scheme.targets)}, ignore {list(scheme.ignore)}); a fused linear's "
+                "parts must all be quantized or all not"
+            )
         try:
             dims = _dimensions(suffix, tensor, scheme)
             converted = to_gptq(suffix, tensor, scheme)
@@ -137,28 +211,49 @@ def _dimensions(suffix: str, tensor: torch.Tensor, scheme: PackQuantized) -> dic
 
 
 def ignored(scheme: PackQuantized) -> Callable[[str], bool]:
-    """Whether one of our linears (by module name) stays full precision: the checkpoint's `ignore` names it
-    or, for a fused one (qkv_proj, gate_up_proj), any of its parts (as compressed-tensors matches)."""
+    """Whether one of our linears (by module name) stays full precision: the checkpoint's `ignore` names it (or, for
+    a fused one, qkv_proj / gate_up_proj, any of its parts), or no config group targets it (nor all of its parts):
+    as compressed-tensors decides which linears it quantizes."""
+    in_ignore = any_part(lambda name: matches(name, scheme.ignore))
 
-    def matches(name: str) -> bool:
-        return any(
-            re.match(target[3:], name) is not None if target.startswith("re:") else target == name
-            for target in scheme.ignore
-        )
+    def targeted(name: str) -> bool:
+        return matches(name, scheme.targets) or all(matches(part, scheme.targets) for part in _parts(name))
 
-    return any_part(matches)
+    return lambda name: in_ignore(name) or not targeted(name)
 
 
-def any_part(matches: Callable[[str], bool]) -> Callable[[str], bool]:
-    """`matches` of a checkpoint's module names, for our module names: a fused linear (qkv_proj, gate_up_proj)
-    matches when any of the checkpoint's parts it holds does."""
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors' match of a linear's module name against a config's targets or ignore: "re:<regex>"
+    re.match-es the name, any other pattern is the name itself or one of nn.Linear's class names."""
+    return any(
+        re.match(pattern[3:], name) is not None
+        if pattern.startswith("re:")
+        else pattern == name or pattern in _LINEAR_CLASSES
+        for pattern in patterns
+    )
+
+
+def any_part(match: Callable[[str], bool]) -> Callable[[str], bool]:
+    """`match` of a checkpoint's module names, for our module names: a linear matches when its name does or, for
+    a fused one (qkv_proj, gate_up_proj), any of the checkpoint's parts it holds does (Llama's checkpoints name the
+    parts; Phi-3's name the fused linears themselves)."""
 
     def match_ours(name: str) -> bool:
-        prefix, _, leaf = name.rpartition(".")
-        parts = [hf for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf] or [leaf]
-        return any(matches(f"{prefix}.{part}") for part in parts)
+        return match(name) or any(match(part) for part in _parts(name))
 
     return match_ours
+
+
+def _parts(name: str) -> list[str]:
+    """The checkpoint's module names of our linear `name`: q_proj/k_proj/v_proj of a qkv_proj, else itself."""
+    prefix, dot, leaf = name.rpartition(".")
+    return [f"{prefix}{dot}{hf}" for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf] or [name]
+
+
+def _ours(name: str) -> str:
+    """Our module name of a checkpoint's linear: a part of a fused one (q_proj) -> the fused one (qkv_proj)."""
+    prefix, dot, leaf = name.rpartition(".")
+    return f"{prefix}{dot}{PACKED_PROJECTIONS[leaf][0]}" if leaf in PACKED_PROJECTIONS else name
 
 
 def _int32(tensor: torch.Tensor, suffix: str) -> torch.Tensor:
