@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine.models.base import DecoderLM, ParamPiece, rename
+from pagedserve.services.engine.models.fused_qkv import int4_packing, reorder_outputs
 from pagedserve.services.engine.models.layers import MLP, Attention, LayerNormBlock
 from pagedserve.services.engine.models.rotary import RotaryEmbedding, rope_params_from_config
 from pagedserve.services.engine.models.spec import ModelSpec
@@ -46,6 +47,7 @@ class GPTNeoXForCausalLM(DecoderLM):
             layers.append(LayerNormBlock(attn, mlp, spec.hidden_size, eps, is_parallel, has_mlp_norm=True))
         norm = nn.LayerNorm(spec.hidden_size, eps=eps)
         super().__init__(spec, layers, norm, is_tied=bool(cfg.get("tie_word_embeddings", False)))
+        self.int4_packing = int4_packing(cfg)
 
     @staticmethod
     def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +67,10 @@ class GPTNeoXForCausalLM(DecoderLM):
         name = rename(name, _NAMES)
         if self.is_tied and name.startswith("lm_head."):
             return
-        if ".qkv_proj." in name:
-            tensor = per_head_qkv_to_stacked(tensor, self.spec.num_heads)
+        if ".qkv_proj." in name:  # each tensor along its own output dimension (models/fused_qkv.py)
+            param = name.rpartition(".")[2]
+            tensor = reorder_outputs(param, tensor, self._qkv_to_stacked, self.int4_packing)
         yield name, tensor, None
+
+    def _qkv_to_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        return per_head_qkv_to_stacked(tensor, self.spec.num_heads)
