@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.services.engine.models import load_model
+from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
 from pagedserve.services.engine.models.layers import Attention
 from pagedserve.services.engine.models.loader import resolve_quantization
@@ -106,3 +107,27 @@ def _transposed(written: tuple[dict[str, torch.Tensor], torch.Tensor]) -> tuple[
     """gptq_tensors works on [K, N]; write_quantized_llama's weights and meanings are HF's [N, K]."""
     tensors, meaning = written
     return tensors, meaning.t()
+
+
+def test_fbgemm_fp8_checkpoint_loads_its_per_row_weights_and_keeps_what_it_did_not_convert(tmp_path: Path) -> None:
+    """Llama-3.1-405B-FP8's format: per-row FP8 weights with an activation bound per linear (input_scale_ub), the
+    attention left in full precision (modules_to_not_convert)."""
+
+    def per_row(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        scale = weight.abs().amax(dim=1, keepdim=True).float() / 448.0
+        q = (weight / scale).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale, "input_scale_ub": torch.tensor(1200.0)}, q.float() * scale
+
+    config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["self_attn"]}
+    hf = write_quantized_llama(tmp_path, per_row, config, keep_full=lambda name: ".self_attn." in name)
+    ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+    kinds = {
+        name: type(module).__name__ for name, module in ours.named_modules() if name.endswith(("qkv_proj", "down_proj"))
+    }
+    assert {kind for name, kind in kinds.items() if "qkv_proj" in name} == {"ShardedLinear"}  # not converted
+    assert {kind for name, kind in kinds.items() if "down_proj" in name} == {"Fp8Linear"}
+    for layer in range(hf.config.num_hidden_layers):
+        got = ours.get_submodule(f"model.layers.{layer}.mlp.down_proj")
+        assert isinstance(got, Fp8Linear)
+        want = hf.get_parameter(f"model.layers.{layer}.mlp.down_proj.weight")
+        torch.testing.assert_close(got.weight.float() * got.weight_scale[:, None], want, atol=0, rtol=0)

@@ -181,9 +181,10 @@ def fp8_kept_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
 
 
 def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Drop static activation scales (and KV scales this loader does not use) from a checkpoint stream."""
+    """Drop static activation scales and fbgemm's activation bound (`input_scale_ub`: activations quantize
+    dynamically per token here, by their own maximum) from a checkpoint stream."""
     for name, tensor in tensors:
-        if not name.endswith((".input_scale", ".k_scale", ".v_scale", ".kv_scale")):
+        if not name.endswith((".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", ".kv_scale")):
             yield name, tensor
 
 
