@@ -389,6 +389,15 @@ class EngineServiceConfig:
         "127.0.0.1",
         "address of the metrics port (0.0.0.0 where a scraper on another host reads it: compose, Kubernetes)",
     )
+    engine_nice: int = opt(
+        0,
+        "niceness of the engine's processes (-20..19); negative puts its step loop ahead of other work on a host "
+        "whose cores are shared (clients, gateways): needs root or CAP_SYS_NICE",
+    )
+
+    def __post_init__(self) -> None:
+        if not -20 <= self.engine_nice <= 19:
+            raise ValueError("engine_nice: must be in -20..19")
 
 
 @dataclass(slots=True)
