@@ -146,6 +146,7 @@ def engine_config(model_dir: Path, args: argparse.Namespace, tp: int, dtype: str
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         **({} if args.gemv_max_rows is None else {"gemv_max_rows": args.gemv_max_rows}),
         **({} if args.pdl is None else {"pdl": bool(args.pdl)}),
+        **({} if args.fused_push is None else {"fused_all_reduce_push": bool(args.fused_push)}),
         num_kv_blocks=None if args.device == "cuda" else 256,
     )
 
@@ -269,6 +270,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "fused_all_reduce_max_bytes": all_reduce_limits(engine.config.parallel)[1],
         "gemv_max_rows": engine.config.runner.gemv_max_rows,
         "pdl": engine.config.runner.pdl,
+        "fused_all_reduce_push": engine.config.parallel.fused_all_reduce_push,
         "dtype": dtype,
         "startup_s": round(sync(args.device) - start, 1),
     }
@@ -388,6 +390,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gemv-max-rows", type=int, help="the engine's flag (default: the engine's); 0: cuBLAS only")
     parser.add_argument("--pdl", type=int, choices=(0, 1), help="programmatic dependent launch (default: the engine's)")
     parser.add_argument(
+        "--fused-push", type=int, choices=(0, 1), help="the fused all-reduce's push protocol (default: the engine's)"
+    )
+    parser.add_argument(
         "--fused-all-reduce-max-bytes",
         type=int,
         help="the engine's flag (default: the engine's, on): 0 all-reduces o/down outputs by NCCL before the norm",
@@ -457,6 +462,7 @@ def main() -> None:
     stem += "_unfused" if args.fused_all_reduce_max_bytes == 0 or args.disable_custom_all_reduce else ""
     stem += f"_gemv{args.gemv_max_rows}" if args.gemv_max_rows is not None else ""
     stem += f"_pdl{args.pdl}" if args.pdl is not None else ""
+    stem += f"_push{args.fused_push}" if args.fused_push is not None else ""
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / f"{stem}.md").write_text(
         f"# {report['command']}\n{report['date']} on {report['device']}\n\n{text}\n"

@@ -22,8 +22,18 @@ different halves; where they cannot (an odd number of calls in a CUDA graph, rep
 `barrier` ends every peer's reads (parallel/partial_sums.py keeps that rule).
 Only each program's first WORLD threads touch the flags; the block then meets at bar.sync.
 
-No NVLink multicast: peers are read through plain P2P pointers. World sizes of 2, 4 and 8 (a power of two:
-the flag lanes are a tl.arange).
+The push protocol (`push_all_reduce_add_rms_norm`, the default: ParallelConfig.fused_all_reduce_push) needs no
+flags and no read across NVLink. Each buffer also holds, per half, an inbox with a slot per rank. A call:
+    push    each rank stores its partial into its slot of every peer's inbox (posted stores: one one-way trip);
+    poll    it reads its own inbox (volatile loads, past L1) until no element is EMPTY (all bits set, a NaN
+            pattern: a partial's own such NaN is sent as another NaN), so the data is its own flag;
+    empty   it sets the slots it read back to EMPTY, then sums in rank order, adds and normalizes as above.
+A half's inbox is next written two calls later, by peers that have passed the call between, which needed this
+rank's push of it, made after this call ended: so it is empty again by then. Consecutive calls alternate halves
+as in the pull protocol (and the same barrier kernel ends an odd count).
+
+No NVLink multicast: peers are read (or written) through plain P2P pointers. World sizes of 2, 4 and 8 (a power
+of two: the flag lanes are a tl.arange).
 """
 
 from __future__ import annotations
@@ -143,6 +153,69 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 @triton.jit
+def _push_all_reduce_add_rms_norm_kernel(
+    buffer_ptrs,  # [WORLD] int64: every rank's symmetric buffer
+    offset,  # elements: this rank's [num_rows, HIDDEN] partial in its own buffer
+    inbox,  # elements: where the peers' copies land in every buffer, rank r's at inbox + r * slot
+    slot,  # elements between two ranks' copies
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    num_rows,
+    stride_residual,
+    stride_out,
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,  # the dtype's width: its elements move as ints of that width
+    USE_PDL: tl.constexpr,
+):
+    """The push protocol (module docstring): each rank stores its partial into every peer's inbox, then
+    polls its own inbox until no element is EMPTY (all bits set) any more, sums in rank order, and empties
+    its inbox again for this half's next call."""
+    prologue(USE_PDL)
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = residual_ptr.dtype.element_ty
+    bits = tl.int16 if BITS == 16 else tl.int32
+    empty: tl.constexpr = -1  # all bits set: a NaN pattern no partial sends (its NaNs go as NAN)
+    nan: tl.constexpr = 0x7FFF if BITS == 16 else 0x7FFFFFFF
+    bufs = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+    own = tl.load(bufs + RANK).to(tl.pointer_type(bits))
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, num_rows, num_programs):
+        row64 = row  # offsets stay far below 2**31: a buffer holds at most a few MiB
+        mine = tl.load(own + offset + row64 * HIDDEN + offs, mask=mask, other=0)
+        mine = tl.where(mine == empty, nan, mine)
+        for r in tl.static_range(WORLD):
+            if r != RANK:  # posted stores over NVLink: no round trip before the peer sees them
+                peer = tl.load(bufs + r).to(tl.pointer_type(bits))
+                tl.store(peer + inbox + RANK * slot + row64 * HIDDEN + offs, mine, mask=mask)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                got = mine
+            else:
+                box = own + inbox + r * slot + row64 * HIDDEN + offs
+                got = tl.load(box, mask=mask, other=0, volatile=True)
+                while tl.max((got == empty).to(tl.int32), axis=0) > 0:  # past L1: the peer's stores land in L2
+                    got = tl.load(box, mask=mask, other=0, volatile=True)
+                tl.store(box, tl.full([BLOCK], empty, bits), mask=mask)
+            total += got.to(dtype, bitcast=True).to(tl.float32)
+        res = tl.load(residual_ptr + row64 * stride_residual + offs, mask=mask, other=0.0)
+        s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row64 * stride_residual + offs, s, mask=mask)
+        h = s.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+        normed = (h * inv_rms).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
+
+
+@triton.jit
 def _barrier_kernel(signal_pad_ptrs, RANK: tl.constexpr, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     """Every peer meets here once its kernels before have ended (and so every read of the buffers)."""
     prologue(USE_PDL)
@@ -189,6 +262,51 @@ def all_reduce_add_rms_norm(
         **pdl.launch(residual.device),
     )
     return out
+
+
+def push_all_reduce_add_rms_norm(
+    buffer_ptrs: torch.Tensor,  # [world] int64 on the device
+    rank: int,
+    world_size: int,
+    residual: torch.Tensor,  # [num_rows, hidden]: updated in place to residual + the sum
+    weight: torch.Tensor,
+    eps: float,
+    offset: int,  # elements: this rank's partial in its own buffer
+    inbox: int,  # elements: the start of every buffer's inbox for this call (peer r's copy at inbox + r * slot)
+    slot: int,  # elements
+) -> torch.Tensor:  # rmsnorm(residual + sum) * weight
+    """The push protocol's call: every rank with the same shapes, its partial written at `offset`, its inbox
+    for this call empty (all bits set), as `EMPTY_BYTE` fills it and each call leaves it."""
+    num_rows, hidden = residual.shape
+    assert residual.stride(1) == 1 and weight.shape == (hidden,) and residual.element_size() in (2, 4)
+    out = torch.empty_like(residual)
+    if num_rows == 0:
+        return out
+    block = next_power_of_2(hidden)
+    _push_all_reduce_add_rms_norm_kernel[(min(num_rows, MAX_PROGRAMS),)](
+        buffer_ptrs,
+        offset,
+        inbox,
+        slot,
+        residual,
+        weight,
+        out,
+        num_rows,
+        residual.stride(0),
+        out.stride(0),
+        eps,
+        RANK=rank,
+        WORLD=world_size,
+        HIDDEN=hidden,
+        BLOCK=block,
+        BITS=8 * residual.element_size(),
+        num_warps=min(16, max(4, block // 256)),
+        **pdl.launch(residual.device),
+    )
+    return out
+
+
+EMPTY_BYTE = 0xFF  # an inbox's bytes between calls: every element's bits set, whatever its dtype
 
 
 def barrier(signal_pad_ptrs: torch.Tensor, rank: int, world_size: int, device: torch.device) -> None:

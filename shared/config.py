@@ -327,6 +327,11 @@ class ParallelConfig:
         "symmetric memory and one kernel sums them inside the next residual add + RMSNorm, up to this size "
         "(8B TP=2 ITL 3.31 vs 3.63 ms with NCCL on 2 H200s); 0: NCCL, then the norm",
     )
+    fused_all_reduce_push: bool = opt(
+        True,
+        "the fused all-reduce's protocol: each rank stores its partial into its peers' buffers and polls its own "
+        "(one one-way NVLink trip a call); off: each rank meets its peers at a flag barrier, then reads theirs",
+    )
     gpus: str | None = opt(
         None,
         "serve: comma-separated GPU indexes, one engine replica per group of "

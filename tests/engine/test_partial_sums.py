@@ -28,7 +28,7 @@ from pagedserve.services.engine.models import fused_ops, load_model
 from pagedserve.services.engine.models.layers import Attention, GatedMLP
 from pagedserve.services.engine.parallel import partial_sums
 from pagedserve.services.engine.parallel.linear import Part, RowParallelLinear
-from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials, half_size
+from pagedserve.services.engine.parallel.partial_sums import SymmetricPartials, buffer_size, half_size
 from pagedserve.services.engine.parallel.state import ParallelContext, all_reduce_limits
 from pagedserve.shared.config import ParallelConfig
 from tests.models.paged_driver import PagedDriver
@@ -190,9 +190,18 @@ def test_row_parallel_linear_writes_its_partial_into_the_buffer_where_it_fits() 
 
 
 def test_all_reduce_limits_follow_the_flags() -> None:
-    assert all_reduce_limits(ParallelConfig()) == (0, 8 << 20)  # torch's kernels opt-in, the fusion on
+    assert all_reduce_limits(ParallelConfig()) == (0, 8 << 20, True)  # torch's kernels opt-in, the fusion on (push)
     assert all_reduce_limits(ParallelConfig(custom_all_reduce_max_bytes=1 << 20, fused_all_reduce_max_bytes=0)) == (
         1 << 20,
         0,
+        True,
     )
-    assert all_reduce_limits(ParallelConfig(disable_custom_all_reduce=True, custom_all_reduce_max_bytes=64)) == (0, 0)
+    off = ParallelConfig(disable_custom_all_reduce=True, custom_all_reduce_max_bytes=64, fused_all_reduce_push=False)
+    assert all_reduce_limits(off) == (0, 0, False)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_pushing_adds_an_inbox_slot_per_rank_to_each_half(world_size: int) -> None:
+    half = half_size(1000)
+    assert buffer_size(1000, world_size, push=False) == 2 * half
+    assert buffer_size(1000, world_size, push=True) == 2 * half + 2 * world_size * half

@@ -42,15 +42,21 @@ def half_size(max_bytes: int) -> int:
     return -(-max_bytes // 256) * 256
 
 
-class SymmetricPartials:
-    """One symmetric buffer per rank, two halves of `max_bytes` for partial sums, and the kernel that finishes
-    them."""
+def buffer_size(max_bytes: int, world_size: int, push: bool) -> int:
+    """Bytes of each rank's buffer: two halves for its partials and, pushing, an inbox per half with a slot for
+    each rank's copy."""
+    return 2 * half_size(max_bytes) * (1 + (world_size if push else 0))
 
-    def __init__(self, buffer: torch.Tensor, handle: Any, max_bytes: int) -> None:
-        self.buffer, self.max_bytes = buffer, max_bytes
+
+class SymmetricPartials:
+    """One symmetric buffer per rank, two halves of `max_bytes` for partial sums (and, with `push`, the inboxes
+    peers copy theirs into), and the kernel that finishes them."""
+
+    def __init__(self, buffer: torch.Tensor, handle: Any, max_bytes: int, push: bool = False) -> None:
+        self.buffer, self.max_bytes, self.push = buffer, max_bytes, push
         self.half_bytes = half_size(max_bytes)
-        assert buffer.numel() >= 2 * self.half_bytes, (buffer.numel(), max_bytes)
         self.rank, self.world_size = int(handle.rank), int(handle.world_size)
+        assert buffer.numel() >= buffer_size(max_bytes, self.world_size, push), (buffer.numel(), max_bytes)
         self.buffer_ptrs = handle.buffer_ptrs_dev  # [world] int64 on the device
         self.signal_pad_ptrs = handle.signal_pad_ptrs_dev
         self._start = buffer.data_ptr()
@@ -59,14 +65,23 @@ class SymmetricPartials:
         self.barriers = 0  # barrier kernels launched by `settle`
 
     @classmethod
-    def allocate(cls, group: Any, device: torch.device, max_bytes: int) -> SymmetricPartials:
-        """Collective over `group` (every rank, same max_bytes): its own buffer and signal pad, apart from
-        the custom all-reduce's, so neither protocol's flags or slots meet the other's."""
+    def allocate(cls, group: Any, device: torch.device, max_bytes: int, push: bool = False) -> SymmetricPartials:
+        """Collective over `group` (every rank, same max_bytes and push): its own buffer and signal pad, apart
+        from the custom all-reduce's, so neither protocol's flags or slots meet the other's. Pushing, every
+        inbox is emptied before any rank may copy into it."""
+        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(2 * half_size(max_bytes), dtype=torch.uint8, device=device)
+        from pagedserve.kernels.all_reduce_norm import EMPTY_BYTE
+
+        world_size = dist.get_world_size(group)
+        buffer = symm_mem.empty(buffer_size(max_bytes, world_size, push), dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, group)
-        return cls(buffer, handle, max_bytes)
+        if push:
+            buffer[2 * half_size(max_bytes) :].fill_(EMPTY_BYTE)
+            torch.cuda.synchronize(device)
+            dist.barrier(group)
+        return cls(buffer, handle, max_bytes, push)
 
     def fits(self, num_rows: int, hidden: int, dtype: torch.dtype) -> bool:
         return 0 < num_rows * hidden * dtype.itemsize <= self.max_bytes and dtype in FUSED_DTYPES
@@ -114,8 +129,22 @@ class SymmetricPartials:
     def _sum_add_norm(
         self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, half: int
     ) -> torch.Tensor:
-        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm
+        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm, push_all_reduce_add_rms_norm
 
+        size = partial.element_size()
+        if self.push:  # inboxes after both halves: half h's at 2 * half_bytes + h * world * half_bytes
+            inbox = (2 + half * self.world_size) * self.half_bytes
+            return push_all_reduce_add_rms_norm(
+                self.buffer_ptrs,
+                self.rank,
+                self.world_size,
+                residual,
+                weight,
+                eps,
+                offset=half * self.half_bytes // size,
+                inbox=inbox // size,
+                slot=self.half_bytes // size,
+            )
         return all_reduce_add_rms_norm(
             self.buffer_ptrs,
             self.signal_pad_ptrs,
@@ -157,7 +186,7 @@ def owner_of(x: torch.Tensor) -> SymmetricPartials | None:
     return None
 
 
-def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
+def setup_partials(ctx: Any, max_bytes: int, push: bool = True) -> SymmetricPartials | None:
     """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None
     (None: row-parallel outputs are all-reduced as before; the reason is logged once, by rank 0).
     Partials above the one-shot limit for the world size (each rank reads all W buffers: 512 KiB at 4
@@ -172,7 +201,7 @@ def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
     partials = build_on_every_rank(
         ctx,
         obstacle,
-        lambda: SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes),
+        lambda: SymmetricPartials.allocate(ctx.model_group, ctx.device, max_bytes, push),
         "fused all-reduce + RMSNorm off: NCCL, then the norm",
     )
     if partials is None:
@@ -180,5 +209,9 @@ def setup_partials(ctx: Any, max_bytes: int) -> SymmetricPartials | None:
     register(partials)
     partials.max_bytes = min(max_bytes, default_one_shot_max_bytes(ctx.world_size))
     if ctx.rank == 0:
-        log.info("fused all-reduce + residual add + RMSNorm on, for partial sums up to %d bytes", partials.max_bytes)
+        log.info(
+            "fused all-reduce + residual add + RMSNorm on (%s), for partial sums up to %d bytes",
+            "push" if push else "pull",
+            partials.max_bytes,
+        )
     return partials

@@ -89,6 +89,7 @@ def init_parallel(
     timeout_s: float,
     custom_all_reduce_max_bytes: int = 0,
     fused_all_reduce_max_bytes: int = 0,
+    fused_all_reduce_push: bool = True,
 ) -> ParallelContext:
     """Join the replica's process groups (every rank calls this, in the same order). On CUDA with
     custom_all_reduce_max_bytes > 0, all-reduces up to that size take the custom all-reduce where the
@@ -114,16 +115,16 @@ def init_parallel(
     if device.type == "cuda" and world_size > 1 and custom_all_reduce_max_bytes > 0:
         ctx.custom_all_reduce = setup_custom_all_reduce(ctx, custom_all_reduce_max_bytes)
     if device.type == "cuda" and world_size > 1 and fused_all_reduce_max_bytes > 0:
-        ctx.partials = setup_partials(ctx, fused_all_reduce_max_bytes)
+        ctx.partials = setup_partials(ctx, fused_all_reduce_max_bytes, fused_all_reduce_push)
     return ctx
 
 
-def all_reduce_limits(parallel: ParallelConfig) -> tuple[int, int]:
-    """init_parallel's (custom_all_reduce_max_bytes, fused_all_reduce_max_bytes) from the configuration
-    (0: off); --disable-custom-all-reduce turns both off."""
+def all_reduce_limits(parallel: ParallelConfig) -> tuple[int, int, bool]:
+    """init_parallel's (custom_all_reduce_max_bytes, fused_all_reduce_max_bytes, fused_all_reduce_push) from the
+    configuration (0: off); --disable-custom-all-reduce turns both off."""
     if parallel.disable_custom_all_reduce:
-        return 0, 0
-    return parallel.custom_all_reduce_max_bytes, parallel.fused_all_reduce_max_bytes
+        return 0, 0, parallel.fused_all_reduce_push
+    return parallel.custom_all_reduce_max_bytes, parallel.fused_all_reduce_max_bytes, parallel.fused_all_reduce_push
 
 
 def shutdown_parallel() -> None:
