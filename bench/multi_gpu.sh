@@ -10,6 +10,7 @@
 #   OUT=/tmp/out PART=tpfused bash bench/multi_gpu.sh  # 8B TP=1, then TP=2 (and 4) NCCL vs fused all-reduce+norm
 #   OUT=/tmp/out PART=gemv    bash bench/multi_gpu.sh  # decode GEMV: tests, sweep, 8B TP=1 (and 2) cuBLAS vs GEMV
 #   OUT=/tmp/out PART=pdl     bash bench/multi_gpu.sh  # programmatic dependent launch: tests, 8B TP=1 (and 2) off vs on
+#   OUT=/tmp/out PART=push    bash bench/multi_gpu.sh  # fused all-reduce push vs pull: check, latency, tests, 8B TP=2 ITL
 #   OUT=/tmp/out PART=decode1 bash bench/multi_gpu.sh  # one GPU, 8B batch 1 and 64: bf16 cuBLAS / GEMV, GPTQ W4A16
 #
 # Models are random-weight: config-only directories (bench/serve/random_model.py --config-only) whose
@@ -152,6 +153,25 @@ case "${PART:-tp8b}" in
           --kernel-profile 8 --json "$OUT/profile_tp${tp}_gemv.json" > "$OUT/profile_tp$tp.log" 2>&1
         echo "profile tp$tp rc=$?"
       fi
+    done
+    ;;
+  push)  # the fused all-reduce's push protocol against pull: the check and latency, GPU tests, 8B TP=1 / TP=2 ITL
+    for proto in push pull; do
+      flag=$([[ $proto == pull ]] && echo --pull)
+      OUT=$OUT timeout 200 python3 -m bench.custom_all_reduce --world-size 2 --buffer-bytes $((8 << 20)) $flag \
+        > "$OUT/custom_ar_$proto.log" 2>&1
+      echo "custom_all_reduce $proto rc=$?"; grep -E "cases|^\| (1|8|64|256) \|" "$OUT/custom_ar_$proto.log" | tail -n 6
+    done
+    if python3 -c "import pytest" 2> /dev/null && [[ ${GPU_TESTS:-1} == 1 ]]; then
+      timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -o addopts='' -p no:cacheprovider -rs \
+        tests/engine/test_tensor_parallel_gpu.py tests/kernels/test_push_all_reduce.py > "$OUT/push_tests.log" 2>&1
+      echo "push tests rc=$?"; tail -n 4 "$OUT/push_tests.log"
+    fi
+    n=${NUM_REQUESTS:-64}
+    tp_variant 1 push1 "$n"
+    mkdir -p "$WORK/tp1-push0" && cp "$WORK/tp1-push1/8b-tp1.json" "$WORK/tp1-push0/" 2> /dev/null
+    for p in ${PUSH_VALUES:-1 0}; do
+      tp_variant 2 "push$p" "$n" --fused-push "$p"
     done
     ;;
   pdl)  # programmatic dependent launch (issue 23): GPU tests with it on (the engine's default), then 8B
