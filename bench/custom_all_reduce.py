@@ -292,7 +292,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def rank_main(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
     ctx = init_parallel(
-        rank, world_size, init_method, torch.device("cuda"), 120.0, args.buffer_bytes, args.buffer_bytes, not args.pull
+        rank, world_size, init_method, torch.device("cuda"), 120.0, args.buffer_bytes, args.buffer_bytes, args.push
     )
     if ctx.custom_all_reduce is None:
         sys.exit("custom all-reduce did not start (see the warning above)")
@@ -336,12 +336,12 @@ def write(result: dict[str, Any], args: argparse.Namespace, world_size: int) -> 
         "world_size": world_size,
         "torch": torch.__version__,
         "calls_per_graph": CALLS_PER_GRAPH,
-        "fused_protocol": "pull" if args.pull else "push",
+        "fused_protocol": "push" if args.push else "pull",
         **result,
     }
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    protocol = "_pull" if args.pull else ""
+    protocol = "_push" if args.push else ""
     path = out_dir / f"custom_all_reduce_{device.replace(' ', '_')}_tp{world_size}{protocol}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
@@ -357,7 +357,7 @@ def main() -> None:
     parser.add_argument("--buffer-bytes", type=int, default=32 << 20, help="symmetric buffer (largest size run)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--check-only", action="store_true")
-    parser.add_argument("--pull", action="store_true", help="the fused all-reduce's barrier-then-read protocol")
+    parser.add_argument("--push", action="store_true", help="the fused all-reduce's push protocol (default: pull)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun

@@ -157,7 +157,7 @@ case "${PART:-tp8b}" in
     ;;
   push)  # the fused all-reduce's push protocol against pull: the check and latency, GPU tests, 8B TP=1 / TP=2 ITL
     for proto in push pull; do
-      flag=$([[ $proto == pull ]] && echo --pull)
+      flag=$([[ $proto == push ]] && echo --push)
       OUT=$OUT timeout 200 python3 -m bench.custom_all_reduce --world-size 2 --buffer-bytes $((8 << 20)) $flag \
         > "$OUT/custom_ar_$proto.log" 2>&1
       echo "custom_all_reduce $proto rc=$?"; grep -E "cases|^\| (1|8|64|256) \|" "$OUT/custom_ar_$proto.log" | tail -n 6

@@ -22,8 +22,11 @@ different halves; where they cannot (an odd number of calls in a CUDA graph, rep
 `barrier` ends every peer's reads (parallel/partial_sums.py keeps that rule).
 Only each program's first WORLD threads touch the flags; the block then meets at bar.sync.
 
-The push protocol (`push_all_reduce_add_rms_norm`, the default: ParallelConfig.fused_all_reduce_push) needs no
-flags and no read across NVLink. Each buffer also holds, per half, an inbox with a slot per rank. A call:
+The push protocol (`push_all_reduce_add_rms_norm`, opt-in: ParallelConfig.fused_all_reduce_push) needs no flags
+and no read across NVLink. On 2 H200s it was no faster where it matters (graphs of 20 calls: 4.53 against 4.87 us
+at 1 row, 18.2 against 12.1 at 256 rows, where a program's rows wait one after another; 8B TP=2 ITL 2.587
+against 2.590 ms: bench/results/fused_push_h200x2_2026-11-28/), so pull stays the default. Each buffer also
+holds, per half, an inbox with a slot per rank. A call:
     push    each rank stores its partial into its slot of every peer's inbox (posted stores: one one-way trip);
     poll    it reads its own inbox (volatile loads, past L1) until no element is EMPTY (all bits set, a NaN
             pattern: a partial's own such NaN is sent as another NaN), so the data is its own flag;

@@ -328,9 +328,10 @@ class ParallelConfig:
         "(8B TP=2 ITL 3.31 vs 3.63 ms with NCCL on 2 H200s); 0: NCCL, then the norm",
     )
     fused_all_reduce_push: bool = opt(
-        True,
-        "the fused all-reduce's protocol: each rank stores its partial into its peers' buffers and polls its own "
-        "(one one-way NVLink trip a call); off: each rank meets its peers at a flag barrier, then reads theirs",
+        False,
+        "the fused all-reduce's push protocol: each rank stores its partial into its peers' buffers and polls its "
+        "own, instead of meeting them at a flag barrier and reading theirs (2 H200s: 4.53 vs 4.87 us at 1 row, "
+        "18.2 vs 12.1 at 256; 8B TP=2 ITL 2.587 vs 2.590 ms)",
     )
     gpus: str | None = opt(
         None,

@@ -190,14 +190,14 @@ def test_row_parallel_linear_writes_its_partial_into_the_buffer_where_it_fits() 
 
 
 def test_all_reduce_limits_follow_the_flags() -> None:
-    assert all_reduce_limits(ParallelConfig()) == (0, 8 << 20, True)  # torch's kernels opt-in, the fusion on (push)
+    assert all_reduce_limits(ParallelConfig()) == (0, 8 << 20, False)  # torch's kernels opt-in, the fusion on (pull)
     assert all_reduce_limits(ParallelConfig(custom_all_reduce_max_bytes=1 << 20, fused_all_reduce_max_bytes=0)) == (
         1 << 20,
         0,
-        True,
+        False,
     )
-    off = ParallelConfig(disable_custom_all_reduce=True, custom_all_reduce_max_bytes=64, fused_all_reduce_push=False)
-    assert all_reduce_limits(off) == (0, 0, False)
+    off = ParallelConfig(disable_custom_all_reduce=True, custom_all_reduce_max_bytes=64, fused_all_reduce_push=True)
+    assert all_reduce_limits(off) == (0, 0, True)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -69,7 +69,9 @@ def _bytes(x: torch.Tensor) -> bytes:  # plain bytes through the queue: a tensor
 
 # Not bf16: the interpreter rounds float32 -> bf16 by truncation (the GPU check runs bf16, bit for bit).
 @pytest.mark.parametrize(("world", "dtype"), [(2, torch.float16), (4, torch.float32)])
-def test_every_rank_gets_the_reference_and_empties_its_inbox(world: int, dtype: torch.dtype, tmp_path: Path) -> None:
+def test_every_rank_gets_the_reference_and_empties_its_inbox(
+    world: int, dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     half = _half_bytes()
     files = []
     for rank in range(world):
@@ -78,6 +80,8 @@ def test_every_rank_gets_the_reference_and_empties_its_inbox(world: int, dtype: 
         path = tmp_path / f"rank{rank}.bin"
         path.write_bytes(buffer.numpy().tobytes())
         files.append(str(path))
+    # Spawned ranks import this module (and the kernel) afresh: on a CUDA machine too they must interpret.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     ranks = [spawn.Process(target=_rank, args=(r, world, files, dtype, results)) for r in range(world)]

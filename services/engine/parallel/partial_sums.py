@@ -186,7 +186,7 @@ def owner_of(x: torch.Tensor) -> SymmetricPartials | None:
     return None
 
 
-def setup_partials(ctx: Any, max_bytes: int, push: bool = True) -> SymmetricPartials | None:
+def setup_partials(ctx: Any, max_bytes: int, push: bool = False) -> SymmetricPartials | None:
     """Every rank of `ctx` (a ParallelContext on CUDA) calls this after init; all get one or all None
     (None: row-parallel outputs are all-reduced as before; the reason is logged once, by rank 0).
     Partials above the one-shot limit for the world size (each rank reads all W buffers: 512 KiB at 4

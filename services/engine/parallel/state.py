@@ -89,7 +89,7 @@ def init_parallel(
     timeout_s: float,
     custom_all_reduce_max_bytes: int = 0,
     fused_all_reduce_max_bytes: int = 0,
-    fused_all_reduce_push: bool = True,
+    fused_all_reduce_push: bool = False,
 ) -> ParallelContext:
     """Join the replica's process groups (every rank calls this, in the same order). On CUDA with
     custom_all_reduce_max_bytes > 0, all-reduces up to that size take the custom all-reduce where the
