@@ -81,8 +81,9 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
 GEMV_MAX_ROWS = 16  # timed up to here (Int4Linear uses it up to kernels/w4a16_gemv.MAX_ROWS)
 GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, SPLIT_K; 0 = auto)
     (512, 4, 0),
-    (512, 4, 16),
+    *((512, 4, split) for split in (4, 8, 16, 32, 64)),  # the auto split against the others (waves of programs)
     (256, 2, 0),
+    *((256, 2, split) for split in (8, 16, 32, 64)),
     (256, 4, 0),
     (1024, 8, 0),
     (128, 1, 0),
