@@ -157,3 +157,18 @@ def test_a_checkpoint_missing_a_parameter_or_naming_an_unknown_one_is_refused(
     save_file(extra, str(tmp_path / "extra.safetensors"))
     with pytest.raises(KeyError, match=r"model\.layers\.9\.mlp\.gate_up_proj\.weight"):
         load_sharded(model, [tmp_path / "extra.safetensors"], show_progress=False)
+
+
+def test_kv_cache_scales_in_a_sharded_load_go_to_every_ranks_attention(tmp_path: Path) -> None:
+    """A checkpoint with kv_cache_scheme's scales (bf16 weights beside them) loads tensor-parallel too."""
+    build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
+    files = safetensors_files(tmp_path)
+    extra = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.1.self_attn.v_scale": torch.tensor(2.0),
+    }
+    save_file(extra, str(tmp_path / "kv_scales.safetensors"))
+    model = load_model(tmp_path, "float32", CPU, show_progress=False)  # the files' weights; scales below
+    load_sharded(model, [*files, tmp_path / "kv_scales.safetensors"], show_progress=False)
+    attentions = [m for m in model.modules() if hasattr(m, "k_scale")]
+    assert [(a.k_scale, a.v_scale) for a in attentions] == [(0.5, 1.0), (1.0, 2.0)]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.kv_cache_scales import KVCacheScales
 from pagedserve.services.engine.models.layers import Attention
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.models.spec import read_model_config
@@ -131,3 +132,16 @@ def test_fbgemm_fp8_checkpoint_loads_its_per_row_weights_and_keeps_what_it_did_n
         assert isinstance(got, Fp8Linear)
         want = hf.get_parameter(f"model.layers.{layer}.mlp.down_proj.weight")
         torch.testing.assert_close(got.weight.float() * got.weight_scale[:, None], want, atol=0, rtol=0)
+
+
+def test_kv_cache_scale_names_and_their_meaning() -> None:
+    scales = KVCacheScales()
+    stream = [
+        ("model.layers.0.self_attn.kv_scale", torch.tensor(3.0)),  # one scale for K and V (older exports)
+        ("model.layers.0.self_attn.q_scale", torch.tensor(9.0)),  # fp8 attention math: claimed, not used
+        ("transformer.h.1.self_attention.k_scale", torch.tensor([1.0, 4.0])),  # Falcon's names; per head
+        ("model.layers.0.mlp.down_proj.weight_scale", torch.tensor(7.0)),  # a weight's scale: not ours
+    ]
+    kept = [name for name, _ in scales.taken_from(stream)]
+    assert kept == ["model.layers.0.mlp.down_proj.weight_scale"]
+    assert scales.by_layer == {0: {"kv": 3.0}, 1: {"k": 4.0}}

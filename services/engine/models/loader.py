@@ -8,10 +8,9 @@ slow and the torch paged attention computes in fp32 anyway).
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +38,7 @@ from pagedserve.services.engine.models.int4 import (
     unconverted_linears,
 )
 from pagedserve.services.engine.models.int4 import dequantize_experts as dequantize_int4_experts
+from pagedserve.services.engine.models.kv_cache_scales import KVCacheScales
 from pagedserve.services.engine.models.llama import LlamaForCausalLM
 from pagedserve.services.engine.models.llama_moe import MoeForCausalLM
 from pagedserve.services.engine.models.mxfp4 import PACKED_EXPERTS_KEY, checkpoint_is_mxfp4, keeps_experts_packed
@@ -224,47 +224,6 @@ def _checkpoint_stream(
     if keep_experts:
         return repack_experts(tensors, *int4)
     return dequantize_int4_experts(tensors, *int4, act_order=int4_act_order(cfg))
-
-
-class KVCacheScales:
-    """Static KV-cache scales a checkpoint may hold beside any weight format (compressed-tensors' kv_cache_scheme:
-    `self_attn.k_scale` / `v_scale`; older FP8 exports: `k_proj` / `v_proj.output_scale`, or one `kv_scale`),
-    taken out of the weight stream and set on each layer's attention, which an fp8 KV cache divides K and V by
-    (vLLM's meaning). A per-head scale becomes the layer's largest: no head overflows e4m3."""
-
-    _NAMES: ClassVar[dict[str, str]] = {
-        ".k_scale": "k",
-        ".v_scale": "v",
-        ".kv_scale": "kv",
-        "k_proj.output_scale": "k",
-        "v_proj.output_scale": "v",
-    }
-    _UNUSED = (".q_scale", ".prob_scale")  # fp8 attention math: not done here
-    _LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
-
-    def __init__(self) -> None:
-        self.by_layer: dict[int, dict[str, float]] = {}
-
-    def taken_from(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            kind = next((k for suffix, k in self._NAMES.items() if name.endswith(suffix)), None)
-            if kind is None and not name.endswith(self._UNUSED):
-                yield name, tensor
-            elif kind is not None and (layer := self._LAYER.search(name)) is not None:
-                scales = self.by_layer.setdefault(int(layer.group(1)), {})
-                scales[kind] = float(tensor.float().max())
-
-    def apply(self, model: CausalLM) -> None:
-        if not self.by_layer:
-            return
-        attentions = [m for m in model.modules() if hasattr(m, "k_scale")]  # every family's attention, in order
-        for layer, scales in self.by_layer.items():
-            if layer < len(attentions):
-                attention = attentions[layer]
-                for kind in ("k", "v"):
-                    if (scale := scales.get(kind, scales.get("kv"))) is not None:
-                        setattr(attention, f"{kind}_scale", scale)
-        log.info("static KV-cache scales of %d layers (used by an fp8 KV cache)", len(self.by_layer))
 
 
 def model_class(cfg: dict[str, Any]) -> type[CausalLM]:

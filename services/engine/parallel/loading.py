@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.kv_cache_scales import KVCacheScales
 from pagedserve.services.engine.models.layers import ShardedLinear
 from pagedserve.services.engine.parallel.linear import ReadSlice
 
@@ -69,9 +70,14 @@ def load_sharded(model: CausalLM, files: list[Path], show_progress: bool = True)
     unwritten = set(params)
     handles = [safe_open(str(f), framework="pt") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
+    kv_scales = KVCacheScales()
     with tqdm(total=total, desc="loading weight shards", unit="tensor", disable=not show_progress) as bar:
         for handle in handles:
             for ckpt_name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                if kv_scales.claims(ckpt_name):  # a whole-layer scale: every rank takes it
+                    kv_scales.take(ckpt_name, handle.get_tensor(ckpt_name))
+                    bar.update(1)
+                    continue
                 shape = handle.get_slice(ckpt_name).get_shape()
                 probe = torch.empty(shape, device="meta")
                 full: dict[str, torch.Tensor] | None = None
@@ -88,6 +94,7 @@ def load_sharded(model: CausalLM, files: list[Path], show_progress: bool = True)
                 bar.update(1)
     if unwritten:
         raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")
+    kv_scales.apply(model)
 
 
 def _full_pieces(model: CausalLM) -> Iterator[tuple[str, str | None, tuple[int, ...]]]:
