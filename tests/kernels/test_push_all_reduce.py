@@ -16,6 +16,10 @@ import torch
 
 from pagedserve.kernels.all_reduce_norm import EMPTY_BYTE, all_reduce_add_rms_norm_reference
 
+# The compiled kernel is checked on GPUs, bit for bit against the CUDA reference (bench/custom_all_reduce.py, 2 H200s:
+# bench/results/fused_push_h200x2_2026-11-28/). There the machines' Triton (3.6) interprets `range(pid, ...)` with
+# a one-element array and fails, so this interpreter test is CPU CI's (Triton >= 3.7, as pyproject requires).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test; GPUs run the compiled check")
 ROWS, HIDDEN, CALLS = 3, 64, 3  # halves 0, 1, 0: a half's inbox is reused after it was emptied
 
 
