@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels.fused_norm import rms_norm_row
 from pagedserve.kernels.launch_config import next_power_of_2
 from pagedserve.kernels.pdl import prologue
 
@@ -107,6 +108,16 @@ def _barrier(signal_pad_ptrs, pid, RANK: tl.constexpr, WORLD: tl.constexpr, ORDE
 
 
 @triton.jit
+def _add_norm_row(total, residual_ptrs, out_ptrs, mask, w, eps, HIDDEN: tl.constexpr):
+    """One row's finish (module docstring): residual += total rounded to its dtype, out = rmsnorm(residual) * w."""
+    dtype = residual_ptrs.dtype.element_ty
+    res = tl.load(residual_ptrs, mask=mask, other=0.0)
+    s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(residual_ptrs, s, mask=mask)
+    tl.store(out_ptrs, rms_norm_row(s, w, eps, HIDDEN, dtype), mask=mask)
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     buffer_ptrs,  # [WORLD] int64: every rank's symmetric buffer, each holding a [num_rows, HIDDEN] partial
     signal_pad_ptrs,  # [WORLD] int64: every rank's signal pad
@@ -141,13 +152,8 @@ def _all_reduce_add_rms_norm_kernel(
             part = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16) + offset  # page-aligned
             # plain loads: L1 starts every kernel empty, so no stale peer line survives from the last call
             total += tl.load(part + row64 * HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
-        res = tl.load(residual_ptr + row64 * stride_residual + offs, mask=mask, other=0.0)
-        s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(residual_ptr + row64 * stride_residual + offs, s, mask=mask)
-        h = s.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-        normed = (h * inv_rms).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
+        residual_row, out_row = residual_ptr + row64 * stride_residual + offs, out_ptr + row64 * stride_out + offs
+        _add_norm_row(total, residual_row, out_row, mask, w, eps, HIDDEN)
     if END_BARRIER:
         # Every warp of this program is done reading the peers before the flag says so (a fast warp holding
         # the flags must not signal while a slower one still reads: the peer would overwrite its buffer).
@@ -209,13 +215,8 @@ def _push_all_reduce_add_rms_norm_kernel(
                     got = tl.load(box, mask=mask, other=0, volatile=True)
                 tl.store(box, tl.full([BLOCK], empty, bits), mask=mask)
             total += got.to(dtype, bitcast=True).to(tl.float32)
-        res = tl.load(residual_ptr + row64 * stride_residual + offs, mask=mask, other=0.0)
-        s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(residual_ptr + row64 * stride_residual + offs, s, mask=mask)
-        h = s.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-        normed = (h * inv_rms).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row64 * stride_out + offs, (normed * w).to(dtype), mask=mask)
+        residual_row, out_row = residual_ptr + row64 * stride_residual + offs, out_ptr + row64 * stride_out + offs
+        _add_norm_row(total, residual_row, out_row, mask, w, eps, HIDDEN)
 
 
 @triton.jit

@@ -42,12 +42,18 @@ def _add_rms_norm_kernel(
     else:  # first layer: the residual is x itself
         s = x
         tl.store(residual_ptr + row * stride_residual + offs, s, mask=mask)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * stride_x + offs, rms_norm_row(s, w, eps, HIDDEN, x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(s, w, eps, HIDDEN: tl.constexpr, dtype: tl.constexpr):
+    """rmsnorm(s) * w for one row (`w` float32), in `dtype`: HF rounds the normed value to the input dtype before
+    the weight multiply; so do we."""
     h = s.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # HF rounds the normed value to the input dtype before the weight multiply; so do we.
-    normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(x_ptr + row * stride_x + offs, (normed * w).to(x_ptr.dtype.element_ty), mask=mask)
+    normed = (h * inv_rms).to(dtype).to(tl.float32)
+    return (normed * w).to(dtype)
 
 
 def add_rms_norm_(
