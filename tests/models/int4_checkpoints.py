@@ -1,5 +1,5 @@
 """4-bit AWQ and GPTQ tensors written from the formats' specifications (AutoAWQ's GEMM packing, AutoGPTQ's
-v1 packing), independently of the loader's unpacking: what a downloaded checkpoint holds."""
+v1 packing), independently of the loader's unpacking: what a downloaded checkpoint holds (and per-row FP8)."""
 
 from __future__ import annotations
 
@@ -183,6 +183,14 @@ def pack_quantized_config(group_size: int, symmetric: bool, act_order: bool = Fa
         },
         "ignore": ["lm_head"],
     }
+
+
+def fp8_rows(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """HF's weight [N, K] -> per-row FP8 checkpoint tensors (e4m3 `weight`, float32 `weight_scale` [N, 1]: each
+    row's amax maps to 448) and the [N, K] weight they mean."""
+    scale = weight.abs().amax(dim=1, keepdim=True).float() / 448.0
+    q = (weight / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
 
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -21,6 +21,7 @@ from pagedserve.services.engine.models.int4 import Int4Linear
 from pagedserve.services.engine.models.loader import resolve_quantization
 from tests.models.int4_checkpoints import (
     assert_logits_match_hf,
+    fp8_rows,
     pack_quantized_config,
     pack_quantized_tensors,
     rewrite_decoder_linears,
@@ -170,14 +171,11 @@ def test_8bit_act_order_groups_follow_g_idx(tmp_path: Path, packed: bool) -> Non
 
 def test_groups_with_different_weight_schemes_are_refused_at_load_naming_them(tmp_path: Path) -> None:
     """FP8 attention with W4A16 MLPs: one scheme for all linears is what loads, so say so before reading tensors."""
-    fp8 = torch.float8_e4m3fn
 
     def convert(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         if "self_attn" not in name:
             return pack_quantized_tensors(weight.float(), GROUP, True)
-        scale = weight.abs().amax(dim=1, keepdim=True).float() / 448.0
-        q = (weight / scale).to(fp8)
-        return {"weight": q, "weight_scale": scale}, q.float() * scale
+        return fp8_rows(weight)
 
     qc = _w4_config({"group_0": ["re:.*self_attn.*"], "group_1": ["re:.*mlp.*"]})
     qc["format"] = "mixed-precision"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pagedserve.services.engine.models import load_model
-from pagedserve.services.engine.models.fp8 import FP8_DTYPE, Fp8Linear, fp8_kept_linears
+from pagedserve.services.engine.models.fp8 import Fp8Linear, fp8_kept_linears
 from pagedserve.services.engine.models.int4 import (
     Int4Linear,
     dequantize_experts,
@@ -24,6 +24,7 @@ from pagedserve.services.engine.models.int4 import (
 )
 from tests.models.int4_checkpoints import (
     assert_logits_match_hf,
+    fp8_rows,
     gptq_tensors,
     rewrite_decoder_linears,
     write_quantized_llama,
@@ -167,12 +168,6 @@ _CT_FP8_GROUP = {
 _QKV0 = [f"{LAYER0}.self_attn.{p}_proj" for p in "qkv"]
 
 
-def _fp8_rows(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    scale = weight.abs().amax(dim=1, keepdim=True).float() / 448
-    q = (weight / scale).to(FP8_DTYPE)
-    return {"weight": q, "weight_scale": scale}, q.float() * scale
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -202,7 +197,7 @@ def _fp8_rows(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tens
 )
 def test_fp8_layers_the_checkpoint_left_unquantized_stay_exact(tmp_path: Path, config: dict[str, Any]) -> None:
     kept = (*_QKV0, "model.layers.1.mlp.down_proj")
-    hf = write_quantized_llama(tmp_path, _fp8_rows, config, keep_full=lambda name: name.removesuffix(".weight") in kept)
+    hf = write_quantized_llama(tmp_path, fp8_rows, config, keep_full=lambda name: name.removesuffix(".weight") in kept)
     saved = load_file(str(tmp_path / "model.safetensors"))
     ours = _load(tmp_path)
     qkv0 = ours.get_submodule(f"{LAYER0}.self_attn.qkv_proj")

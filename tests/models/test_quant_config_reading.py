@@ -19,7 +19,7 @@ from pagedserve.services.engine.models.kv_cache_scales import KVCacheScales
 from pagedserve.services.engine.models.layers import Attention
 from pagedserve.services.engine.models.loader import resolve_quantization
 from pagedserve.services.engine.models.spec import read_model_config
-from tests.models.int4_checkpoints import assert_logits_match_hf, gptq_tensors, write_quantized_llama
+from tests.models.int4_checkpoints import assert_logits_match_hf, fp8_rows, gptq_tensors, write_quantized_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
@@ -115,9 +115,8 @@ def test_fbgemm_fp8_checkpoint_loads_its_per_row_weights_and_keeps_what_it_did_n
     attention left in full precision (modules_to_not_convert)."""
 
     def per_row(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        scale = weight.abs().amax(dim=1, keepdim=True).float() / 448.0
-        q = (weight / scale).to(torch.float8_e4m3fn)
-        return {"weight": q, "weight_scale": scale, "input_scale_ub": torch.tensor(1200.0)}, q.float() * scale
+        tensors, meaning = fp8_rows(weight)
+        return {**tensors, "input_scale_ub": torch.tensor(1200.0)}, meaning
 
     config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["self_attn"]}
     hf = write_quantized_llama(tmp_path, per_row, config, keep_full=lambda name: ".self_attn." in name)
