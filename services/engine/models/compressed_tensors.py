@@ -217,7 +217,7 @@ def ignored(scheme: PackQuantized) -> Callable[[str], bool]:
     in_ignore = any_part(lambda name: matches(name, scheme.ignore))
 
     def targeted(name: str) -> bool:
-        return matches(name, scheme.targets) or all(matches(part, scheme.targets) for part in _parts(name))
+        return matches(name, scheme.targets) or all(matches(part, scheme.targets) for part in checkpoint_parts(name))
 
     return lambda name: in_ignore(name) or not targeted(name)
 
@@ -239,12 +239,12 @@ def any_part(match: Callable[[str], bool]) -> Callable[[str], bool]:
     parts; Phi-3's name the fused linears themselves)."""
 
     def match_ours(name: str) -> bool:
-        return match(name) or any(match(part) for part in _parts(name))
+        return match(name) or any(match(part) for part in checkpoint_parts(name))
 
     return match_ours
 
 
-def _parts(name: str) -> list[str]:
+def checkpoint_parts(name: str) -> list[str]:
     """The checkpoint's module names of our linear `name`: q_proj/k_proj/v_proj of a qkv_proj, else itself."""
     prefix, dot, leaf = name.rpartition(".")
     return [f"{prefix}{dot}{hf}" for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf] or [name]

@@ -182,9 +182,10 @@ def fp8_kept_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:
 
 def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Drop static activation scales and fbgemm's activation bound (`input_scale_ub`: activations quantize
-    dynamically per token here, by their own maximum) from a checkpoint stream."""
+    dynamically per token here, by their own maximum) from a checkpoint stream. (KV-cache scales never get here:
+    the loader takes them first, models/kv_cache_scales.py.)"""
     for name, tensor in tensors:
-        if not name.endswith((".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", ".kv_scale")):
+        if not name.endswith((".input_scale", ".input_scale_ub")):
             yield name, tensor
 
 

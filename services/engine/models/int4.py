@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.expert_quant import pack_int4
+from pagedserve.services.engine.models.compressed_tensors import checkpoint_parts
 from pagedserve.services.engine.models.int4_repack import (
     can_tile,
     group_sort,
@@ -40,7 +41,6 @@ from pagedserve.services.engine.models.int4_repack import (
     tiled_order,
 )
 from pagedserve.services.engine.models.layers import replace_decoder_linears
-from pagedserve.services.engine.models.llama import PACKED_PROJECTIONS
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ int32 holds output column AWQ_ORDER[i]
 FORMATS = ("awq", "gptq")
@@ -217,8 +217,7 @@ def whole_linears(matches: Callable[[str], bool], rule: str) -> Callable[[str], 
     load as one layer: ValueError naming them and `rule`."""
 
     def match_ours(name: str) -> bool:
-        prefix, _, leaf = name.rpartition(".")
-        parts = [f"{prefix}.{hf}" for hf, (ours, _) in PACKED_PROJECTIONS.items() if ours == leaf]
+        parts = checkpoint_parts(name)
         hits = [part for part in parts if matches(part)]
         if hits and len(hits) != len(parts):
             raise ValueError(
