@@ -47,7 +47,7 @@ class Int8Weights:
 
 def int8_weights_format(cfg: dict[str, Any]) -> Int8Weights | None:
     """The scheme of a compressed-tensors checkpoint with 8-bit int weights, or None (another method or width)."""
-    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") != METHOD:
         return None
     named = weight_groups(qc)

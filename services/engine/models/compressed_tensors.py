@@ -104,7 +104,7 @@ def pack_quantized_format(cfg: dict[str, Any]) -> PackQuantized | None:
     """The scheme of a compressed-tensors checkpoint with integer weights, or None (not compressed-tensors,
     or float weights: fp8.py's); raises ValueError naming what is supported for anything else (config groups
     with different weight schemes, float and int included)."""
-    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") != METHOD:
         return None
     groups = weight_groups(qc)

@@ -55,7 +55,7 @@ def experts_quantization(
 def int4_act_order(cfg: dict[str, Any]) -> bool:
     """Whether a 4-bit checkpoint's config says its rows may be in act order (GPTQ desc_act, compressed-tensors
     actorder)."""
-    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    qc = cfg.get("quantization_config") or {}
     if qc.get("desc_act"):
         return True
     groups = (qc.get("config_groups") or {}).values()
