@@ -15,7 +15,7 @@
 #   PROFILE_STEPS=1 ...    # step phases, offline (its JSON) and served (server log: a line per busy period, one at exit)
 #   TIMELINE=1 ...         # when each burst's requests passed the gateway and tokenizer (bench/stream_timeline.py)
 #   GRAPH_TOKENS=8192 ...  # mixed/prefill steps of up to that many tokens replay CUDA graphs (offline and served)
-#   ENGINE_NICE=-10 ...    # renice the served engine once it is ready (root): is it losing its core to the rest?
+#   SERVE_ARGS="--workers 4 --engine-nice -10" ...  # the engine ahead of the rest in the scheduler (root)
 #   SERVER_CPUS=0-9 CLIENT_CPUS=10-15 ...  # taskset: the server's processes and the clients on cores of their own
 #   BENCH_ARGS="--save-requests" ...  # more bench.serve flags for the served run (here: each request's timings)
 #   DEVICE=cpu INPUT_LEN=32 OUTPUT_LEN=8 NUM_PROMPTS=8 SINGLE=2 SWEEP=1,4 CLIENTS=2 \
@@ -116,11 +116,6 @@ sys.exit("the server was not ready after 600 s")
 EOF
 
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
-if [[ -n "${ENGINE_NICE:-}" ]]; then
-  for pid in $(descendants "$SERVER"); do
-    if tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q " engine"; then renice -n "$ENGINE_NICE" -p "$pid"; fi
-  done
-fi
 if [[ -n "${PYSPY:-}" ]] && ! command -v py-spy > /dev/null; then
   python3 -m pip install -q --no-index --find-links "$WHEELS" py-spy
 fi
