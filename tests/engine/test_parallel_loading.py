@@ -17,6 +17,7 @@ from pagedserve.services.engine.models.weights import safetensors_files
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
+from tests.models.int4_checkpoints import awq_tensors, fp8_rows, gptq_tensors, write_quantized_llama
 from tests.models.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -172,3 +173,29 @@ def test_kv_cache_scales_in_a_sharded_load_go_to_every_ranks_attention(tmp_path:
     load_sharded(model, [*files, tmp_path / "kv_scales.safetensors"], show_progress=False)
     attentions = [m for m in model.modules() if hasattr(m, "k_scale")]
     assert [(a.k_scale, a.v_scale) for a in attentions] == [(0.5, 1.0), (1.0, 2.0)]
+
+
+QUANTIZED = {  # HF weight [N, K] -> (checkpoint tensors, meaning); groups of 64: o_proj's 64 inputs are one group
+    "gptq": (lambda w: gptq_tensors(w.t().contiguous(), 64), {"quant_method": "gptq", "bits": 4, "group_size": 64}),
+    "awq": (
+        lambda w: awq_tensors(w.t().contiguous(), 64),
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": True},
+    ),
+    "fp8": (fp8_rows, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_quantized_checkpoints_are_refused_tensor_parallel(method: str, tmp_path: Path) -> None:
+    """A row-parallel o_proj split over two ranks would cut its one group of 64 inputs in half: quantized weights
+    load on one rank only, refused naming the method rather than sliced into garbage."""
+    quantize, config = QUANTIZED[method]
+
+    def meaning_of(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        tensors, meaning = quantize(weight)
+        return tensors, meaning if method == "fp8" else meaning.t()
+
+    write_quantized_llama(tmp_path, meaning_of, config)
+    with pytest.raises(ValueError, match=rf"{method} weights load unsharded \(tensor parallel is not supported\)"):
+        load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
+    load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 1))  # one rank: loads

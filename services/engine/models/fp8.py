@@ -189,6 +189,15 @@ def skip_input_scales(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
+def e4m3_only(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's stream, refusing (by name) any 8-bit float tensor that is not e4m3 (float8_e4m3fn): an
+    e5m2 weight's scale is for e5m2's range, so read as e4m3 (or requantized) it would load as garbage."""
+    for name, tensor in tensors:
+        if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"{name}: {tensor.dtype} weights are not supported (FP8 checkpoints in e4m3 only)")
+        yield name, tensor
+
+
 def dequantize_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """FP8 checkpoints of MoE models (Qwen3-30B-A3B-FP8, Mixtral FP8) quantise the experts too; ours hold
     full-precision experts (the fused-MoE kernel has no fp8 path yet), so each expert `weight` is dequantised

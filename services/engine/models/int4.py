@@ -106,17 +106,23 @@ def int4_format(cfg: dict[str, Any]) -> tuple[str, int, int] | None:
             raise ValueError(f"quantization: AWQ version {version!r} is not supported (gemm only)")
         if qc.get("zero_point") is False:  # symmetric AWQ stores no qzeros
             raise ValueError("quantization: AWQ without zero points (zero_point: false) is not supported")
+        if str(qc.get("backend") or "autoawq").lower() != "autoawq":  # llm-awq packs its own way, same shapes
+            raise ValueError(f"quantization: AWQ backend {qc['backend']!r} is not supported (autoawq's GEMM packing)")
         return "awq", group_size, 0
     refuse_per_module_overrides(qc)
     return "gptq", group_size, gptq_zero_offset(qc)
 
 
 def gptq_zero_offset(qc: dict[str, Any]) -> int:
-    """1 for GPTQ v1 checkpoints, which store each zero point minus one; 0 for v2. Other packings GPTQModel can
-    save (marlin, bitblas, ...) lay the codes out differently: refused rather than misread."""
-    checkpoint_format = qc.get("checkpoint_format") or "gptq"
+    """1 for GPTQ v1 checkpoints, which store each zero point minus one; 0 for v2. Other packings AutoGPTQ /
+    GPTQModel can save (marlin, AutoGPTQ's older `is_marlin_format`, bitblas, ...; codes in int8/int16/int64 words,
+    GPTQModel's `pack_dtype`) lay the codes out differently: refused rather than misread."""
+    checkpoint_format = qc.get("checkpoint_format") or ("marlin" if qc.get("is_marlin_format") else "gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization: GPTQ checkpoint_format {checkpoint_format!r} is not supported (gptq, gptq_v2)")
+    pack_dtype = str(qc.get("pack_dtype") or "int32").removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise ValueError(f"quantization: GPTQ pack_dtype {pack_dtype!r} is not supported (codes packed in int32)")
     return 0 if checkpoint_format == "gptq_v2" else 1
 
 
@@ -532,6 +538,7 @@ def _dequantized_linear(
 ) -> torch.Tensor:
     num_inputs = parts["qweight"].shape[0] * (1 if fmt == "awq" else 8)
     groups = group_size or num_inputs  # 0: per output channel
+    _check_group_shapes(linear, parts, fmt, groups)
     g_idx = parts.get("g_idx")
     if g_idx is not None and not act_order:  # plain k // G, or rows the config says are not reordered
         check_plain_g_idx(f"{linear}.g_idx", g_idx, num_inputs, group_size)
@@ -542,3 +549,18 @@ def _dequantized_linear(
     except (RuntimeError, IndexError) as e:  # shapes that do not pack together
         raise ValueError(f"{linear}: its 4-bit tensors do not fit together ({e})") from None
     return weight.t().contiguous()  # [K, N] -> HF's [N, K]
+
+
+def _check_group_shapes(linear: str, parts: dict[str, torch.Tensor], fmt: str, group_size: int) -> None:
+    """scales [K/G, N] and qzeros [K/G, N/8] for the K inputs and N outputs qweight packs: tensors of another group
+    size than the config's would still index (wrong groups, silently), so they are refused by name."""
+    qweight = parts["qweight"]
+    k, n = (qweight.shape[0], qweight.shape[1] * 8) if fmt == "awq" else (qweight.shape[0] * 8, qweight.shape[1])
+    want = {"scales": (k // group_size, n), "qzeros": (k // group_size, n // 8)}
+    wrong = {part: tuple(parts[part].shape) for part, shape in want.items() if tuple(parts[part].shape) != shape}
+    if wrong or k % group_size:
+        raise ValueError(
+            f"{linear}: its 4-bit tensors do not fit the config's group size {group_size} (qweight "
+            f"{tuple(qweight.shape)}: {k} inputs, {n} outputs; want scales {want['scales']}, qzeros {want['qzeros']}; "
+            f"got {wrong or 'inputs not whole groups'})"
+        )

@@ -21,6 +21,7 @@ from pagedserve.services.engine.models.falcon import FalconForCausalLM
 from pagedserve.services.engine.models.fp8 import (
     checkpoint_is_fp8,
     dequantize_experts,
+    e4m3_only,
     fp8_kept_linears,
     quantize_linears,
     skip_input_scales,
@@ -209,9 +210,9 @@ def _checkpoint_stream(
     if method == CT_INT8 and (int8 := int8_weights_format(cfg)) is not None:
         return int8_stream(tensors, int8)
     if method == FP8_BLOCK and (block := block_fp8_format(cfg)) is not None:
-        return block_fp8_stream(tensors, block)
+        return block_fp8_stream(e4m3_only(tensors), block)
     if method == "fp8":
-        tensors = skip_input_scales(tensors)
+        tensors = skip_input_scales(e4m3_only(tensors))
         return tensors if keep_experts else dequantize_experts(tensors)
     if method == "compressed-tensors" and (scheme := pack_quantized_format(cfg)) is not None:
         int4: tuple[str, int, int] | None = ("gptq", scheme.group_size, 0)  # converted to GPTQ's tensors

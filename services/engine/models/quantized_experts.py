@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import expert_quant, moe_reference
-from pagedserve.services.engine.models.compressed_tensors import pack_quantized_format
-from pagedserve.services.engine.models.int4 import int4_format
+from pagedserve.services.engine.models.compressed_tensors import ignored, pack_quantized_format
+from pagedserve.services.engine.models.int4 import int4_format, unconverted_linears
 from pagedserve.services.engine.models.moe import Experts, fused_experts
 
 # The config key the loader sets: {"format": "fp8" | "int4", "group_size": G (int4; 0: per output channel)},
@@ -42,11 +42,16 @@ def experts_quantization(
     (False); None: quantized on CUDA only."""
     if method == "fp8":
         layout: dict[str, Any] = {"format": "fp8"}
-    elif method in INT4_METHODS and not int4_act_order(cfg):
+    elif method in INT4_METHODS:
+        why = "act-order (desc_act)" if int4_act_order(cfg) else None
+        if why is None and (expert := first_unquantized_expert(method, cfg)) is not None:
+            why = f"the checkpoint leaves {expert} unquantized:"
+        if why is not None:
+            if quantized:
+                raise ValueError(f"{why} 4-bit experts are dequantised at load: they cannot stay 4-bit")
+            return None
         layout = {"format": "int4", "group_size": int4_group_size(method, cfg)}
     else:
-        if quantized and method in INT4_METHODS:
-            raise ValueError("act-order (desc_act) 4-bit experts are dequantised at load: they cannot stay 4-bit")
         return None
     keep = quantized if quantized is not None else device.type == "cuda"
     return layout if keep else None
@@ -60,6 +65,31 @@ def int4_act_order(cfg: dict[str, Any]) -> bool:
         return True
     groups = (qc.get("config_groups") or {}).values()
     return any((g.get("weights") or {}).get("actorder") not in (None, False) for g in groups)
+
+
+def first_unquantized_expert(method: str, cfg: dict[str, Any]) -> str | None:
+    """The first expert linear (checkpoint name) a 4-bit checkpoint's config leaves in full precision, or None:
+    AWQ's `modules_to_not_convert` (e.g. ["model.layers.0."]), GPTQModel's "-:" rules, GPTQ's
+    modules_in_block_to_quantize, compressed-tensors' ignore and targets. Plain weights cannot fill 4-bit experts,
+    so such a model holds every expert dequantised (int4.dequantize_experts takes both kinds)."""
+    if method == "compressed-tensors":
+        scheme = pack_quantized_format(cfg)
+        keep = ignored(scheme) if scheme is not None else None
+    else:
+        keep = unconverted_linears(cfg)
+    if keep is None:
+        return None
+    if cfg.get("model_type") == "mixtral":
+        block, projections = "block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        block, projections = "mlp", ("gate_proj", "up_proj", "down_proj")
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    for layer in range(int(cfg.get("num_hidden_layers") or 0)):
+        for expert in range(num_experts):
+            for projection in projections:
+                if keep(name := f"model.layers.{layer}.{block}.experts.{expert}.{projection}"):
+                    return name
+    return None
 
 
 def int4_group_size(method: str, cfg: dict[str, Any]) -> int:

@@ -48,13 +48,16 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     """Copy every (checkpoint name, tensor) into its parameter (casting dtype and moving device on the way).
 
     The model translates names (and splits fused tensors) in `checkpoint_to_params`; modules that
-    own fused parameters take their piece through `load_shard`. Every parameter must be written.
+    own fused parameters take their piece through `load_shard`. Every parameter must be written; a checkpoint
+    tensor without a parameter is an error, except a zero bias of a bias-free linear (`is_extra_zero_bias`).
     """
     params = dict(model.named_parameters())
     unwritten = set(params)
     for ckpt_name, tensor in tensors:
         for name, loaded, shard_id in model.checkpoint_to_params(ckpt_name, tensor):
             if name not in params:
+                if is_extra_zero_bias(name, loaded):
+                    continue
                 raise KeyError(f"checkpoint tensor {ckpt_name!r} maps to unknown parameter {name!r}")
             module_name, _, param_name = name.rpartition(".")
             load_weight = getattr(model.get_submodule(module_name), "load_weight", None)
@@ -74,6 +77,13 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
             unwritten.discard(name)
     if unwritten:
         raise ValueError(f"checkpoint in {source} lacks parameters: {sorted(unwritten)[:8]}")
+
+
+def is_extra_zero_bias(name: str, tensor: torch.Tensor) -> bool:
+    """An all-zero `.bias` of a linear that has none: AutoGPTQ (before 0.5) saved one for every linear it quantized
+    (TheBloke's GPTQ checkpoints hold them); it adds nothing, so it is skipped, as vLLM skips it. A non-zero one
+    would change the outputs: it stays an unknown parameter (an error naming it)."""
+    return name.endswith(".bias") and not bool(tensor.any())
 
 
 def _assign(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
