@@ -34,6 +34,10 @@ from pagedserve.shared.config import ParallelConfig
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import build_tiny_model
 
+# The model test runs the fused Triton kernels: compiled where CUDA is, else under the interpreter (conftest).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CPU = torch.device("cpu")
+
 
 def test_reference_is_the_rank_order_sum_then_add_rms_norm() -> None:
     gen = torch.Generator().manual_seed(0)
@@ -51,9 +55,10 @@ def test_reference_is_the_rank_order_sum_then_add_rms_norm() -> None:
 class _TwoRankPartials(SymmetricPartials):
     """This process plays rank 0 of 2: the peer's addend is stashed by the projection that made ours."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, device: torch.device = CPU) -> None:
         handle = SimpleNamespace(rank=0, world_size=2, buffer_ptrs_dev=None, signal_pad_ptrs_dev=None)
-        super().__init__(torch.zeros(2 * half_size(max_bytes), dtype=torch.uint8), handle, max_bytes)
+        buffer = torch.zeros(2 * half_size(max_bytes), dtype=torch.uint8, device=device)
+        super().__init__(buffer, handle, max_bytes)
         self.peer: torch.Tensor | None = None
         self.written = 0
         self.halves: list[int] = []  # the half each finished partial was read from
@@ -109,14 +114,14 @@ def fused_triton() -> Iterator[None]:
 @pytest.mark.parametrize("aux_layers", [frozenset(), frozenset({1})], ids=["plain", "aux-layer-1"])
 def test_split_projections_summed_in_the_norm_match_the_whole_model(aux_layers: frozenset[int], tmp_path: Path) -> None:
     build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
-    model = load_model(tmp_path, dtype="fp32", device=torch.device("cpu"), show_progress=False)
+    model = load_model(tmp_path, dtype="fp32", device=DEVICE, show_progress=False)
     prompts = {0: [5, 9, 13, 40, 7], 1: [3, 3, 90]}
     model.aux_hidden_layers = aux_layers
     want = torch.cat(PagedDriver(model, block_size=8).step(prompts))
     want_aux = [h.clone() for h in model.aux_hidden_states]
 
     # room for the 8-token prefill but not for 64 rows: a larger batch takes the reduced path
-    partials = _TwoRankPartials(max_bytes=8 * 64 * 4)
+    partials = _TwoRankPartials(max_bytes=8 * 64 * 4, device=DEVICE)
     for module in model.modules():
         if isinstance(module, Attention):
             module.o_proj = _SplitRowLinear(module.o_proj, partials)  # type: ignore[assignment]

@@ -144,3 +144,13 @@ def test_kv_cache_scale_names_and_their_meaning() -> None:
     kept = [name for name, _ in scales.taken_from(stream)]
     assert kept == ["model.layers.0.mlp.down_proj.weight_scale"]
     assert scales.by_layer == {0: {"kv": 3.0}, 1: {"k": 4.0}}
+
+
+@pytest.mark.parametrize("fmt", ["sparse-24-bitmask", "sparse-bitmask", "marlin-24"])
+def test_compressed_sparse_storage_is_refused_at_start_naming_it(fmt: str) -> None:
+    groups = {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}
+    qc: dict[str, Any] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups}
+    with pytest.raises(ValueError, match=f"sparse weights \\(format '{fmt}'\\)"):
+        resolve_quantization(None, {"quantization_config": {**qc, "sparsity_config": {"format": fmt}}})
+    dense = {"format": "dense", "sparsity_structure": "unstructured"}
+    assert resolve_quantization(None, {"quantization_config": {**qc, "sparsity_config": dense}}) == "fp8"

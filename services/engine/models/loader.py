@@ -129,6 +129,7 @@ def resolve_quantization(quantization: str | None, cfg: dict[str, Any]) -> str:
         raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     qc = cfg.get("quantization_config") or {}
     found = qc.get("quant_method", "none")
+    _refuse_compressed_sparsity(qc)
     if quantization in ("awq", "gptq", "compressed-tensors", "mxfp4") and found != quantization:
         raise ValueError(f"quantization {quantization!r}: the checkpoint's weights are {found!r}")
     method = _prequantized_method(cfg)
@@ -164,6 +165,17 @@ def _prequantized_method(cfg: dict[str, Any]) -> str | None:
     if pack_quantized_format(cfg) is not None:
         return "compressed-tensors"
     return None
+
+
+def _refuse_compressed_sparsity(qc: dict[str, Any]) -> None:
+    """compressed-tensors checkpoints may store sparse weights compressed (bitmask, 2:4): refused at start, naming
+    the format, rather than at load on the first tensor the readers do not know. Dense storage loads as usual."""
+    sparsity = qc.get("sparsity_config") or {}
+    if qc.get("quant_method") == "compressed-tensors" and sparsity.get("format", "dense") != "dense":
+        raise ValueError(
+            f"quantization: compressed-tensors sparse weights (format {sparsity['format']!r}) are not supported: "
+            "dense storage only"
+        )
 
 
 def _refuse_unread_weights(qc: dict[str, Any]) -> None:
