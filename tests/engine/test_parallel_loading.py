@@ -4,6 +4,7 @@ tensor-parallel size the same weights, made from (seed, name, shard id) only."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,20 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.int4 import Int4Linear
 from pagedserve.services.engine.models.weights import safetensors_files
+from pagedserve.services.engine.parallel.int4 import ColumnParallelInt4, RowParallelInt4
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
-from tests.models.int4_checkpoints import awq_tensors, fp8_rows, gptq_tensors, write_quantized_llama
+from tests.models.int4_checkpoints import (
+    awq_tensors,
+    fp8_rows,
+    gptq_tensors,
+    pack_quantized_config,
+    pack_quantized_tensors,
+    write_quantized_llama,
+)
 from tests.models.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -175,27 +185,93 @@ def test_kv_cache_scales_in_a_sharded_load_go_to_every_ranks_attention(tmp_path:
     assert [(a.k_scale, a.v_scale) for a in attentions] == [(0.5, 1.0), (1.0, 2.0)]
 
 
-QUANTIZED = {  # HF weight [N, K] -> (checkpoint tensors, meaning); groups of 64: o_proj's 64 inputs are one group
-    "gptq": (lambda w: gptq_tensors(w.t().contiguous(), 64), {"quant_method": "gptq", "bits": 4, "group_size": 64}),
-    "awq": (
-        lambda w: awq_tensors(w.t().contiguous(), 64),
-        {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": True},
+def _int4(pack: Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]], *args: object) -> Quantize:
+    """HF weight [N, K] -> (4-bit checkpoint tensors, the [N, K] weight they mean), for a [K, N]-layout packer."""
+
+    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        tensors, meaning = pack(weight.t().contiguous(), *args)
+        return tensors, meaning.t()
+
+    return quantize
+
+
+Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+GPTQ = {"quant_method": "gptq", "bits": 4}
+AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
+SPLITTABLE: dict[str, tuple[Quantize, dict[str, object]]] = {  # o_proj's 64 inputs: 32 a rank
+    "gptq-g16": (_int4(gptq_tensors, 16), {**GPTQ, "group_size": 16}),
+    "gptq-channel": (_int4(lambda w: gptq_tensors(w, w.shape[0])), {**GPTQ, "group_size": -1}),
+    "awq-g32": (_int4(awq_tensors, 32), {**AWQ, "group_size": 32}),
+    "compressed-tensors-g16-asym": (
+        lambda w: pack_quantized_tensors(w, 16, symmetric=False),
+        pack_quantized_config(16, symmetric=False),
     ),
-    "fp8": (fp8_rows, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
 }
 
 
-@pytest.mark.parametrize("method", list(QUANTIZED))
-def test_quantized_checkpoints_are_refused_tensor_parallel(method: str, tmp_path: Path) -> None:
-    """A row-parallel o_proj split over two ranks would cut its one group of 64 inputs in half: quantized weights
-    load on one rank only, refused naming the method rather than sliced into garbage."""
-    quantize, config = QUANTIZED[method]
+@pytest.mark.parametrize("case", list(SPLITTABLE))
+def test_4bit_shards_hold_their_ranks_slices_of_each_weight(case: str, tmp_path: Path) -> None:
+    """Each rank's 4-bit linears, dequantised, are its columns (q/k/v, gate/up) or input rows (o, down) of the
+    one-GPU model's, read from slices of the packed tensors (GPTQ rows of 8, AWQ and zero points in packs of 8
+    columns, whole groups)."""
+    quantize, config = SPLITTABLE[case]
+    write_quantized_llama(tmp_path, quantize, config)
+    whole = load_model(tmp_path, "float32", CPU, show_progress=False)
+    ranks = [load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(r, 2)) for r in range(2)]
+    checked = 0
+    for name, full in whole.named_modules():
+        if not isinstance(full, Int4Linear):
+            continue
+        want = full.dequantized()  # [K, N]
+        shards = [rank.get_submodule(name) for rank in ranks]
+        rows = [m for m in shards if isinstance(m, RowParallelInt4)]
+        if rows:
+            assert len(rows) == len(shards), name
+            got = torch.cat([m.dequantized() for m in rows])  # input rows in rank order
+        else:
+            assert all(isinstance(m, ColumnParallelInt4) for m in shards), name
+            got = torch.empty_like(want)
+            for m in shards:
+                assert isinstance(m, ColumnParallelInt4)
+                for sid, part in m.parts.items():
+                    local, size = m.shard_offsets[sid]
+                    first = full.shard_offsets[sid][0] if full.shard_offsets else 0
+                    got[:, first + part.start : first + part.start + size] = m.dequantized()[:, local : local + size]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        checked += 1
+    assert checked == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
 
-    def meaning_of(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        tensors, meaning = quantize(weight)
-        return tensors, meaning if method == "fp8" else meaning.t()
 
-    write_quantized_llama(tmp_path, meaning_of, config)
-    with pytest.raises(ValueError, match=rf"{method} weights load unsharded \(tensor parallel is not supported\)"):
-        load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
-    load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 1))  # one rank: loads
+def test_4bit_splits_that_cut_a_group_or_act_order_are_refused_at_start(tmp_path: Path) -> None:
+    write_quantized_llama(tmp_path / "g64", _int4(gptq_tensors, 64), {**GPTQ, "group_size": 64})
+    with pytest.raises(ValueError, match=r"o_proj splits its 64 inputs at 0\.\.32 .* whole units of 64"):
+        load_model(tmp_path / "g64", "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
+    act_order = {**GPTQ, "group_size": 16, "desc_act": True}
+    write_quantized_llama(tmp_path / "act", _int4(gptq_tensors, 16, True), act_order)
+    with pytest.raises(ValueError, match=r"act-order \(desc_act\) 4-bit weights cannot be split"):
+        load_model(tmp_path / "act", "float32", CPU, show_progress=False, parallel=_ctx(1, 2))
+    write_quantized_llama(tmp_path / "fp8", fp8_rows, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match=r"fp8 weights load unsharded \(tensor parallel is not supported\)"):
+        load_model(tmp_path / "fp8", "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
+
+
+def test_random_4bit_weights_are_the_same_for_one_rank_and_two(tmp_path: Path) -> None:
+    """Benchmarks of quantized shapes load random weights in the 4-bit layout (`--load-format dummy`): each rank
+    holds its slice of what one GPU holds."""
+    quantize, config = SPLITTABLE["gptq-g16"]
+    write_quantized_llama(tmp_path, quantize, config)
+    whole = load_model(tmp_path, "float32", CPU, show_progress=False, random_weights_seed=3)
+    ranks = [
+        load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(r, 2), random_weights_seed=3)
+        for r in range(2)
+    ]
+    down = "model.layers.1.mlp.down_proj"
+    full = whole.get_submodule(down)
+    assert isinstance(full, Int4Linear)
+    got = torch.cat([m.dequantized() for r in ranks if isinstance(m := r.get_submodule(down), RowParallelInt4)])
+    torch.testing.assert_close(got, full.dequantized(), rtol=0, atol=0)
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    full_qkv, rank0 = whole.get_submodule(qkv), ranks[0].get_submodule(qkv)
+    assert isinstance(full_qkv, Int4Linear) and isinstance(rank0, ColumnParallelInt4)
+    q_rows = rank0.parts["q"].size  # rank 0's query columns are the first of the whole q part
+    torch.testing.assert_close(rank0.dequantized()[:, :q_rows], full_qkv.dequantized()[:, :q_rows], rtol=0, atol=0)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pagedserve.services.engine.models import load_model
+from tests.models.int4_checkpoints import gptq_tensors, write_quantized_llama
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import TP_CASES, build_tiny_model
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _gen = torch.Generator().manual_seed(3)
 PROMPTS = [torch.randint(3, 256, (n,), generator=_gen).tolist() for n in (1, 6, 17)]
 NUM_NEW = 10
+GPTQ_CASE = "llama-gptq-g16"
 
 
 def _free_port() -> int:
@@ -40,7 +42,14 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for case in TP_CASES:
         dirs[case] = tmp_path_factory.mktemp(case)
         build_tiny_model(case, dirs[case])
+    dirs[GPTQ_CASE] = tmp_path_factory.mktemp(GPTQ_CASE)  # 4-bit linears split by packs and whole groups
+    write_quantized_llama(dirs[GPTQ_CASE], _gptq_g16, {"quant_method": "gptq", "bits": 4, "group_size": 16})
     return dirs
+
+
+def _gptq_g16(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    tensors, meaning = gptq_tensors(weight.t().contiguous(), 16)
+    return tensors, meaning.t()
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +103,13 @@ def tp2_results(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 def test_tp2_greedy_equals_tp1(case: str, model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:
     model = load_model(model_dirs[case], "float32", "cpu", show_progress=False)
     assert PagedDriver(model).greedy(PROMPTS, NUM_NEW) == tp2_results[case]
+
+
+def test_tp2_greedy_equals_tp1_with_4bit_weights(model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:
+    model = load_model(model_dirs[GPTQ_CASE], "float32", "cpu", show_progress=False)
+    expected = PagedDriver(model).greedy(PROMPTS, NUM_NEW)
+    assert expected == tp2_results[GPTQ_CASE]
+    assert len({tuple(t) for t in expected}) > 1
 
 
 def test_random_weights_identical_for_tp1_and_tp2(model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:

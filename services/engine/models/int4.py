@@ -341,6 +341,11 @@ class Int4Linear(nn.Module):
             self.packed_fmt = "tiled"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x)
+        return out if self.bias is None else out + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W without the bias (a row-parallel shard adds it once, after the all-reduce)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda:
@@ -358,8 +363,6 @@ class Int4Linear(nn.Module):
                 )
         else:
             out = x2 @ self.dequantized().to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
         return out.view(*lead, self.out_features)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | None) -> list[str]:

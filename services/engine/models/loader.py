@@ -53,7 +53,8 @@ from pagedserve.services.engine.models.quantized_experts import (
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_model_config
 from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
-from pagedserve.services.engine.parallel.loading import load_random, load_sharded
+from pagedserve.services.engine.parallel.int4 import refuse_unsplittable, shard_linears_int4
+from pagedserve.services.engine.parallel.loading import load_random, load_sharded, load_sharded_stream
 from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
 
 if TYPE_CHECKING:
@@ -200,14 +201,16 @@ def _refuse_unread_weights(qc: dict[str, Any]) -> None:
     )
 
 
-def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any]) -> int:
-    """Swap the decoder's linears for the checkpoint's 4-bit layout; returns how many."""
+def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any], sharded: bool) -> int:
+    """Swap the decoder's linears (this rank's shards, if `sharded`) for the checkpoint's 4-bit layout; returns
+    how many."""
+    swap = shard_linears_int4 if sharded else quantize_linears_int4
     if method == "compressed-tensors":
         scheme = pack_quantized_format(cfg)
         assert scheme is not None
-        return quantize_linears_int4(model, "gptq", scheme.group_size, 0, keep=ignored(scheme))
+        return swap(model, "gptq", scheme.group_size, 0, ignored(scheme))
     fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
-    return quantize_linears_int4(model, fmt, group_size, zero_offset, keep=unconverted_linears(cfg))
+    return swap(model, fmt, group_size, zero_offset, unconverted_linears(cfg))
 
 
 def _checkpoint_stream(
@@ -291,6 +294,13 @@ def load_model(
     if checkpoint_is_mxfp4(cfg):  # the family builds packed or dense expert parameters from this
         cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed, cfg)}
     method = resolve_quantization(quantization, cfg)
+    is_sharded = parallel is not None and parallel.world_size > 1
+    if is_sharded and method in INT4_METHODS:  # sharded 4-bit linears; experts split as full precision
+        assert parallel is not None
+        refuse_unsplittable(int4_act_order(cfg), parallel.world_size)
+        if quantized_experts:
+            raise ValueError("quantized experts load unsharded (tensor parallel holds 4-bit experts dequantised)")
+        quantized_experts = False
     if (experts := experts_quantization(method, cfg, device, quantized_experts)) is not None:
         cfg = {**cfg, QUANTIZED_EXPERTS_KEY: experts}  # MoE families build fp8 / int4 experts from this
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)
@@ -299,14 +309,15 @@ def load_model(
     try:
         with torch.device("meta"):
             model = cls.from_config(cfg, spec)
-            if is_sharded := parallel is not None and parallel.world_size > 1:
+            if is_sharded:
+                assert parallel is not None
                 shard_model(model, parallel)
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if is_sharded and (method in ("fp8", GPTQ8, CT_INT8, FP8_BLOCK) or method in INT4_METHODS):
+        if is_sharded and method in ("fp8", GPTQ8, CT_INT8, FP8_BLOCK):
             raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
-            log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg))
+            log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg, is_sharded))
         if method == "fp8":
             log.info("fp8 weights: %d linears", quantize_linears(model, keep=fp8_kept_linears(cfg)))
     finally:
@@ -315,14 +326,18 @@ def load_model(
     model.requires_grad_(False)
     if random_weights_seed is not None:
         load_random(model, random_weights_seed)
-    elif is_sharded:
-        if tensors is not None:
-            raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
+    elif is_sharded and tensors is not None:
+        raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
+    elif is_sharded and method not in INT4_METHODS:
         load_sharded(model, safetensors_files(model_dir), show_progress)
     else:
         kv_scales = KVCacheScales()
         stream = iter_checkpoint(safetensors_files(model_dir), show_progress) if tensors is None else tensors
-        load_tensors(model, _checkpoint_stream(kv_scales.taken_from(stream), method, cfg), str(model_dir))
+        checkpoint = _checkpoint_stream(kv_scales.taken_from(stream), method, cfg)
+        if is_sharded:  # 4-bit: whole tensors through the format's converters, each cut to this rank's slice
+            load_sharded_stream(model, checkpoint, str(model_dir))
+        else:
+            load_tensors(model, checkpoint, str(model_dir))
         kv_scales.apply(model)
     if is_sharded and parallel is not None:
         model.spec = local_spec(spec, parallel)  # this rank's heads: sizes its KV cache

@@ -15,7 +15,7 @@ zero points, fp8 weights, and scales that make every format's weights about N(0,
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from pagedserve.services.engine.models import mxfp4
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.kv_cache_scales import KVCacheScales
 from pagedserve.services.engine.models.layers import ShardedLinear
+from pagedserve.services.engine.models.weights import is_extra_zero_bias
 from pagedserve.services.engine.parallel.linear import ReadSlice
 
 
@@ -48,20 +49,23 @@ def _load_param(
     shard_id: str | None,
     read: ReadSlice,
     full_rows: int,
-) -> None:
+) -> list[str]:
+    """Load one parameter's piece; returns the parameters written (a 4-bit qweight also fills a plain g_idx)."""
     if name not in params:
         raise KeyError(f"checkpoint tensor maps to unknown parameter {name!r}")
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
     with torch.no_grad():
         if hasattr(module, "load_piece"):
-            module.load_piece(param_name, shard_id, read)  # type: ignore[operator]
+            written = module.load_piece(param_name, shard_id, read)  # type: ignore[operator]
+            return [f"{module_name}.{w}" for w in written or [param_name]]
         elif shard_id is not None and isinstance(module, ShardedLinear):
             module.load_shard(param_name, read(0, 0, full_rows), shard_id)
         else:  # replicated (norms, rotary-free parameters): the whole tensor on every rank
             loaded = read(0, 0, full_rows)
             assert params[name].shape == loaded.shape, (name, tuple(params[name].shape), tuple(loaded.shape))
             params[name].copy_(loaded)
+    return [name]
 
 
 def load_sharded(model: CausalLM, files: list[Path], show_progress: bool = True) -> None:
@@ -95,6 +99,22 @@ def load_sharded(model: CausalLM, files: list[Path], show_progress: bool = True)
     if unwritten:
         raise ValueError(f"checkpoint in {files[0].parent} lacks parameters: {sorted(unwritten)[:8]}")
     kv_scales.apply(model)
+
+
+def load_sharded_stream(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Fill a sharded model from whole checkpoint tensors as a format's converters stream them (4-bit layouts:
+    compressed-tensors' renamed, quantized heads dequantised), each cut to this rank's slice by its module."""
+    params = dict(model.named_parameters())
+    unwritten = set(params)
+    for ckpt_name, tensor in tensors:
+        for name, piece, shard_id in model.checkpoint_to_params(ckpt_name, tensor):
+            if name not in params and is_extra_zero_bias(name, piece):
+                continue
+            unwritten.difference_update(
+                _load_param(model, params, name, shard_id, _narrow_reader(piece), int(piece.shape[0]))
+            )
+    if unwritten:
+        raise ValueError(f"checkpoint in {source} lacks parameters: {sorted(unwritten)[:8]}")
 
 
 def _full_pieces(model: CausalLM) -> Iterator[tuple[str, str | None, tuple[int, ...]]]:
@@ -156,9 +176,9 @@ def random_quantized(
     bf16 values would cast to zeros (integer codes) or to huge weights (a zero point, an N(0, 0.02) scale)."""
     device, leaf = generator.device, name.rsplit(".", 1)[-1]
     if dtype == torch.int32:
-        if leaf == "g_idx":  # no act order: each input row's group is k // G
+        if leaf == "g_idx":  # no act order: each input row's group is k // G (of the full tensor, when sharded)
             module = model.get_submodule(name.rpartition(".")[0])
-            return module.plain_groups().to(device)  # type: ignore[operator]
+            return getattr(module, "full_plain_groups", module.plain_groups)().to(device)  # type: ignore[operator]
         # GPTQ / AWQ packed codes or zero points: eight random 4-bit values a word
         return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, device=device, dtype=torch.int32)
     if dtype == torch.uint8:

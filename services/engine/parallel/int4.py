@@ -1,0 +1,190 @@
+"""4-bit (W4A16) linears split over tensor-parallel ranks, loaded from slices of the checkpoint's packed tensors.
+
+An `Int4Linear` of this rank's shape takes, as `load_piece(param, shard_id, read)`, the rows or columns of each
+full checkpoint tensor (GPTQ / AWQ layouts, models/int4.py) that hold its weights:
+
+    column-parallel (q/k/v, gate/up: output columns)    row-parallel (o_proj, down_proj: input rows)
+    GPTQ qweight [K/8, N]  columns of the part           rows  K_r/8 (whole int32 words of 8 inputs)
+    AWQ  qweight [K, N/8]  packed columns (8 a word)     rows  K_r
+    qzeros [G, N/8]        packed columns                rows  K_r/G (whole groups)
+    scales [G, N]          columns                       rows  K_r/G
+    g_idx [K]              whole                         rows  K_r, which must be the plain k // G
+
+So a split must keep packs of 8 columns and whole groups of inputs, as vLLM requires too; act order (any input
+row in any group) cannot be split by rows and is refused at start (`refuse_unsplittable`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
+from pagedserve.services.engine.parallel.linear import ColumnParallelLinear, Part, ReadSlice, RowParallelLinear
+
+PACKED_COLUMNS = 8  # AWQ qweight and every qzeros hold eight output columns per int32
+
+
+def _check_split(linear: str, what: str, part: Part, unit: int) -> None:
+    if part.start % unit or part.size % unit:
+        raise ValueError(
+            f"quantization: {linear} splits its {part.full_size} {what} at {part.start}..{part.start + part.size} "
+            f"over tensor-parallel ranks, not in whole units of {unit} (4-bit packs and groups); use a "
+            f"tensor_parallel_size that keeps them whole"
+        )
+
+
+class ColumnParallelInt4(Int4Linear):
+    """This rank's output columns of one or more stacked checkpoint linears (fused q/k/v, gate/up)."""
+
+    def __init__(self, layer: ColumnParallelLinear, fmt: str, group_size: int, zero_offset: int, name: str) -> None:
+        for part in layer.parts.values():
+            _check_split(name, "outputs", part, PACKED_COLUMNS)
+        offsets = {sid: (local, layer.parts[sid].size) for sid, local in layer.shard_offsets.items()}
+        super().__init__(
+            layer.in_features,
+            layer.out_features,
+            layer.bias is not None,
+            layer.weight.dtype,
+            fmt,
+            group_size or layer.in_features,
+            zero_offset,
+            offsets,
+        )
+        self.parts = layer.parts
+
+    def _columns(self, param_name: str) -> int:
+        """How many output columns one column of the checkpoint tensor holds."""
+        packed = param_name == "qzeros" or (param_name == "qweight" and self.fmt == "awq")
+        return PACKED_COLUMNS if packed else 1
+
+    def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
+        """This rank's columns of a checkpoint tensor; shard_id None: the tensor stacks every part in order.
+        Returns the parameters written."""
+        if param_name == "g_idx":  # every rank sees every input
+            return self.load_weight("g_idx", read(0, 0, self.in_features), None)
+        dim, unit = (0, 1) if param_name == "bias" else (1, self._columns(param_name))
+        written: list[str] = []
+        base = 0
+        for sid, part in self.parts.items():
+            if shard_id is None or sid == shard_id:
+                start = base + part.start if shard_id is None else part.start
+                written += self.load_weight(param_name, read(dim, start // unit, part.size // unit), sid)
+            base += part.full_size
+        return written
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(shard id, full shape) of the checkpoint tensor this parameter is cut from (random weights): every part
+        stacked, as one GPU's fused linear holds them, so random weights are the same for any number of ranks."""
+        if param_name == "g_idx":
+            return [(None, (self.in_features,))]
+        columns = sum(p.full_size for p in self.parts.values())
+        if param_name == "bias":
+            return [(None, (columns,))]
+        return [(None, (getattr(self, param_name).shape[0], columns // self._columns(param_name)))]
+
+
+class RowParallelInt4(Int4Linear):
+    """This rank's input rows; the ranks' products are summed by an all-reduce, the bias added once after it."""
+
+    def __init__(self, layer: RowParallelLinear, fmt: str, group_size: int, zero_offset: int, name: str) -> None:
+        self.per_channel = group_size == 0  # one group of all K inputs: its scales are every rank's
+        part = layer.part
+        _check_split(name, "inputs", part, PACKED_COLUMNS if self.per_channel else math.lcm(group_size, PACKED_COLUMNS))
+        super().__init__(
+            part.size,
+            layer.out_features,
+            layer.bias is not None,
+            layer.weight.dtype,
+            fmt,
+            part.size if self.per_channel else group_size,
+            zero_offset,
+        )
+        self.ctx, self.part, self.name = layer.ctx, part, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ctx.all_reduce(self.product(x))
+        return out if self.bias is None else out + self.bias
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's addend in the symmetric buffer, for the next RMSNorm to sum (RowParallelLinear's contract)."""
+        partials, rows = self.ctx.partials, x.shape[0]
+        if partials is None or self.bias is not None or x.dim() != 2:
+            return self.forward(x)
+        if not partials.fits(rows, self.out_features, x.dtype):
+            return self.forward(x)
+        slot = partials.slot(rows, self.out_features, x.dtype)
+        return slot.copy_(self.product(x))
+
+    def _rows(self, param_name: str) -> tuple[int, int]:
+        """(first, count) of this rank's rows of the checkpoint tensor."""
+        start, size = self.part.start, self.part.size
+        if param_name == "qweight":
+            return (start, size) if self.fmt == "awq" else (start // 8, size // 8)
+        if self.per_channel:
+            return 0, 1
+        return start // self.group_size, size // self.group_size
+
+    def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
+        """This rank's input rows of a checkpoint tensor; returns the parameters written."""
+        if param_name == "bias":
+            return self.load_weight("bias", read(0, 0, self.out_features), None)
+        if param_name == "g_idx":
+            rows = read(0, self.part.start, self.part.size)
+            first = 0 if self.per_channel else self.part.start // self.group_size
+            local = rows.to(torch.int32) - first
+            if not torch.equal(local.cpu(), self.plain_groups()):
+                raise ValueError(
+                    f"{self.name}.g_idx: act-order (desc_act) inputs cannot be split over tensor-parallel ranks"
+                )
+            return self.load_weight("g_idx", local, None)
+        return self.load_weight(param_name, read(0, *self._rows(param_name)), None)
+
+    def full_plain_groups(self) -> torch.Tensor:
+        """The plain g_idx of all K inputs, which this rank's rows are cut from (random weights)."""
+        full_k = self.part.full_size
+        return (torch.arange(full_k) // (full_k if self.per_channel else self.group_size)).to(torch.int32)
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        local = tuple(getattr(self, param_name).shape)
+        full_k = self.part.full_size
+        if param_name == "g_idx":
+            return [(None, (full_k,))]
+        if param_name == "bias" or (self.per_channel and param_name != "qweight"):
+            return [(None, local)]
+        rows = {"qweight": full_k if self.fmt == "awq" else full_k // 8}.get(param_name, full_k // self.group_size)
+        return [(None, (rows, *local[1:]))]
+
+
+def shard_linears_int4(
+    model: nn.Module, fmt: str, group_size: int, zero_offset: int, keep: Callable[[str], bool] | None = None
+) -> int:
+    """Swap the sharded decoder's column- and row-parallel linears for 4-bit ones; returns how many. Linears
+    `keep` names (full module names) stay in full precision, as on one GPU. group_size 0: per output channel."""
+    layers = model.get_submodule("model.layers")
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, module in layers.named_modules():
+        full_name = f"model.layers.{name}"
+        if name.rpartition(".")[2] in ROUTER_NAMES or (keep and keep(full_name)):
+            continue
+        with torch.device("meta"):  # built before loading, like the layer it replaces
+            if isinstance(module, ColumnParallelLinear):
+                swaps.append((name, ColumnParallelInt4(module, fmt, group_size, zero_offset, full_name)))
+            elif isinstance(module, RowParallelLinear):
+                swaps.append((name, RowParallelInt4(module, fmt, group_size, zero_offset, full_name)))
+    for name, replacement in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, replacement)
+    return len(swaps)
+
+
+def refuse_unsplittable(act_order: bool, world_size: int) -> None:
+    if act_order and world_size > 1:
+        raise ValueError(
+            "quantization: act-order (desc_act) 4-bit weights cannot be split over tensor-parallel ranks "
+            "(their input rows belong to any group); run them with tensor_parallel_size 1"
+        )
