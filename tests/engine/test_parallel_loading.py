@@ -14,10 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
+from pagedserve.services.engine.models.moe import Experts
 from pagedserve.services.engine.models.weights import safetensors_files
+from pagedserve.services.engine.parallel.fp8 import ColumnParallelFp8, RowParallelFp8
 from pagedserve.services.engine.parallel.int4 import ColumnParallelInt4, RowParallelInt4
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
+from pagedserve.services.engine.parallel.moe import ParallelExperts
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
 from tests.models.int4_checkpoints import (
@@ -26,6 +30,7 @@ from tests.models.int4_checkpoints import (
     gptq_tensors,
     pack_quantized_config,
     pack_quantized_tensors,
+    rewrite_decoder_linears,
     write_quantized_llama,
 )
 from tests.models.tiny_models import build_tiny_model
@@ -190,7 +195,7 @@ def _int4(pack: Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]], *ar
 
     def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         tensors, meaning = pack(weight.t().contiguous(), *args)
-        return tensors, meaning.t()
+        return tensors, meaning.t().contiguous()
 
     return quantize
 
@@ -242,6 +247,60 @@ def test_4bit_shards_hold_their_ranks_slices_of_each_weight(case: str, tmp_path:
     assert checked == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
 
 
+def _fp8_tensor(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-tensor FP8: one scale for the linear (fused q/k/v then hold three)."""
+    scale = weight.abs().amax().float() / 448.0
+    q = (weight / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.reshape(())}, q.float() * scale
+
+
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def _fp8_meaning(linear: torch.nn.Module) -> torch.Tensor:
+    assert isinstance(linear, Fp8Linear)
+    return linear.weight.float() * linear.weight_scale[:, None]  # [N, K]
+
+
+@pytest.mark.parametrize("case", ["per-row", "per-tensor", "online"])
+def test_fp8_shards_hold_their_ranks_slices_of_each_weight(case: str, tmp_path: Path) -> None:
+    """Each rank's FP8 linears are its rows (q/k/v, gate/up) or input columns (o, down) of the one-GPU model's;
+    a per-tensor scale holds on every row it covers. Quantised at load (`--quantization fp8` on bf16 weights),
+    a row-parallel shard scales its own slice of each row, so there it is close, not equal."""
+    if case == "online":
+        build_tiny_model("llama-gqa-tied-llama3rope-sharded", tmp_path)
+    else:
+        write_quantized_llama(tmp_path, fp8_rows if case == "per-row" else _fp8_tensor, FP8)
+    quantization = "fp8" if case == "online" else None
+    whole = load_model(tmp_path, "float32", CPU, show_progress=False, quantization=quantization)
+    ranks = [
+        load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(r, 2), quantization=quantization)
+        for r in range(2)
+    ]
+    checked = 0
+    for name, full in whole.named_modules():
+        if not isinstance(full, Fp8Linear):
+            continue
+        want = _fp8_meaning(full)
+        shards = [rank.get_submodule(name) for rank in ranks]
+        rows = [m for m in shards if isinstance(m, RowParallelFp8)]
+        if rows:
+            got = torch.cat([_fp8_meaning(m) for m in rows], dim=1)  # input columns in rank order
+            tolerance = 0.07 * float(want.abs().max()) if case == "online" else 0.0
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+        else:
+            got = torch.full_like(want, float("nan"))
+            for m in shards:
+                assert isinstance(m, ColumnParallelFp8)
+                for sid, part in m.parts.items():
+                    local, size = m.shard_offsets[sid]
+                    first = full.shard_offsets[sid][0] if full.shard_offsets else 0
+                    got[first + part.start : first + part.start + size] = _fp8_meaning(m)[local : local + size]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        checked += 1
+    assert checked == 2 * 4
+
+
 def test_4bit_splits_that_cut_a_group_or_act_order_are_refused_at_start(tmp_path: Path) -> None:
     write_quantized_llama(tmp_path / "g64", _int4(gptq_tensors, 64), {**GPTQ, "group_size": 64})
     with pytest.raises(ValueError, match=r"o_proj splits its 64 inputs at 0\.\.32 .* whole units of 64"):
@@ -250,9 +309,6 @@ def test_4bit_splits_that_cut_a_group_or_act_order_are_refused_at_start(tmp_path
     write_quantized_llama(tmp_path / "act", _int4(gptq_tensors, 16, True), act_order)
     with pytest.raises(ValueError, match=r"act-order \(desc_act\) 4-bit weights cannot be split"):
         load_model(tmp_path / "act", "float32", CPU, show_progress=False, parallel=_ctx(1, 2))
-    write_quantized_llama(tmp_path / "fp8", fp8_rows, {"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match=r"fp8 weights load unsharded \(tensor parallel is not supported\)"):
-        load_model(tmp_path / "fp8", "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
 
 
 def test_random_4bit_weights_are_the_same_for_one_rank_and_two(tmp_path: Path) -> None:
@@ -275,3 +331,26 @@ def test_random_4bit_weights_are_the_same_for_one_rank_and_two(tmp_path: Path) -
     assert isinstance(full_qkv, Int4Linear) and isinstance(rank0, ColumnParallelInt4)
     q_rows = rank0.parts["q"].size  # rank 0's query columns are the first of the whole q part
     torch.testing.assert_close(rank0.dequantized()[:, :q_rows], full_qkv.dequantized()[:, :q_rows], rtol=0, atol=0)
+
+
+def test_quantized_moe_splits_its_experts_dequantised_and_replicates_the_router(tmp_path: Path) -> None:
+    """A 4-bit Qwen3-MoE under tensor parallelism: attention's linears stay 4-bit shards, each expert's gate/up
+    rows and down columns are its intermediate slice of the dequantised expert, and the router is every rank's."""
+
+    def gptq_g16(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return _int4(gptq_tensors, 16)(weight)
+
+    rewrite_decoder_linears("qwen3_moe-qknorm-normtopk", tmp_path, gptq_g16, {**GPTQ, "group_size": 16})
+    whole = load_model(tmp_path, "float32", CPU, show_progress=False)
+    ranks = [load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(r, 2)) for r in range(2)]
+    experts = "model.layers.1.mlp.experts"
+    full = whole.get_submodule(experts)
+    parts = [p for r in ranks if isinstance(p := r.get_submodule(experts), ParallelExperts)]
+    assert isinstance(full, Experts) and len(parts) == 2
+    torch.testing.assert_close(torch.cat([p.down_proj for p in parts], dim=2), full.down_proj, rtol=0, atol=0)
+    size = parts[0].gate_up_proj.shape[1] // 2
+    gate = torch.cat([p.gate_up_proj[:, :size] for p in parts], dim=1)
+    assert torch.equal(gate, full.gate_up_proj[:, : gate.shape[1]])
+    router = "model.layers.1.mlp.gate.weight"
+    assert all(torch.equal(dict(r.named_parameters())[router], dict(whole.named_parameters())[router]) for r in ranks)
+    assert isinstance(ranks[0].get_submodule("model.layers.1.self_attn.o_proj"), RowParallelInt4)

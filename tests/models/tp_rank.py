@@ -22,16 +22,20 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-method", required=True)
-    parser.add_argument("--job", required=True, help="JSON: {prompts, num_new, models: {case: dir}, random: dir}")
+    parser.add_argument("--job", required=True, help="JSON: {prompts, num_new, models: {case: dir}, random, logits}")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     job = json.loads(Path(args.job).read_text())
     ctx = init_parallel(args.rank, args.world_size, args.init_method, torch.device("cpu"), timeout_s=120)
-    results: dict[str, list[list[int]]] = {}
+    results: dict[str, list[list[int]] | list[list[float]]] = {}
     for case, model_dir in job["models"].items():
         model = load_model(model_dir, "float32", "cpu", show_progress=False, parallel=ctx)
-        results[case] = PagedDriver(model).greedy(job["prompts"], job["num_new"])
+        if case in job.get("logits", ()):  # the prompts' last-position logits (where tokens may not be exact)
+            logits = PagedDriver(model).step(dict(enumerate(job["prompts"])))
+            results[case] = [lg[-1].tolist() for lg in logits]
+        else:
+            results[case] = PagedDriver(model).greedy(job["prompts"], job["num_new"])
     model = load_model(job["random"], "float32", "cpu", show_progress=False, parallel=ctx, random_weights_seed=7)
     results["random-weights"] = PagedDriver(model).greedy(job["prompts"], job["num_new"])
     if args.rank == 0:

@@ -125,6 +125,12 @@ class Fp8Linear(nn.Module):
         out = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
         return out.view(*lead, self.out_features)
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W without the bias (a row-parallel shard adds it once, after the all-reduce)."""
+        lead = x.shape[:-1]
+        out = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, None)
+        return out.view(*lead, self.out_features)
+
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | None) -> list[str]:
         """Copy a checkpoint tensor (or one fused shard of it) in; returns the parameter names written."""
         start, size = self.shard_offsets[shard_id] if shard_id is not None else (0, self.out_features)

@@ -53,6 +53,7 @@ from pagedserve.services.engine.models.quantized_experts import (
 from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_model_config
 from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
+from pagedserve.services.engine.parallel.fp8 import shard_linears_fp8
 from pagedserve.services.engine.parallel.int4 import refuse_unsplittable, shard_linears_int4
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, load_sharded_stream
 from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
@@ -295,11 +296,11 @@ def load_model(
         cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed, cfg)}
     method = resolve_quantization(quantization, cfg)
     is_sharded = parallel is not None and parallel.world_size > 1
-    if is_sharded and method in INT4_METHODS:  # sharded 4-bit linears; experts split as full precision
+    if is_sharded and method != "none":  # quantized linears split per rank; MoE experts split dequantised
         assert parallel is not None
-        refuse_unsplittable(int4_act_order(cfg), parallel.world_size)
+        refuse_unsplittable(method in INT4_METHODS and int4_act_order(cfg), parallel.world_size)
         if quantized_experts:
-            raise ValueError("quantized experts load unsharded (tensor parallel holds 4-bit experts dequantised)")
+            raise ValueError("quantized experts load unsharded (tensor parallel holds them dequantised)")
         quantized_experts = False
     if (experts := experts_quantization(method, cfg, device, quantized_experts)) is not None:
         cfg = {**cfg, QUANTIZED_EXPERTS_KEY: experts}  # MoE families build fp8 / int4 experts from this
@@ -314,12 +315,11 @@ def load_model(
                 shard_model(model, parallel)
         if method == "mxfp4" and not cls.loads_mxfp4:
             raise ValueError(f"mxfp4 weights: only gpt-oss's experts load from MXFP4, not {cls.__name__}'s")
-        if is_sharded and method in ("fp8", GPTQ8, CT_INT8, FP8_BLOCK):
-            raise ValueError(f"{method} weights load unsharded (tensor parallel is not supported)")
         if method in INT4_METHODS:
             log.info("%s 4-bit weights: %d linears", method, _int4_linears(model, method, cfg, is_sharded))
         if method == "fp8":
-            log.info("fp8 weights: %d linears", quantize_linears(model, keep=fp8_kept_linears(cfg)))
+            swap_fp8 = shard_linears_fp8 if is_sharded else quantize_linears
+            log.info("fp8 weights: %d linears", swap_fp8(model, fp8_kept_linears(cfg)))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -328,13 +328,13 @@ def load_model(
         load_random(model, random_weights_seed)
     elif is_sharded and tensors is not None:
         raise ValueError("in-memory tensors cannot be loaded tensor-parallel; use files or random weights")
-    elif is_sharded and method not in INT4_METHODS:
+    elif is_sharded and method == "none":  # each rank reads only its slices of the files
         load_sharded(model, safetensors_files(model_dir), show_progress)
     else:
         kv_scales = KVCacheScales()
         stream = iter_checkpoint(safetensors_files(model_dir), show_progress) if tensors is None else tensors
         checkpoint = _checkpoint_stream(kv_scales.taken_from(stream), method, cfg)
-        if is_sharded:  # 4-bit: whole tensors through the format's converters, each cut to this rank's slice
+        if is_sharded:  # quantized: whole tensors through the format's converters, each cut to this rank's slice
             load_sharded_stream(model, checkpoint, str(model_dir))
         else:
             load_tensors(model, checkpoint, str(model_dir))

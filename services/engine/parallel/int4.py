@@ -23,8 +23,13 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine.models.int4 import Int4Linear
-from pagedserve.services.engine.models.layers import ROUTER_NAMES
-from pagedserve.services.engine.parallel.linear import ColumnParallelLinear, Part, ReadSlice, RowParallelLinear
+from pagedserve.services.engine.parallel.linear import (
+    ColumnParallelLinear,
+    Part,
+    ReadSlice,
+    RowParallelLinear,
+    replace_parallel_linears,
+)
 
 PACKED_COLUMNS = 8  # AWQ qweight and every qzeros hold eight output columns per int32
 
@@ -165,21 +170,12 @@ def shard_linears_int4(
 ) -> int:
     """Swap the sharded decoder's column- and row-parallel linears for 4-bit ones; returns how many. Linears
     `keep` names (full module names) stay in full precision, as on one GPU. group_size 0: per output channel."""
-    layers = model.get_submodule("model.layers")
-    swaps: list[tuple[str, nn.Module]] = []
-    for name, module in layers.named_modules():
-        full_name = f"model.layers.{name}"
-        if name.rpartition(".")[2] in ROUTER_NAMES or (keep and keep(full_name)):
-            continue
-        with torch.device("meta"):  # built before loading, like the layer it replaces
-            if isinstance(module, ColumnParallelLinear):
-                swaps.append((name, ColumnParallelInt4(module, fmt, group_size, zero_offset, full_name)))
-            elif isinstance(module, RowParallelLinear):
-                swaps.append((name, RowParallelInt4(module, fmt, group_size, zero_offset, full_name)))
-    for name, replacement in swaps:
-        parent_name, _, child = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, replacement)
-    return len(swaps)
+    return replace_parallel_linears(
+        model,
+        lambda name, layer: ColumnParallelInt4(layer, fmt, group_size, zero_offset, name),
+        lambda name, layer: RowParallelInt4(layer, fmt, group_size, zero_offset, name),
+        keep,
+    )
 
 
 def refuse_unsplittable(act_order: bool, world_size: int) -> None:

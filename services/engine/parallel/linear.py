@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine import dense
+from pagedserve.services.engine.models.layers import ROUTER_NAMES
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
@@ -146,3 +147,29 @@ class RowParallelLinear(nn.Module):
         else:
             assert self.bias is not None
             self.bias.data.copy_(read(0, 0, self.out_features))
+
+
+def replace_parallel_linears(
+    model: nn.Module,
+    column: Callable[[str, ColumnParallelLinear], nn.Module],
+    row: Callable[[str, RowParallelLinear], nn.Module],
+    keep: Callable[[str], bool] | None = None,
+) -> int:
+    """Swap the sharded decoder's column- and row-parallel linears (MoE routers aside) for `column(name, layer)` /
+    `row(name, layer)`, built on meta before loading (a quantized layer); returns how many. Linears `keep` names
+    (full module names, e.g. model.layers.0.mlp.down_proj) stay as they are."""
+    layers = model.get_submodule("model.layers")
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, module in layers.named_modules():
+        full_name = f"model.layers.{name}"
+        if name.rpartition(".")[2] in ROUTER_NAMES or (keep and keep(full_name)):
+            continue
+        with torch.device("meta"):
+            if isinstance(module, ColumnParallelLinear):
+                swaps.append((name, column(full_name, module)))
+            elif isinstance(module, RowParallelLinear):
+                swaps.append((name, row(full_name, module)))
+    for name, replacement in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, replacement)
+    return len(swaps)

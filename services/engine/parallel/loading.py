@@ -34,6 +34,11 @@ def _narrow_reader(tensor: torch.Tensor) -> ReadSlice:
     return lambda dim, start, size: tensor.narrow(dim, start, size)
 
 
+def _broadcast_reader(tensor: torch.Tensor) -> ReadSlice:
+    """A one-element tensor (a per-tensor fp8 scale) read as that value on every row it is asked for."""
+    return lambda dim, start, size: tensor.reshape(1).expand(size)
+
+
 def _slice_reader(handle: object, name: str) -> ReadSlice:
     def read(dim: int, start: int, size: int) -> torch.Tensor:
         view = handle.get_slice(name)  # type: ignore[attr-defined]
@@ -110,9 +115,9 @@ def load_sharded_stream(model: CausalLM, tensors: Iterable[tuple[str, torch.Tens
         for name, piece, shard_id in model.checkpoint_to_params(ckpt_name, tensor):
             if name not in params and is_extra_zero_bias(name, piece):
                 continue
-            unwritten.difference_update(
-                _load_param(model, params, name, shard_id, _narrow_reader(piece), int(piece.shape[0]))
-            )
+            read = _broadcast_reader(piece) if piece.numel() == 1 else _narrow_reader(piece)
+            rows = int(piece.shape[0]) if piece.dim() else 1
+            unwritten.difference_update(_load_param(model, params, name, shard_id, read, rows))
     if unwritten:
         raise ValueError(f"checkpoint in {source} lacks parameters: {sorted(unwritten)[:8]}")
 
