@@ -211,6 +211,12 @@ SPLITTABLE: dict[str, tuple[Quantize, dict[str, object]]] = {  # o_proj's 64 inp
         lambda w: pack_quantized_tensors(w, 16, symmetric=False),
         pack_quantized_config(16, symmetric=False),
     ),
+    # act order: a row-parallel rank keeps every group's scales and its rows' g_idx
+    "gptq-g16-act-order": (_int4(gptq_tensors, 16, True), {**GPTQ, "group_size": 16, "desc_act": True}),
+    "compressed-tensors-g16-act-order": (
+        lambda w: pack_quantized_tensors(w, 16, symmetric=True, act_order=True),
+        pack_quantized_config(16, symmetric=True, act_order=True),
+    ),
 }
 
 
@@ -301,14 +307,10 @@ def test_fp8_shards_hold_their_ranks_slices_of_each_weight(case: str, tmp_path: 
     assert checked == 2 * 4
 
 
-def test_4bit_splits_that_cut_a_group_or_act_order_are_refused_at_start(tmp_path: Path) -> None:
-    write_quantized_llama(tmp_path / "g64", _int4(gptq_tensors, 64), {**GPTQ, "group_size": 64})
+def test_4bit_splits_that_cut_a_group_are_refused_at_start(tmp_path: Path) -> None:
+    write_quantized_llama(tmp_path, _int4(gptq_tensors, 64), {**GPTQ, "group_size": 64})
     with pytest.raises(ValueError, match=r"o_proj splits its 64 inputs at 0\.\.32 .* whole units of 64"):
-        load_model(tmp_path / "g64", "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
-    act_order = {**GPTQ, "group_size": 16, "desc_act": True}
-    write_quantized_llama(tmp_path / "act", _int4(gptq_tensors, 16, True), act_order)
-    with pytest.raises(ValueError, match=r"act-order \(desc_act\) 4-bit weights cannot be split"):
-        load_model(tmp_path / "act", "float32", CPU, show_progress=False, parallel=_ctx(1, 2))
+        load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
 
 
 def test_random_4bit_weights_are_the_same_for_one_rank_and_two(tmp_path: Path) -> None:

@@ -45,6 +45,30 @@ def test_w4a16_matches_the_dequantized_weight(
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [1, 40])
+def test_act_order_rows_of_a_shard_index_every_groups_scales(device: torch.device, m: int) -> None:
+    """A tensor-parallel rank's input rows of an act-order weight (parallel/int4.RowParallelInt4): its g_idx
+    names groups of the whole weight, so the GEMM reads scales and zero points of more groups than its rows."""
+    torch.manual_seed(1)
+    k, n, group, first, rows = 256, 64, 32, 128, 128  # the second half of the inputs, as rank 1 of 2 holds it
+    tensors, meaning = gptq_tensors(torch.randn(k, n) * 0.05, group, act_order=True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(m, rows).to(device, dtype)
+    got = w4a16_matmul(
+        x,
+        tensors["qweight"][first // 8 : (first + rows) // 8].to(device),
+        tensors["qzeros"].to(device),  # every group's
+        tensors["scales"].to(device, dtype),
+        tensors["g_idx"][first : first + rows].to(device),
+        group,
+        "gptq",
+        zero_offset=1,
+    )
+    want = x.float() @ meaning[first : first + rows].to(device)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("m", "tiles"),
     [

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ _gen = torch.Generator().manual_seed(3)
 PROMPTS = [torch.randint(3, 256, (n,), generator=_gen).tolist() for n in (1, 6, 17)]
 NUM_NEW = 10
 GPTQ_CASE = "llama-gptq-g16"
+GPTQ_ACT_CASE = "llama-gptq-g16-act-order"
 FP8_CASE = "llama-fp8-rows"
 
 
@@ -45,6 +47,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         build_tiny_model(case, dirs[case])
     dirs[GPTQ_CASE] = tmp_path_factory.mktemp(GPTQ_CASE)  # 4-bit linears split by packs and whole groups
     write_quantized_llama(dirs[GPTQ_CASE], _gptq_g16, {"quant_method": "gptq", "bits": 4, "group_size": 16})
+    dirs[GPTQ_ACT_CASE] = tmp_path_factory.mktemp(GPTQ_ACT_CASE)  # act order: row-parallel ranks keep every group
+    act_order = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True}
+    write_quantized_llama(dirs[GPTQ_ACT_CASE], partial(_gptq_g16, act_order=True), act_order)
     dirs[FP8_CASE] = tmp_path_factory.mktemp(FP8_CASE)
     fp8_oracle = write_quantized_llama(dirs[FP8_CASE], fp8_rows, {"quant_method": "fp8"})
     with torch.inference_mode():  # HF on the weights the checkpoint means, in fp32 (activations unquantized)
@@ -53,8 +58,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-def _gptq_g16(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    tensors, meaning = gptq_tensors(weight.t().contiguous(), 16)
+def _gptq_g16(weight: torch.Tensor, act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    tensors, meaning = gptq_tensors(weight.t().contiguous(), 16, act_order)
     return tensors, meaning.t()
 
 
@@ -112,10 +117,13 @@ def test_tp2_greedy_equals_tp1(case: str, model_dirs: dict[str, Path], tp2_resul
     assert PagedDriver(model).greedy(PROMPTS, NUM_NEW) == tp2_results[case]
 
 
-def test_tp2_greedy_equals_tp1_with_4bit_weights(model_dirs: dict[str, Path], tp2_results: dict[str, list]) -> None:
-    model = load_model(model_dirs[GPTQ_CASE], "float32", "cpu", show_progress=False)
+@pytest.mark.parametrize("case", [GPTQ_CASE, GPTQ_ACT_CASE])
+def test_tp2_greedy_equals_tp1_with_4bit_weights(
+    case: str, model_dirs: dict[str, Path], tp2_results: dict[str, list]
+) -> None:
+    model = load_model(model_dirs[case], "float32", "cpu", show_progress=False)
     expected = PagedDriver(model).greedy(PROMPTS, NUM_NEW)
-    assert expected == tp2_results[GPTQ_CASE]
+    assert expected == tp2_results[case]
     assert len({tuple(t) for t in expected}) > 1
 
 

@@ -249,18 +249,19 @@ class Int4Linear(nn.Module):
         group_size: int,
         zero_offset: int = 0,
         shard_offsets: dict[str, tuple[int, int]] | None = None,
+        num_groups: int | None = None,  # scales of more inputs than these (an act-order tensor-parallel shard)
     ) -> None:
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"quantization: {fmt!r} is not one of {', '.join(FORMATS)}")
-        if in_features % group_size or out_features % 8 or in_features % 8:
+        if (num_groups is None and in_features % group_size) or out_features % 8 or in_features % 8:
             raise ValueError(
                 f"quantization: a {in_features}x{out_features} linear does not split into groups of "
                 f"{group_size} inputs and packs of 8"
             )
         self.in_features, self.out_features = in_features, out_features
         self.fmt, self.group_size, self.zero_offset = fmt, group_size, zero_offset
-        k, n, groups = in_features, out_features, in_features // group_size
+        k, n, groups = in_features, out_features, num_groups or in_features // group_size
         packed_shape = (k, n // 8) if fmt == "awq" else (k // 8, n)
         self.qweight = nn.Parameter(torch.empty(packed_shape, dtype=torch.int32), requires_grad=False)
         self.qzeros = nn.Parameter(torch.empty((groups, n // 8), dtype=torch.int32), requires_grad=False)
@@ -268,6 +269,7 @@ class Int4Linear(nn.Module):
         # GPTQ: each input row's group (act order permutes them); filled as k // G unless the checkpoint has one.
         self.g_idx = nn.Parameter(torch.empty(k, dtype=torch.int32), requires_grad=False) if fmt == "gptq" else None
         self.has_act_order = False  # g_idx is not k // G: the kernel reads it
+        self.sorts_act_order = num_groups is None  # act order's rows sorted by group at load (scales of these rows)
         self._g_idx_loaded = False
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
         self.shard_offsets = shard_offsets or {}
@@ -323,6 +325,8 @@ class Int4Linear(nn.Module):
             self.qzeros.data = pack_columns(unpack_columns(self.qzeros.data, "awq"))
             self.packed_fmt = "gptq"
         elif self.has_act_order and self.g_idx is not None:
+            if not self.sorts_act_order:  # g_idx indexes scales beyond these rows': the GEMM reads it as it is
+                return
             perm = group_sort(self.g_idx.data, self.group_size)
             if perm is None:  # groups of uneven sizes: the GEMM looks each row's group up
                 return

@@ -8,7 +8,7 @@ slow and the torch paged attention computes in fp32 anyway).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ from pagedserve.services.engine.models.rotary import RotaryEmbedding
 from pagedserve.services.engine.models.spec import ModelSpec, build_spec, read_model_config
 from pagedserve.services.engine.models.weights import iter_checkpoint, load_tensors, safetensors_files
 from pagedserve.services.engine.parallel.fp8 import shard_linears_fp8
-from pagedserve.services.engine.parallel.int4 import refuse_unsplittable, shard_linears_int4
+from pagedserve.services.engine.parallel.int4 import shard_linears_int4
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, load_sharded_stream
 from pagedserve.services.engine.parallel.sharding import local_spec, shard_model
 
@@ -205,13 +205,17 @@ def _refuse_unread_weights(qc: dict[str, Any]) -> None:
 def _int4_linears(model: CausalLM, method: str, cfg: dict[str, Any], sharded: bool) -> int:
     """Swap the decoder's linears (this rank's shards, if `sharded`) for the checkpoint's 4-bit layout; returns
     how many."""
-    swap = shard_linears_int4 if sharded else quantize_linears_int4
+    keep: Callable[[str], bool] | None
     if method == "compressed-tensors":
         scheme = pack_quantized_format(cfg)
         assert scheme is not None
-        return swap(model, "gptq", scheme.group_size, 0, ignored(scheme))
-    fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
-    return swap(model, fmt, group_size, zero_offset, unconverted_linears(cfg))
+        fmt, group_size, zero_offset, keep = "gptq", scheme.group_size, 0, ignored(scheme)
+    else:
+        fmt, group_size, zero_offset = int4_format(cfg) or (method, 0, 0)
+        keep = unconverted_linears(cfg)
+    if sharded:
+        return shard_linears_int4(model, fmt, group_size, zero_offset, keep, act_order=int4_act_order(cfg))
+    return quantize_linears_int4(model, fmt, group_size, zero_offset, keep)
 
 
 def _checkpoint_stream(
@@ -298,7 +302,6 @@ def load_model(
     is_sharded = parallel is not None and parallel.world_size > 1
     if is_sharded and method != "none":  # quantized linears split per rank; MoE experts split dequantised
         assert parallel is not None
-        refuse_unsplittable(method in INT4_METHODS and int4_act_order(cfg), parallel.world_size)
         if quantized_experts:
             raise ValueError("quantized experts load unsharded (tensor parallel holds them dequantised)")
         quantized_experts = False

@@ -8,10 +8,10 @@ full checkpoint tensor (GPTQ / AWQ layouts, models/int4.py) that hold its weight
     AWQ  qweight [K, N/8]  packed columns (8 a word)     rows  K_r
     qzeros [G, N/8]        packed columns                rows  K_r/G (whole groups)
     scales [G, N]          columns                       rows  K_r/G
-    g_idx [K]              whole                         rows  K_r, which must be the plain k // G
+    g_idx [K]              whole                         rows  K_r (the plain k // G, unless act order)
 
-So a split must keep packs of 8 columns and whole groups of inputs, as vLLM requires too; act order (any input
-row in any group) cannot be split by rows and is refused at start (`refuse_unsplittable`).
+So a split must keep packs of 8 columns and whole groups of inputs, as vLLM requires too. Act order (any input row
+in any group): a row-parallel rank keeps every group's scales and zero points and its rows' g_idx.
 """
 
 from __future__ import annotations
@@ -94,12 +94,20 @@ class ColumnParallelInt4(Int4Linear):
 
 
 class RowParallelInt4(Int4Linear):
-    """This rank's input rows; the ranks' products are summed by an all-reduce, the bias added once after it."""
+    """This rank's input rows; the ranks' products are summed by an all-reduce, the bias added once after it.
 
-    def __init__(self, layer: RowParallelLinear, fmt: str, group_size: int, zero_offset: int, name: str) -> None:
+    Act order (`act_order`): a row may belong to any group, so the rank keeps every group's scales and zero
+    points and its rows' g_idx as the checkpoint has it (as vLLM does); the split then only keeps GPTQ's words of
+    8 rows whole."""
+
+    def __init__(
+        self, layer: RowParallelLinear, fmt: str, group_size: int, zero_offset: int, name: str, act_order: bool
+    ) -> None:
         self.per_channel = group_size == 0  # one group of all K inputs: its scales are every rank's
+        self.all_groups = act_order and not self.per_channel
         part = layer.part
-        _check_split(name, "inputs", part, PACKED_COLUMNS if self.per_channel else math.lcm(group_size, PACKED_COLUMNS))
+        whole_groups = self.per_channel or self.all_groups
+        _check_split(name, "inputs", part, PACKED_COLUMNS if whole_groups else math.lcm(group_size, PACKED_COLUMNS))
         super().__init__(
             part.size,
             layer.out_features,
@@ -108,6 +116,7 @@ class RowParallelInt4(Int4Linear):
             fmt,
             part.size if self.per_channel else group_size,
             zero_offset,
+            num_groups=part.full_size // group_size if self.all_groups else None,
         )
         self.ctx, self.part, self.name = layer.ctx, part, name
 
@@ -132,6 +141,8 @@ class RowParallelInt4(Int4Linear):
             return (start, size) if self.fmt == "awq" else (start // 8, size // 8)
         if self.per_channel:
             return 0, 1
+        if self.all_groups:
+            return 0, self.part.full_size // self.group_size
         return start // self.group_size, size // self.group_size
 
     def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
@@ -140,6 +151,8 @@ class RowParallelInt4(Int4Linear):
             return self.load_weight("bias", read(0, 0, self.out_features), None)
         if param_name == "g_idx":
             rows = read(0, self.part.start, self.part.size)
+            if self.all_groups:  # groups numbered as in the whole tensor: every rank holds every group's scales
+                return self.load_weight("g_idx", rows.to(torch.int32), None)
             first = 0 if self.per_channel else self.part.start // self.group_size
             local = rows.to(torch.int32) - first
             if not torch.equal(local.cpu(), self.plain_groups()):
@@ -159,28 +172,26 @@ class RowParallelInt4(Int4Linear):
         full_k = self.part.full_size
         if param_name == "g_idx":
             return [(None, (full_k,))]
-        if param_name == "bias" or (self.per_channel and param_name != "qweight"):
+        if param_name == "bias" or ((self.per_channel or self.all_groups) and param_name != "qweight"):
             return [(None, local)]
         rows = {"qweight": full_k if self.fmt == "awq" else full_k // 8}.get(param_name, full_k // self.group_size)
         return [(None, (rows, *local[1:]))]
 
 
 def shard_linears_int4(
-    model: nn.Module, fmt: str, group_size: int, zero_offset: int, keep: Callable[[str], bool] | None = None
+    model: nn.Module,
+    fmt: str,
+    group_size: int,
+    zero_offset: int,
+    keep: Callable[[str], bool] | None = None,
+    act_order: bool = False,
 ) -> int:
     """Swap the sharded decoder's column- and row-parallel linears for 4-bit ones; returns how many. Linears
-    `keep` names (full module names) stay in full precision, as on one GPU. group_size 0: per output channel."""
+    `keep` names (full module names) stay in full precision, as on one GPU. group_size 0: per output channel;
+    act_order: the checkpoint's g_idx may put any input row in any group."""
     return replace_parallel_linears(
         model,
         lambda name, layer: ColumnParallelInt4(layer, fmt, group_size, zero_offset, name),
-        lambda name, layer: RowParallelInt4(layer, fmt, group_size, zero_offset, name),
+        lambda name, layer: RowParallelInt4(layer, fmt, group_size, zero_offset, name, act_order),
         keep,
     )
-
-
-def refuse_unsplittable(act_order: bool, world_size: int) -> None:
-    if act_order and world_size > 1:
-        raise ValueError(
-            "quantization: act-order (desc_act) 4-bit weights cannot be split over tensor-parallel ranks "
-            "(their input rows belong to any group); run them with tensor_parallel_size 1"
-        )
