@@ -38,6 +38,9 @@ from tests.e2e.tiny_llama import build_tiny_llama
 MODEL = "tiny-fault-suite"
 ENGINE = "fs-engine"  # the module's engine; tests add the replicas they kill
 ACCEPT_TIMEOUT_S = 5.0  # the module gateway's: how long a request waits for a tokenizer's answer
+# The stopped tokenizer's heartbeat (refreshed each second) outlives its requests' accept timeout by >= 2 s. CI once
+# saw it expire first: the successor claimed the requests (claim_dead) and answered them as the gateway gave up.
+OLD_TOKENIZER_HEARTBEAT_TTL_S = ACCEPT_TIMEOUT_S + 3.0
 TOKENIZER = "fs-tokenizer"  # its consumer name in the tokenizers' group
 
 
@@ -105,8 +108,12 @@ def stack(redis_server: PrivateRedis, smollm2_dir: Path, tmp_path_factory: pytes
     engine = ["engine", *common, "--engine-id", ENGINE, "--device", "cpu", "--cpu-threads", "1"]
     engine += ["--redis-outage-grace-s", "2"]
     gateway = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--accept-timeout-s", str(ACCEPT_TIMEOUT_S)]
+    # The tokenizer that test 2 stops and kills keeps its heartbeat past the gateway's accept timeout: a successor
+    # claims a consumer's entries at once when its heartbeat is gone, and must do so only after the gateway gave up.
+    tokenizer = ["tokenizer", *common, "--consumer-name", TOKENIZER]
+    tokenizer += ["--tokenizer-heartbeat-ttl-s", str(OLD_TOKENIZER_HEARTBEAT_TTL_S)]
     processes = {
-        TOKENIZER: start_service(TOKENIZER, ["tokenizer", *common, "--consumer-name", TOKENIZER], env, log_dir),
+        TOKENIZER: start_service(TOKENIZER, tokenizer, env, log_dir),
         ENGINE: start_service(ENGINE, engine, env, log_dir),
         "fs-gateway": start_service("fs-gateway", gateway, env, log_dir),
     }
