@@ -159,7 +159,7 @@ def quantize_linears(model: nn.Module, keep: Callable[[str], bool] | None = None
     many. Called on the meta-device model before loading. Embeddings and lm_head stay in full precision, and so
     do MoE experts (3-D tensors, not linears) and the linears `keep` names (full module names, e.g.
     model.layers.0.mlp.down_proj: what an FP8 checkpoint left unquantized, `fp8_kept_linears`)."""
-    return replace_decoder_linears(model, Fp8Linear.like, keep)
+    return replace_decoder_linears(model, lambda _, linear: Fp8Linear.like(linear), keep)
 
 
 def fp8_kept_linears(cfg: dict[str, Any]) -> Callable[[str], bool] | None:

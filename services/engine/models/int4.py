@@ -415,7 +415,7 @@ def quantize_linears_int4(
     and so do linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj). group_size 0: per
     output channel (one group of each linear's inputs)."""
 
-    def make(linear: nn.Linear) -> Int4Linear:
+    def make(_: str, linear: nn.Linear) -> Int4Linear:
         return Int4Linear.like(linear, fmt, group_size or linear.in_features, zero_offset)
 
     return replace_decoder_linears(model, make, keep)

@@ -10,6 +10,7 @@ their `load_shard` methods copy each checkpoint tensor into its rows of the fuse
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -206,20 +207,26 @@ ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 
 def replace_decoder_linears(
-    model: nn.Module, make: Callable[[nn.Linear], nn.Module], keep: Callable[[str], bool] | None = None
+    model: nn.Module,
+    make: Callable[[str, Any], nn.Module],  # receives a module of one of `kinds`
+    keep: Callable[[str], bool] | None = None,
+    kinds: tuple[type[nn.Module], ...] = (nn.Linear,),
 ) -> int:
-    """Swap every nn.Linear inside the decoder layers for `make(linear)` (a quantized layer, on the meta model
-    before loading); returns how many. Embeddings and lm_head are outside the layers; MoE routers and the
-    linears `keep` names (full module names, e.g. model.layers.0.mlp.down_proj) stay as they are."""
+    """Swap every linear of `kinds` (nn.Linear; the parallel layers of a sharded model) inside the decoder layers
+    for `make(full module name, linear)` (a quantized layer, on the meta model before loading); returns how many.
+    Embeddings and lm_head are outside the layers; MoE routers and the linears `keep` names (full module names,
+    e.g. model.layers.0.mlp.down_proj) stay as they are."""
     layers = model.get_submodule("model.layers")
     swaps = [
         (name, module)
         for name, module in layers.named_modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, kinds)
         and name.rpartition(".")[2] not in ROUTER_NAMES
         and not (keep and keep(f"model.layers.{name}"))
     ]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, make(module))
+        setattr(
+            layers.get_submodule(parent_name) if parent_name else layers, child, make(f"model.layers.{name}", module)
+        )
     return len(swaps)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.services.engine import dense
-from pagedserve.services.engine.models.layers import ROUTER_NAMES
+from pagedserve.services.engine.models.layers import replace_decoder_linears
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 ReadSlice = Callable[[int, int, int], torch.Tensor]  # (dim, start, size) -> that slice of the full tensor
@@ -155,21 +155,12 @@ def replace_parallel_linears(
     row: Callable[[str, RowParallelLinear], nn.Module],
     keep: Callable[[str], bool] | None = None,
 ) -> int:
-    """Swap the sharded decoder's column- and row-parallel linears (MoE routers aside) for `column(name, layer)` /
-    `row(name, layer)`, built on meta before loading (a quantized layer); returns how many. Linears `keep` names
-    (full module names, e.g. model.layers.0.mlp.down_proj) stay as they are."""
-    layers = model.get_submodule("model.layers")
-    swaps: list[tuple[str, nn.Module]] = []
-    for name, module in layers.named_modules():
-        full_name = f"model.layers.{name}"
-        if name.rpartition(".")[2] in ROUTER_NAMES or (keep and keep(full_name)):
-            continue
+    """Swap the sharded decoder's column- and row-parallel linears for `column(name, layer)` / `row(name, layer)`
+    (a quantized layer, built on meta before loading), as `replace_decoder_linears` swaps a one-GPU model's;
+    returns how many."""
+
+    def make(name: str, layer: ColumnParallelLinear | RowParallelLinear) -> nn.Module:
         with torch.device("meta"):
-            if isinstance(module, ColumnParallelLinear):
-                swaps.append((name, column(full_name, module)))
-            elif isinstance(module, RowParallelLinear):
-                swaps.append((name, row(full_name, module)))
-    for name, replacement in swaps:
-        parent_name, _, child = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, child, replacement)
-    return len(swaps)
+            return column(name, layer) if isinstance(layer, ColumnParallelLinear) else row(name, layer)
+
+    return replace_decoder_linears(model, make, keep, kinds=(ColumnParallelLinear, RowParallelLinear))
