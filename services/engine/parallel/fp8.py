@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from pagedserve.services.engine.models.fp8 import Fp8Linear
@@ -20,6 +19,7 @@ from pagedserve.services.engine.parallel.linear import (
     ColumnParallelLinear,
     ReadSlice,
     RowParallelLinear,
+    RowParallelSum,
     replace_parallel_linears,
 )
 
@@ -49,25 +49,12 @@ class ColumnParallelFp8(Fp8Linear):
         return [(None, (rows, *getattr(self, param_name).shape[1:]))]
 
 
-class RowParallelFp8(Fp8Linear):
+class RowParallelFp8(RowParallelSum, Fp8Linear):
     """This rank's input columns; the ranks' products are summed by an all-reduce, the bias added once after."""
 
     def __init__(self, layer: RowParallelLinear) -> None:
         super().__init__(layer.part.size, layer.out_features, layer.bias is not None, layer.weight.dtype)
         self.ctx, self.part = layer.ctx, layer.part
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(self.product(x))
-        return out if self.bias is None else out + self.bias
-
-    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's addend in the symmetric buffer, for the next RMSNorm to sum (RowParallelLinear's contract)."""
-        partials, rows = self.ctx.partials, x.shape[0]
-        if partials is None or self.bias is not None or x.dim() != 2:
-            return self.forward(x)
-        if not partials.fits(rows, self.out_features, x.dtype):
-            return self.forward(x)
-        return partials.slot(rows, self.out_features, x.dtype).copy_(self.product(x))
 
     def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
         if param_name == "weight":

@@ -28,6 +28,7 @@ from pagedserve.services.engine.parallel.linear import (
     Part,
     ReadSlice,
     RowParallelLinear,
+    RowParallelSum,
     replace_parallel_linears,
 )
 
@@ -93,7 +94,7 @@ class ColumnParallelInt4(Int4Linear):
         return [(None, (getattr(self, param_name).shape[0], columns // self._columns(param_name)))]
 
 
-class RowParallelInt4(Int4Linear):
+class RowParallelInt4(RowParallelSum, Int4Linear):
     """This rank's input rows; the ranks' products are summed by an all-reduce, the bias added once after it.
 
     Act order (`act_order`): a row may belong to any group, so the rank keeps every group's scales and zero
@@ -119,20 +120,6 @@ class RowParallelInt4(Int4Linear):
             num_groups=part.full_size // group_size if self.all_groups else None,
         )
         self.ctx, self.part, self.name = layer.ctx, part, name
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(self.product(x))
-        return out if self.bias is None else out + self.bias
-
-    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's addend in the symmetric buffer, for the next RMSNorm to sum (RowParallelLinear's contract)."""
-        partials, rows = self.ctx.partials, x.shape[0]
-        if partials is None or self.bias is not None or x.dim() != 2:
-            return self.forward(x)
-        if not partials.fits(rows, self.out_features, x.dtype):
-            return self.forward(x)
-        slot = partials.slot(rows, self.out_features, x.dtype)
-        return slot.copy_(self.product(x))
 
     def _rows(self, param_name: str) -> tuple[int, int]:
         """(first, count) of this rank's rows of the checkpoint tensor."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -108,23 +109,29 @@ class ColumnParallelLinear(nn.Module):
             base += part.full_size
 
 
-class RowParallelLinear(nn.Module):
-    def __init__(self, part: Part, out_features: int, bias: bool, ctx: ParallelContext) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.part = part  # this rank's input features (the column layer before it produced them)
-        in_features = part.full_size
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.part.size))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+class RowParallelSum:
+    """What a row-parallel layer (full precision, 4-bit, FP8) does with its `product` (x times this rank's input
+    rows, without the bias): all-reduce it and add the bias once, after; or, where the symmetric buffer takes it,
+    write it there for `fused_ops.add_rms_norm` to sum (parallel/partial_sums.py)."""
+
+    ctx: ParallelContext
+    out_features: int
+    bias: nn.Parameter | None
+
+    if TYPE_CHECKING:  # each layer's own (a mixin's stub would shadow it at run time)
+
+        def product(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def product_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The product written into `out`: a copy, unless the layer writes there itself."""
+        return out.copy_(self.product(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(dense.linear(x, self.weight))
+        out = self.ctx.all_reduce(self.product(x))
         return out if self.bias is None else out + self.bias
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's addend, written into the symmetric buffer, for `fused_ops.add_rms_norm` to sum
-        (parallel/partial_sums.py); the reduced output where that buffer cannot take it."""
+        """This rank's addend, written into the symmetric buffer; the reduced output where it cannot take it."""
         partials = self.ctx.partials
         num_rows = x.shape[0]
         if (
@@ -134,8 +141,24 @@ class RowParallelLinear(nn.Module):
             or not partials.fits(num_rows, self.out_features, x.dtype)
         ):
             return self.forward(x)
-        slot = partials.slot(num_rows, self.out_features, x.dtype)
-        return dense.linear(x, self.weight, out=slot)
+        return self.product_into(x, partials.slot(num_rows, self.out_features, x.dtype))
+
+
+class RowParallelLinear(RowParallelSum, nn.Module):
+    def __init__(self, part: Part, out_features: int, bias: bool, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.part = part  # this rank's input features (the column layer before it produced them)
+        in_features = part.full_size
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.part.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, self.weight)
+
+    def product_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, self.weight, out=out)
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
         full = (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
