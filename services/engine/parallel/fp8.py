@@ -21,6 +21,7 @@ from pagedserve.services.engine.parallel.linear import (
     RowParallelLinear,
     RowParallelSum,
     replace_parallel_linears,
+    stacked_parts,
 )
 
 
@@ -35,12 +36,8 @@ class ColumnParallelFp8(Fp8Linear):
     def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
         """This rank's rows of a checkpoint tensor; shard_id None: the tensor stacks every part in order."""
         written: list[str] = []
-        base = 0
-        for sid, part in self.parts.items():
-            if shard_id is None or sid == shard_id:
-                start = base + part.start if shard_id is None else part.start
-                written += self.load_weight(param_name, read(0, start, part.size), sid)
-            base += part.full_size
+        for sid, part, start in stacked_parts(self.parts, shard_id):
+            written += self.load_weight(param_name, read(0, start, part.size), sid)
         return written
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:

@@ -30,6 +30,7 @@ from pagedserve.services.engine.parallel.linear import (
     RowParallelLinear,
     RowParallelSum,
     replace_parallel_linears,
+    stacked_parts,
 )
 
 PACKED_COLUMNS = 8  # AWQ qweight and every qzeros hold eight output columns per int32
@@ -75,12 +76,8 @@ class ColumnParallelInt4(Int4Linear):
             return self.load_weight("g_idx", read(0, 0, self.in_features), None)
         dim, unit = (0, 1) if param_name == "bias" else (1, self._columns(param_name))
         written: list[str] = []
-        base = 0
-        for sid, part in self.parts.items():
-            if shard_id is None or sid == shard_id:
-                start = base + part.start if shard_id is None else part.start
-                written += self.load_weight(param_name, read(dim, start // unit, part.size // unit), sid)
-            base += part.full_size
+        for sid, part, start in stacked_parts(self.parts, shard_id):
+            written += self.load_weight(param_name, read(dim, start // unit, part.size // unit), sid)
         return written
 
     def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:

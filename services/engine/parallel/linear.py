@@ -12,7 +12,7 @@ the full checkpoint tensor, so a safetensors file is read only where this rank n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +72,16 @@ def attention_parts(num_heads: int, num_kv_heads: int, head_dim: int, ctx: Paral
     return q, kv
 
 
+def stacked_parts(parts: dict[str, Part], shard_id: str | None) -> Iterator[tuple[str, Part, int]]:
+    """(shard id, part, this rank's first row in the checkpoint tensor) of each part a column-parallel layer
+    takes from one checkpoint tensor: the part `shard_id` names, or (None) every part, stacked in order."""
+    base = 0
+    for sid, part in parts.items():
+        if shard_id is None or sid == shard_id:
+            yield sid, part, (base if shard_id is None else 0) + part.start
+        base += part.full_size
+
+
 @dense.plain_linear
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, parts: dict[str, Part], bias: bool) -> None:
@@ -99,14 +109,9 @@ class ColumnParallelLinear(nn.Module):
         """Copy this rank's rows; shard_id None: the full tensor stacks every shard in order."""
         param = self.weight if param_name == "weight" else self.bias
         assert param is not None
-        base = 0
-        for sid, part in self.parts.items():
-            if shard_id is None or sid == shard_id:
-                start = base + part.start if shard_id is None else part.start
-                rows = read(0, start, part.size)
-                local = self.shard_offsets[sid]
-                param.data[local : local + part.size].copy_(rows)
-            base += part.full_size
+        for sid, part, start in stacked_parts(self.parts, shard_id):
+            local = self.shard_offsets[sid]
+            param.data[local : local + part.size].copy_(read(0, start, part.size))
 
 
 class RowParallelSum:
