@@ -301,7 +301,6 @@ def load_model(
     method = resolve_quantization(quantization, cfg)
     is_sharded = parallel is not None and parallel.world_size > 1
     if is_sharded and method != "none":  # quantized linears split per rank; MoE experts split dequantised
-        assert parallel is not None
         if quantized_experts:
             raise ValueError("quantized experts load unsharded (tensor parallel holds them dequantised)")
         quantized_experts = False
