@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.conftest import RunningServices, start_service, stop_all
 from tests.e2e.tiny_llama import build_tiny_llama
-from tests.models.int4_checkpoints import awq_tensors, gptq_tensors
+from tests.models.int4_checkpoints import QUANTIZED_LINEARS, awq_tensors, gptq_tensors, in_hf_layout
+from tests.models.tiny_models import hf_greedy
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Pack = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]  # W [K, N] -> (tensors, meaning)
 FORMATS: dict[str, tuple[Pack, dict[str, object]]] = {
     "tiny-gptq": (
@@ -48,10 +48,9 @@ def write_4bit(model_dir: Path, pack: Pack, quantization_config: dict[str, objec
     written: dict[str, torch.Tensor] = {}
     meant: dict[str, torch.Tensor] = {}
     for name, weight in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            packed, meaning = pack(WEIGHT_SCALE * weight.float().t().contiguous())  # HF's [N, K] -> the format's [K, N]
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED_LINEARS:
+            packed, meant[name] = in_hf_layout(pack)(WEIGHT_SCALE * weight.float())
             written.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
-            meant[name] = meaning.t().contiguous()
         else:
             written[name] = meant[name] = weight
     save_file(written, str(path))
@@ -91,15 +90,6 @@ def quantized_models(
         yield oracles
     finally:
         stop_all(processes)
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF's argmax continuation, EOS included and not stopping (the request's ignore_eos)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _model_ids(services: RunningServices) -> set[str]:

@@ -4,7 +4,6 @@ tensor-parallel size the same weights, made from (seed, name, shard id) only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,11 @@ from pagedserve.services.engine.parallel.moe import ParallelExperts
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
 from tests.models.int4_checkpoints import (
+    Quantize,
     awq_tensors,
     fp8_rows,
     gptq_tensors,
+    in_hf_layout,
     pack_quantized_config,
     pack_quantized_tensors,
     rewrite_decoder_linears,
@@ -190,29 +191,18 @@ def test_kv_cache_scales_in_a_sharded_load_go_to_every_ranks_attention(tmp_path:
     assert [(a.k_scale, a.v_scale) for a in attentions] == [(0.5, 1.0), (1.0, 2.0)]
 
 
-def _int4(pack: Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]], *args: object) -> Quantize:
-    """HF weight [N, K] -> (4-bit checkpoint tensors, the [N, K] weight they mean), for a [K, N]-layout packer."""
-
-    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        tensors, meaning = pack(weight.t().contiguous(), *args)
-        return tensors, meaning.t().contiguous()
-
-    return quantize
-
-
-Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
 GPTQ = {"quant_method": "gptq", "bits": 4}
 AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
 SPLITTABLE: dict[str, tuple[Quantize, dict[str, object]]] = {  # o_proj's 64 inputs: 32 a rank
-    "gptq-g16": (_int4(gptq_tensors, 16), {**GPTQ, "group_size": 16}),
-    "gptq-channel": (_int4(lambda w: gptq_tensors(w, w.shape[0])), {**GPTQ, "group_size": -1}),
-    "awq-g32": (_int4(awq_tensors, 32), {**AWQ, "group_size": 32}),
+    "gptq-g16": (in_hf_layout(gptq_tensors, 16), {**GPTQ, "group_size": 16}),
+    "gptq-channel": (in_hf_layout(lambda w: gptq_tensors(w, w.shape[0])), {**GPTQ, "group_size": -1}),
+    "awq-g32": (in_hf_layout(awq_tensors, 32), {**AWQ, "group_size": 32}),
     "compressed-tensors-g16-asym": (
         lambda w: pack_quantized_tensors(w, 16, symmetric=False),
         pack_quantized_config(16, symmetric=False),
     ),
     # act order: a row-parallel rank keeps every group's scales and its rows' g_idx
-    "gptq-g16-act-order": (_int4(gptq_tensors, 16, True), {**GPTQ, "group_size": 16, "desc_act": True}),
+    "gptq-g16-act-order": (in_hf_layout(gptq_tensors, 16, True), {**GPTQ, "group_size": 16, "desc_act": True}),
     "compressed-tensors-g16-act-order": (
         lambda w: pack_quantized_tensors(w, 16, symmetric=True, act_order=True),
         pack_quantized_config(16, symmetric=True, act_order=True),
@@ -308,7 +298,7 @@ def test_fp8_shards_hold_their_ranks_slices_of_each_weight(case: str, tmp_path: 
 
 
 def test_4bit_splits_that_cut_a_group_are_refused_at_start(tmp_path: Path) -> None:
-    write_quantized_llama(tmp_path, _int4(gptq_tensors, 64), {**GPTQ, "group_size": 64})
+    write_quantized_llama(tmp_path, in_hf_layout(gptq_tensors, 64), {**GPTQ, "group_size": 64})
     with pytest.raises(ValueError, match=r"o_proj splits its 64 inputs at 0\.\.32 .* whole units of 64"):
         load_model(tmp_path, "float32", CPU, show_progress=False, parallel=_ctx(0, 2))
 
@@ -340,7 +330,7 @@ def test_quantized_moe_splits_its_experts_dequantised_and_replicates_the_router(
     rows and down columns are its intermediate slice of the dequantised expert, and the router is every rank's."""
 
     def gptq_g16(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        return _int4(gptq_tensors, 16)(weight)
+        return in_hf_layout(gptq_tensors, 16)(weight)
 
     rewrite_decoder_linears("qwen3_moe-qknorm-normtopk", tmp_path, gptq_g16, {**GPTQ, "group_size": 16})
     whole = load_model(tmp_path, "float32", CPU, show_progress=False)

@@ -193,6 +193,20 @@ def fp8_rows(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tenso
     return {"weight": q, "weight_scale": scale}, q.float() * scale
 
 
+Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]  # HF [N, K] -> (tensors, meaning)
+
+
+def in_hf_layout(pack: Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]], *args: object) -> Quantize:
+    """A [K, N]-layout packer (awq_tensors, gptq_tensors) as `write_quantized_llama` takes one: HF's weight [N, K]
+    -> (checkpoint tensors, the [N, K] weight they mean)."""
+
+    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        tensors, meaning = pack(weight.t().contiguous(), *args)
+        return tensors, meaning.t().contiguous()
+
+    return quantize
+
+
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -141,9 +141,11 @@ def test_autogptq_zero_biases_of_bias_free_linears_are_skipped(case: str, tmp_pa
         load_model(tmp_path / "ones", dtype="float32", device="cpu", show_progress=False)
 
 
-def _layer0_experts_full(convert: Convert) -> Convert:
+def _full_precision_where(convert: Convert, fragment: str) -> Convert:
+    """`convert`, except that linears whose name holds `fragment` keep their plain weight."""
+
     def partly(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if ".layers.0.mlp.experts." in name:
+        if fragment in name:
             return {"weight": weight.contiguous()}, weight
         return convert(name, weight)
 
@@ -169,9 +171,9 @@ def test_moe_with_experts_left_in_full_precision_loads_them_dense(method: str, t
     make, overrides = SKIP_LAYER0_EXPERTS[method]
     convert, settings = make()
     if method == "awq":  # the layer's attention is skipped too
-        convert = _full_precision_in_layer0(convert)
+        convert = _full_precision_where(convert, ".layers.0.")
     settings = {**settings, **overrides}
-    hf = rewrite_decoder_linears(MOE, tmp_path, _layer0_experts_full(convert), settings)
+    hf = rewrite_decoder_linears(MOE, tmp_path, _full_precision_where(convert, ".layers.0.mlp.experts."), settings)
     cfg = {**hf.config.to_dict(), "quantization_config": settings}
     assert experts_quantization(method, cfg, torch.device("cuda"), None) is None
     with pytest.raises(ValueError, match=r"leaves model\.layers\.0\.mlp\.experts\.0\.gate_proj unquantized"):
@@ -181,15 +183,6 @@ def test_moe_with_experts_left_in_full_precision_loads_them_dense(method: str, t
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
     assert not any(isinstance(m, QuantizedExperts) for m in ours.modules())
     assert_logits_match_hf(ours, hf, PROMPTS)
-
-
-def _full_precision_in_layer0(convert: Convert) -> Convert:
-    def layer0_full(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if ".layers.0." in name:
-            return {"weight": weight.contiguous()}, weight
-        return convert(name, weight)
-
-    return layer0_full
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

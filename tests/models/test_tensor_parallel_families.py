@@ -13,14 +13,13 @@ import os
 import socket
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from pagedserve.services.engine.models import load_model
-from tests.models.int4_checkpoints import fp8_rows, gptq_tensors, write_quantized_llama
+from tests.models.int4_checkpoints import fp8_rows, gptq_tensors, in_hf_layout, write_quantized_llama
 from tests.models.paged_driver import PagedDriver
 from tests.models.tiny_models import TP_CASES, build_tiny_model
 
@@ -46,21 +45,18 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         dirs[case] = tmp_path_factory.mktemp(case)
         build_tiny_model(case, dirs[case])
     dirs[GPTQ_CASE] = tmp_path_factory.mktemp(GPTQ_CASE)  # 4-bit linears split by packs and whole groups
-    write_quantized_llama(dirs[GPTQ_CASE], _gptq_g16, {"quant_method": "gptq", "bits": 4, "group_size": 16})
+    write_quantized_llama(
+        dirs[GPTQ_CASE], in_hf_layout(gptq_tensors, 16), {"quant_method": "gptq", "bits": 4, "group_size": 16}
+    )
     dirs[GPTQ_ACT_CASE] = tmp_path_factory.mktemp(GPTQ_ACT_CASE)  # act order: row-parallel ranks keep every group
     act_order = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True}
-    write_quantized_llama(dirs[GPTQ_ACT_CASE], partial(_gptq_g16, act_order=True), act_order)
+    write_quantized_llama(dirs[GPTQ_ACT_CASE], in_hf_layout(gptq_tensors, 16, True), act_order)
     dirs[FP8_CASE] = tmp_path_factory.mktemp(FP8_CASE)
     fp8_oracle = write_quantized_llama(dirs[FP8_CASE], fp8_rows, {"quant_method": "fp8"})
     with torch.inference_mode():  # HF on the weights the checkpoint means, in fp32 (activations unquantized)
         oracle_logits = [fp8_oracle(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
     torch.save(torch.stack(oracle_logits), dirs[FP8_CASE] / "oracle_logits.pt")
     return dirs
-
-
-def _gptq_g16(weight: torch.Tensor, act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    tensors, meaning = gptq_tensors(weight.t().contiguous(), 16, act_order)
-    return tensors, meaning.t()
 
 
 @pytest.fixture(scope="module")
