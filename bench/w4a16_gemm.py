@@ -27,6 +27,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
 from pagedserve.kernels import launch_config, w4a16_gemm
+from pagedserve.kernels import w4a16_gemv as gemv_module
 from pagedserve.kernels.w4a16_gemm import Tiles, default_tiled_tiles, default_tiles, w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import GemvTiles, default_gemv_tiles, w4a16_gemv
 
@@ -81,7 +82,9 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
 GEMV_MAX_ROWS = 16  # timed up to here (Int4Linear uses it up to kernels/w4a16_gemv.MAX_ROWS)
 GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, SPLIT_K; 0 = auto)
     (512, 4, 0),
-    *((512, 4, split) for split in (4, 8, 16, 32, 64)),  # the auto split against the others (waves of programs)
+    # the auto split against the others: powers of two, and the splits whose programs all fit on the GPU at once
+    # with K slices of equal size (gate_up 7, down 38 at three programs an SM of 132)
+    *((512, 4, split) for split in (4, 6, 7, 8, 12, 14, 16, 24, 28, 32, 38, 48, 56, 64)),
     (256, 2, 0),
     *((256, 2, split) for split in (8, 16, 32, 64)),
     (256, 4, 0),
@@ -206,8 +209,10 @@ def main() -> None:
     parser.add_argument("--l2-resident", action="store_true", help="time one weight copy (L2 hits between calls)")
     parser.add_argument("--gemv-prefetch", action="store_true", help="M = 1: each GEMV tile without and with prefetch")
     parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
+    parser.add_argument("--gemv-rows", type=int, default=gemv_module.GEMV_ROWS, help="packed rows a GEMV load brings")
     args = parser.parse_args()
     launch_config.set_pdl(args.pdl)
+    gemv_module.GEMV_ROWS = args.gemv_rows
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
     formats = ("awq", "gptq", "tiled_f32", "tiled", "gemv")
@@ -238,6 +243,7 @@ def main() -> None:
                 "group_size": GROUP,
                 "weights_rotated": not args.l2_resident,
                 "pdl": args.pdl,
+                "gemv_rows": args.gemv_rows,
                 "results": results,
             },
             indent=1,

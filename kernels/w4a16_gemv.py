@@ -12,12 +12,14 @@ by x on the CUDA cores, with the zero point and scale folded out of the inner lo
         for i in 0..7:  acc2 += x[128t + 16i + h : +ROWS, None] * (b_i + nibble i of packed)   FMAs, no reshape
         acc += s * (sum(acc2, axis 0) - sum_i b_i sum(x_i) - z * sum(x of the tile))   (per slice when G < 128)
 
-The codes become floats b_i + q by bit operations (_biased_nibble), and the biases leave with the zero point.
+The codes become floats bias + q by bit operations, two at a time (_biased_pair), and the biases leave with the
+zero point.
 
 With BLOCK_N = 4 x 32 x num_warps a thread holds all ROWS rows of its columns: the row sums stay in registers
 and the loop has no shared memory and no barrier (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
-shared-memory round trip in every K step). ROWS = 8, half a tile at a time, keeps half the tile's x live: 160
-registers a thread where 16 rows took 244.
+shared-memory round trip in every K step). ROWS = 8, half a tile at a time, keeps half the tile's x live: 127
+registers a thread (ptxas of Triton 3.6 for sm_90, with split-K and prefetch; 168 with Triton 3.9's), four
+programs of 4 warps an SM.
 
 Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
 [SPLIT_K, M, N], then counts itself in on its column tile's counter; the slice that arrives last adds the
@@ -49,32 +51,23 @@ def _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, ma
     return scale, zero
 
 
-@triton.jit
-def _biased_nibble(packed, i: tl.constexpr):
-    """Nibble i of each packed int32 as a float32 bias + q by bits alone (the bias is _nibble_bias(i)).
-
-    The code lands in mantissa bits 16-19 of 128.0 or bits 12-15 of 2048.0, where the mantissa step is 1: one
-    and-or, after a shift by 8 or a rotation by 16 that serves two nibbles. An int-to-float conversion runs at
-    an eighth of the FMA rate on an H100 and bounded this GEMV. The rounding a product x (2048 + q) adds is
-    about 1e-4 x of a code step, far below bf16's."""
-    if i == 0 or i == 7:
-        moved = (packed << 16) | ((packed >> 16) & 0xFFFF)  # nibble 0 -> bits 16-19, nibble 7 -> 12-15
-    elif i == 1 or i == 2:
-        moved = packed << 8
-    elif i == 5 or i == 6:
-        moved = packed >> 8
-    else:
-        moved = packed
-    if i % 2 == 0:
-        bits = (moved & 0x000F0000) | 0x43000000  # 128 + q
-    else:
-        bits = (moved & 0x0000F000) | 0x45000000  # 2048 + q
-    return bits.to(tl.float32, bitcast=True)
+# The high code of a pair (_biased_pair) as a float32 carries the low half's bits below its mantissa step:
+# 0x4300 / 2^16 exactly, plus the low code / 2^16, whose mean (7.5 / 2^16) leaves with the bias too.
+LOW_HALF_BIAS = tl.constexpr(0x4300 / 65536 + 7.5 / 65536)
 
 
 @triton.jit
-def _nibble_bias(i: tl.constexpr):
-    return 128.0 if i % 2 == 0 else 2048.0
+def _biased_pair(packed, s: tl.constexpr):
+    """Nibbles s and s + 4 of each packed int32 as float32 bias + q by bits alone: one and-or puts each code in
+    the low mantissa bits of a bf16 128.0 in its half (0x4300 | q); the low half shifted up is exactly 128 + q,
+    the high half read in place is 128 + q + LOW_HALF_BIAS + (low code - 7.5) / 2^16, off by at most 1.2e-4 of
+    a code step (the rounding of the 2048 + q products this replaced was ~1e-4). Two codes an and-or and an
+    integer multiply for the low one, where one code took an and-or and half a shift: the integer pipe, which
+    issues at half the FMA rate, bounded the loop (bench/gemv_sass.py)."""
+    pair = ((packed >> (4 * s)) & 0x000F000F) | 0x43004300
+    low = (pair * 65536).to(tl.float32, bitcast=True)
+    high = pair.to(tl.float32, bitcast=True)
+    return low, high
 
 
 @triton.jit
@@ -90,8 +83,8 @@ def _add_codes(
     kt,
     part,  # SLICE_GROUPS: the scaled sum so far [BLOCK_N]
     acc2,  # otherwise: sum of x * (bias + q) [ROWS, BLOCK_N], sum of x and of x * bias [ROWS], scaled per tile
-    x_sum,
-    x_bias,
+    x_low_sum,
+    x_high_sum,
     qzeros_ptr,
     scales_ptr,
     group_size,
@@ -103,32 +96,60 @@ def _add_codes(
     offs_j,
     SLICE_GROUPS: tl.constexpr,
 ):
-    """Adds the products of `packed`'s codes with their activations (the module docstring's identity)."""
-    for i in tl.static_range(8):
-        q = _biased_nibble(packed, i)  # bias + q, exact
-        x = tl.load(x_row_ptr + 16 * i + offs_j).to(tl.float32)
+    """Adds the products of `packed`'s codes with their activations (the module docstring's identity). Without
+    SLICE_GROUPS the activations of the pairs' low and high codes are summed apart (_scaled_tile applies their
+    biases)."""
+    for s in tl.static_range(4):
+        low, high = _biased_pair(packed, s)  # nibbles s and s + 4
+        x_low = tl.load(x_row_ptr + 16 * s + offs_j).to(tl.float32)
+        x_high = tl.load(x_row_ptr + 16 * (s + 4) + offs_j).to(tl.float32)
         if SLICE_GROUPS:
-            scale, zero = _group_params(
-                qzeros_ptr, scales_ptr, (kt + 16 * i) // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
-            )
-            dot = tl.sum(x[:, None] * q, axis=0)
-            part += scale * (dot - (zero + _nibble_bias(i)) * tl.sum(x, axis=0))
+            for i in tl.static_range(2):
+                q = low if i == 0 else high
+                x = x_low if i == 0 else x_high
+                scale, zero = _group_params(
+                    qzeros_ptr,
+                    scales_ptr,
+                    (kt + 16 * (s + 4 * i)) // group_size,
+                    stride_qz,
+                    stride_s,
+                    offs_n,
+                    mask_n,
+                    zero_offset,
+                )
+                dot = tl.sum(x[:, None] * q, axis=0)
+                bias = 128.0 if i == 0 else 128.0 + LOW_HALF_BIAS
+                part += scale * (dot - (zero + bias) * tl.sum(x, axis=0))
         else:
-            acc2 += x[:, None] * q
-            x_sum += x
-            x_bias += x * _nibble_bias(i)
-    return part, acc2, x_sum, x_bias
+            acc2 += x_low[:, None] * low  # two FMAs (one sum of both products is a multiply and two adds)
+            acc2 += x_high[:, None] * high
+            x_low_sum += x_low
+            x_high_sum += x_high
+    return part, acc2, x_low_sum, x_high_sum
 
 
 @triton.jit
 def _scaled_tile(
-    acc2, x_sum, x_bias, kt, qzeros_ptr, scales_ptr, group_size, zero_offset, stride_qz, stride_s, offs_n, mask_n
+    acc2,
+    x_low_sum,
+    x_high_sum,
+    kt,
+    qzeros_ptr,
+    scales_ptr,
+    group_size,
+    zero_offset,
+    stride_qz,
+    stride_s,
+    offs_n,
+    mask_n,
 ):
     """A tile's (or a step's) sums of `_add_codes`, scaled by its group (groups of whole tiles)."""
     scale, zero = _group_params(
         qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
     )
-    return scale * (tl.sum(acc2, axis=0) - tl.sum(x_bias, axis=0) - zero * tl.sum(x_sum, axis=0))
+    low, high = tl.sum(x_low_sum, axis=0), tl.sum(x_high_sum, axis=0)
+    biases = 128.0 * low + (128.0 + LOW_HALF_BIAS) * high
+    return scale * (tl.sum(acc2, axis=0) - biases - zero * (low + high))
 
 
 @triton.jit
@@ -197,18 +218,18 @@ def _w4a16_gemv_kernel(
                 row = tl.minimum(m, M - 1)  # rows past M (BLOCK_M is a power of two) repeat the last; never stored
                 part = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-                x_sum = tl.zeros((ROWS,), dtype=tl.float32)
-                x_bias = tl.zeros((ROWS,), dtype=tl.float32)  # sum of x * the codes' bias
+                x_low_sum = tl.zeros((ROWS,), dtype=tl.float32)
+                x_high_sum = tl.zeros((ROWS,), dtype=tl.float32)  # sums of x of the pairs' low / high codes
                 for h in tl.static_range(16 // ROWS):  # the tile's 16 packed rows, ROWS at a time
                     packed = _load_codes(qweight_ptr, kt // 8 + h * ROWS + offs_j, stride_qw, offs_n, mask_n[None, :])
-                    part, acc2, x_sum, x_bias = _add_codes(
+                    part, acc2, x_low_sum, x_high_sum = _add_codes(
                         packed,
                         x_ptr + row * stride_xm + kt + h * ROWS,
                         kt,
                         part,
                         acc2,
-                        x_sum,
-                        x_bias,
+                        x_low_sum,
+                        x_high_sum,
                         qzeros_ptr,
                         scales_ptr,
                         group_size,
@@ -223,8 +244,8 @@ def _w4a16_gemv_kernel(
                 if not SLICE_GROUPS:
                     part = _scaled_tile(
                         acc2,
-                        x_sum,
-                        x_bias,
+                        x_low_sum,
+                        x_high_sum,
                         kt,
                         qzeros_ptr,
                         scales_ptr,
@@ -283,16 +304,16 @@ def _prefetched_row(
         following = _load_codes(qweight_ptr, rows, stride_qw, offs_n, in_range[:, None] & mask_n[None, :])
         kt = (step // halves) * 128
         acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((ROWS,), dtype=tl.float32)
-        x_bias = tl.zeros((ROWS,), dtype=tl.float32)
-        total, acc2, x_sum, x_bias = _add_codes(
+        x_low_sum = tl.zeros((ROWS,), dtype=tl.float32)
+        x_high_sum = tl.zeros((ROWS,), dtype=tl.float32)
+        total, acc2, x_low_sum, x_high_sum = _add_codes(
             packed,
             x_ptr + kt + (step % halves) * ROWS,
             kt,
             total,
             acc2,
-            x_sum,
-            x_bias,
+            x_low_sum,
+            x_high_sum,
             qzeros_ptr,
             scales_ptr,
             group_size,
@@ -307,8 +328,8 @@ def _prefetched_row(
         if not SLICE_GROUPS:
             total += _scaled_tile(
                 acc2,
-                x_sum,
-                x_bias,
+                x_low_sum,
+                x_high_sum,
                 kt,
                 qzeros_ptr,
                 scales_ptr,
@@ -346,13 +367,13 @@ GemvTiles = tuple[int, int, int]  # BLOCK_N, num_warps, SPLIT_K (0: auto)
 # 0.63-0.80x the tiled GEMM's time (bench/results/w4a16_tiled_h100/); each further row unpacks the weight again
 # (the old layout's GEMV was 7-33x slower than its GEMM at M = 4 and 8: bench/results/w4a16_gemv_h100/).
 MAX_ROWS = 1
-_TARGET_PROGRAMS = 528  # four per SM of an H100
-# One-row calls load a step ahead (`_prefetched_row`). ptxas for sm_90, 512 columns over 4 warps: 128 registers a
-# thread against 165 without split-K, 163 against 160 with it (most 8B linears split). On an H200
-# (graph-timed, PDL, default tiles) the 8B linears took 8.6 / 8.2 / 28.9 / 18.4 µs against 11.1 / 7.7 / 28.7 /
-# 20.8 (qkv / o / gate_up / down): 64.1 against 68.3 µs a layer (bench/results/pdl_h200x2_2026-11-28/).
+_TARGET_PROGRAMS = 528  # four per SM of an H100 / H200 (132 SMs)
+# One-row calls load a step ahead (`_prefetched_row`). On an H200 (graph-timed, PDL, default tiles) the 8B linears
+# took 8.6 / 8.2 / 28.9 / 18.4 µs against 11.1 / 7.7 / 28.7 / 20.8 without (qkv / o / gate_up / down;
+# bench/results/pdl_h200x2_2026-11-28/); unpacking two codes an and-or then took them to 8.0 / 7.6 / 24.7 / 18.8
+# and the slices trimmed to those with inputs down to 17.9 (bench/results/gemv_split_h200_2026-11-29/).
 PREFETCH = True
-GEMV_ROWS = 8  # packed rows a load brings: 160 registers a thread against 244 for 16 (w4a16_tiled_h100/gemv_bits/rows/)
+GEMV_ROWS = 8  # packed rows a load brings: 244 registers a thread for 16 (w4a16_tiled_h100/gemv_bits/rows/)
 
 
 def default_gemv_tiles(m: int) -> GemvTiles:
@@ -410,6 +431,7 @@ def w4a16_gemv(
     num_tiles = triton.cdiv(n, block_n)
     split = split or split_k(num_tiles, k, TILE_ROWS, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), TILE_ROWS) * TILE_ROWS
+    split = triton.cdiv(k, k_per_split)  # no slice past K (down_proj of an 8B: 56 of 64 had inputs)
     partial, counters = split_k_buffers(out, split, num_tiles)
     _w4a16_gemv_kernel[(num_tiles, split)](
         x,

@@ -45,7 +45,7 @@ def _dtype(device: torch.device) -> torch.dtype:
         (1, 384, 200, 128, None),  # three groups, a ragged last n-tile
         (3, 256, 72, 32, (32, 4, 2)),  # 2 slices of 4 groups each
         (8, 384, 136, 128, (64, 4, 3)),  # 3 slices of one tile
-        (5, 128, 40, 32, (64, 2, 4)),  # more slices than tiles: empty slices add zeros
+        (5, 128, 40, 32, (64, 2, 4)),  # more slices asked than tiles: the one with inputs runs
         (1, 512, 64, 64, (32, 1, 2)),  # groups of two slices of 16
         (1, 384, 72, 192, (64, 2, 3)),  # a group ends inside a tile
     ],
@@ -77,7 +77,7 @@ def test_gemv_matches_the_dequantized_weight(
         (384, 200, 128, None),  # three tiles: six steps, a ragged last n-tile
         (512, 64, 64, (32, 1, 2)),  # 2 slices: each walks only its own steps; groups of two slices of 16
         (384, 72, 192, (64, 2, 3)),  # a group ends inside a tile
-        (384, 40, 128, (64, 2, 5)),  # 5 slices of one tile over 3 tiles: the empty ones load nothing
+        (384, 40, 128, (64, 2, 5)),  # 5 slices asked over 3 tiles: 3 run, one tile each
     ],
 )
 def test_prefetching_gemv_equals_the_plain_loop(
