@@ -88,6 +88,7 @@ GEMV_SWEEP: list[GemvTiles] = [  # (BLOCK_N, warps, SPLIT_K; 0 = auto)
     (256, 2, 0),
     *((256, 2, split) for split in (8, 16, 32, 64)),
     (256, 4, 0),
+    (1024, 4, 0),
     (1024, 8, 0),
     (128, 1, 0),
 ]

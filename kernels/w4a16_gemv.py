@@ -17,9 +17,9 @@ zero point.
 
 With BLOCK_N = 4 x 32 x num_warps a thread holds all ROWS rows of its columns: the row sums stay in registers
 and the loop has no shared memory and no barrier (GPTQ's own order needed a [16, 8, N] -> [128, N] reshape, a
-shared-memory round trip in every K step). ROWS = 8, half a tile at a time, keeps half the tile's x live: 127
-registers a thread (ptxas of Triton 3.6 for sm_90, with split-K and prefetch; 168 with Triton 3.9's), four
-programs of 4 warps an SM.
+shared-memory round trip in every K step). ROWS = 8, half a tile at a time, keeps half the tile's x live: 128
+registers a thread (ptxas for sm_90, with split-K and prefetch, Triton 3.6 and 3.9), four programs of 4 warps an
+SM.
 
 Split-K is deterministic and takes no second launch: with SPLIT_K > 1 each slice writes a float32 partial
 [SPLIT_K, M, N], then counts itself in on its column tile's counter; the slice that arrives last adds the
@@ -54,17 +54,20 @@ def _group_params(qzeros_ptr, scales_ptr, group, stride_qz, stride_s, offs_n, ma
 # The high code of a pair (_biased_pair) as a float32 carries the low half's bits below its mantissa step:
 # 0x4300 / 2^16 exactly, plus the low code / 2^16, whose mean (7.5 / 2^16) leaves with the bias too.
 LOW_HALF_BIAS = tl.constexpr(0x4300 / 65536 + 7.5 / 65536)
+# 0x43004300, 128.0 in both bf16 halves, passed as an argument: a register to ptxas, which then fuses the and-or
+# into one LOP3 (a constant in its place took two, each at half the FMA rate: bench/gemv_sass.py).
+PAIR_MAGIC = 0x43004300
 
 
 @triton.jit
-def _biased_pair(packed, s: tl.constexpr):
+def _biased_pair(packed, s: tl.constexpr, pair_magic):
     """Nibbles s and s + 4 of each packed int32 as float32 bias + q by bits alone: one and-or puts each code in
     the low mantissa bits of a bf16 128.0 in its half (0x4300 | q); the low half shifted up is exactly 128 + q,
     the high half read in place is 128 + q + LOW_HALF_BIAS + (low code - 7.5) / 2^16, off by at most 1.2e-4 of
     a code step (the rounding of the 2048 + q products this replaced was ~1e-4). Two codes an and-or and an
     integer multiply for the low one, where one code took an and-or and half a shift: the integer pipe, which
     issues at half the FMA rate, bounded the loop (bench/gemv_sass.py)."""
-    pair = ((packed >> (4 * s)) & 0x000F000F) | 0x43004300
+    pair = ((packed >> (4 * s)) & 0x000F000F) | pair_magic
     low = (pair * 65536).to(tl.float32, bitcast=True)
     high = pair.to(tl.float32, bitcast=True)
     return low, high
@@ -89,6 +92,7 @@ def _add_codes(
     scales_ptr,
     group_size,
     zero_offset,
+    pair_magic,
     stride_qz,
     stride_s,
     offs_n,
@@ -100,7 +104,7 @@ def _add_codes(
     SLICE_GROUPS the activations of the pairs' low and high codes are summed apart (_scaled_tile applies their
     biases)."""
     for s in tl.static_range(4):
-        low, high = _biased_pair(packed, s)  # nibbles s and s + 4
+        low, high = _biased_pair(packed, s, pair_magic)  # nibbles s and s + 4
         x_low = tl.load(x_row_ptr + 16 * s + offs_j).to(tl.float32)
         x_high = tl.load(x_row_ptr + 16 * (s + 4) + offs_j).to(tl.float32)
         if SLICE_GROUPS:
@@ -166,6 +170,7 @@ def _w4a16_gemv_kernel(
     K,
     group_size,
     zero_offset,
+    pair_magic,  # PAIR_MAGIC
     k_per_split,  # a multiple of 128
     stride_xm,
     stride_qw,
@@ -200,6 +205,7 @@ def _w4a16_gemv_kernel(
             k_end,
             group_size,
             zero_offset,
+            pair_magic,
             stride_qw,
             stride_qz,
             stride_s,
@@ -234,6 +240,7 @@ def _w4a16_gemv_kernel(
                         scales_ptr,
                         group_size,
                         zero_offset,
+                        pair_magic,
                         stride_qz,
                         stride_s,
                         offs_n,
@@ -275,6 +282,7 @@ def _prefetched_row(
     k_end,
     group_size,
     zero_offset,
+    pair_magic,
     stride_qw,
     stride_qz,
     stride_s,
@@ -318,6 +326,7 @@ def _prefetched_row(
             scales_ptr,
             group_size,
             zero_offset,
+            pair_magic,
             stride_qz,
             stride_s,
             offs_n,
@@ -370,8 +379,8 @@ MAX_ROWS = 1
 _TARGET_PROGRAMS = 528  # four per SM of an H100 / H200 (132 SMs)
 # One-row calls load a step ahead (`_prefetched_row`). On an H200 (graph-timed, PDL, default tiles) the 8B linears
 # took 8.6 / 8.2 / 28.9 / 18.4 µs against 11.1 / 7.7 / 28.7 / 20.8 without (qkv / o / gate_up / down;
-# bench/results/pdl_h200x2_2026-11-28/); unpacking two codes an and-or then took them to 8.0 / 7.6 / 24.7 / 18.8
-# and the slices trimmed to those with inputs down to 17.9 (bench/results/gemv_split_h200_2026-11-29/).
+# bench/results/pdl_h200x2_2026-11-28/); two codes an and-or, one LOP3 each, and the slices trimmed to those with
+# inputs then took them to 7.6 / 7.6 / 23.3 / 16.7: 55.2 µs a layer against 64.1 (gemv_split_h200_2026-11-29/).
 PREFETCH = True
 GEMV_ROWS = 8  # packed rows a load brings: 244 registers a thread for 16 (w4a16_tiled_h100/gemv_bits/rows/)
 
@@ -446,6 +455,7 @@ def w4a16_gemv(
         k,
         group_size,
         zero_offset,
+        PAIR_MAGIC,
         k_per_split,
         x.stride(0),
         qweight.stride(0),
