@@ -85,8 +85,8 @@ def _add_codes(
     x_row_ptr,  # the activation row, at input kt + first_row
     kt,
     part,  # SLICE_GROUPS: the scaled sum so far [BLOCK_N]
-    acc2,  # otherwise: sum of x * (bias + q) [ROWS, BLOCK_N], sum of x and of x * bias [ROWS], scaled per tile
-    x_low_sum,
+    acc2,  # otherwise: sum of x * (bias + q) [ROWS, BLOCK_N], scaled per tile
+    x_low_sum,  # and the sums of x of the pairs' low / high codes [ROWS]
     x_high_sum,
     qzeros_ptr,
     scales_ptr,
