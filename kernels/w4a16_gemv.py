@@ -380,7 +380,7 @@ _TARGET_PROGRAMS = 528  # four per SM of an H100 / H200 (132 SMs)
 # One-row calls load a step ahead (`_prefetched_row`). On an H200 (graph-timed, PDL, default tiles) the 8B linears
 # took 8.6 / 8.2 / 28.9 / 18.4 µs against 11.1 / 7.7 / 28.7 / 20.8 without (qkv / o / gate_up / down;
 # bench/results/pdl_h200x2_2026-11-28/); two codes an and-or, one LOP3 each, and the slices trimmed to those with
-# inputs then took them to 7.6 / 7.6 / 23.3 / 16.7: 55.2 µs a layer against 64.1 (gemv_split_h200_2026-11-29/).
+# inputs then took them to 7.6 / 7.6 / 23.3 / 16.7: 55.2 µs a layer against 64.1 (w4a16_pairs_h200_2026-11-29/).
 PREFETCH = True
 GEMV_ROWS = 8  # packed rows a load brings: 244 registers a thread for 16 (w4a16_tiled_h100/gemv_bits/rows/)
 
