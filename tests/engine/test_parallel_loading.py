@@ -11,16 +11,19 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedserve.kernels import expert_quant
+from pagedserve.kernels.moe_reference import experts_grouped
 from pagedserve.services.engine.models import load_model
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
 from pagedserve.services.engine.models.moe import Experts
+from pagedserve.services.engine.models.quantized_experts import QuantizedExperts
 from pagedserve.services.engine.models.weights import safetensors_files
 from pagedserve.services.engine.parallel.fp8 import ColumnParallelFp8, RowParallelFp8
 from pagedserve.services.engine.parallel.int4 import ColumnParallelInt4, RowParallelInt4
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
-from pagedserve.services.engine.parallel.moe import ParallelExperts
+from pagedserve.services.engine.parallel.moe import ParallelExperts, ParallelFp8Experts, ParallelInt4Experts
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
 from tests.models.int4_checkpoints import (
@@ -34,6 +37,8 @@ from tests.models.int4_checkpoints import (
     rewrite_decoder_linears,
     write_quantized_llama,
 )
+from tests.models.test_int4_moe import _write_4bit
+from tests.models.test_quantized_experts import _write_fp8
 from tests.models.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -346,3 +351,66 @@ def test_quantized_moe_splits_its_experts_dequantised_and_replicates_the_router(
     router = "model.layers.1.mlp.gate.weight"
     assert all(torch.equal(dict(r.named_parameters())[router], dict(whole.named_parameters())[router]) for r in ranks)
     assert isinstance(ranks[0].get_submodule("model.layers.1.self_attn.o_proj"), RowParallelInt4)
+
+
+def _dequantized_experts(experts: QuantizedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    quant = experts._quant()
+    w13 = expert_quant.dequantize(experts.gate_up_proj, quant["w13_scale"], quant["w13_zeros"], torch.float32)
+    w2 = expert_quant.dequantize(experts.down_proj, quant["w2_scale"], quant["w2_zeros"], torch.float32)
+    return w13, w2
+
+
+@pytest.mark.parametrize("fmt", ["gptq-g16", "gptq-channel", "fp8-channel", "fp8-tensor"])
+def test_quantized_experts_shard_quantized(fmt: str, tmp_path: Path) -> None:
+    """Experts kept quantized (as on CUDA) under tensor parallelism: each rank's experts stay 4-bit / fp8, hold
+    its gate / up rows and down columns of the one-GPU experts (dequantised, exactly), and the ranks' partial
+    outputs sum to the one-GPU experts' output."""
+    case = "qwen3_moe-qknorm-normtopk"
+    if fmt.startswith("gptq"):
+        _write_4bit(case, tmp_path, "gptq", act_order=False, group=16 if fmt == "gptq-g16" else 0)
+        kind: type[QuantizedExperts] = ParallelInt4Experts
+    else:
+        _write_fp8(case, tmp_path, per_tensor=fmt == "fp8-tensor")
+        kind = ParallelFp8Experts
+    kwargs = dict(dtype="float32", device=CPU, show_progress=False, quantized_experts=True)
+    whole = load_model(tmp_path, **kwargs)
+    ranks = [load_model(tmp_path, **kwargs, parallel=_ctx(r, 2)) for r in range(2)]
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.experts"
+        full = whole.get_submodule(name)
+        parts = [p for r in ranks if isinstance(p := r.get_submodule(name), kind)]
+        assert isinstance(full, QuantizedExperts) and len(parts) == 2, name
+        assert all(p.gate_up_proj.dtype == full.gate_up_proj.dtype for p in parts)  # still uint8 / fp8
+        full_w13, full_w2 = _dequantized_experts(full)
+        pieces = [_dequantized_experts(p) for p in parts]
+        size = full.intermediate_size
+        gate = torch.cat([w13[:, : w13.shape[1] // 2] for w13, _ in pieces], dim=1)
+        up = torch.cat([w13[:, w13.shape[1] // 2 :] for w13, _ in pieces], dim=1)
+        torch.testing.assert_close(gate, full_w13[:, :size], rtol=0, atol=0)
+        torch.testing.assert_close(up, full_w13[:, size:], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([w2 for _, w2 in pieces], dim=2), full_w2, rtol=0, atol=0)
+        x = torch.randn(5, full.gate_up_proj.shape[2] * (2 if kind is ParallelInt4Experts else 1))
+        weights, ids = torch.rand(5, 2), torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]])
+        want = experts_grouped(x, full.gate_up_proj, full.down_proj, weights, ids, **full._quant())
+        got = sum(experts_grouped(x, p.gate_up_proj, p.down_proj, weights, ids, **p._quant()) for p in parts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "fp8"])
+def test_random_quantized_experts_fill_each_rank_in_their_format(fmt: str, tmp_path: Path) -> None:
+    """Benchmarks' random weights (`--load-format dummy`) under tensor parallelism fill the quantized experts' slices
+    piece by piece in their own format: 4-bit zero points 0..15 and fp8 codes, with scales that make the
+    dequantised experts about N(0, 0.02) on every rank."""
+    case = "qwen3_moe-qknorm-normtopk"
+    if fmt == "gptq":
+        _write_4bit(case, tmp_path, "gptq", act_order=False, group=16)
+    else:
+        _write_fp8(case, tmp_path, per_tensor=False)
+    kwargs = dict(dtype="float32", device=CPU, show_progress=False, quantized_experts=True, random_weights_seed=3)
+    for rank in range(2):
+        experts = load_model(tmp_path, **kwargs, parallel=_ctx(rank, 2)).get_submodule("model.layers.1.mlp.experts")
+        assert isinstance(experts, ParallelInt4Experts if fmt == "gptq" else ParallelFp8Experts)
+        if isinstance(experts, ParallelInt4Experts):
+            assert int(experts.gate_up_proj_zeros.max()) <= 15 and int(experts.down_proj_zeros.max()) <= 15
+        for w in _dequantized_experts(experts):
+            assert 0.005 < float(w.std()) < 0.08, float(w.std())

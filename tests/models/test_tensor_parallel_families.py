@@ -21,6 +21,7 @@ import torch
 from pagedserve.services.engine.models import load_model
 from tests.models.int4_checkpoints import fp8_rows, gptq_tensors, in_hf_layout, write_quantized_llama
 from tests.models.paged_driver import PagedDriver
+from tests.models.test_int4_moe import _write_4bit
 from tests.models.tiny_models import TP_CASES, build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,6 +31,7 @@ NUM_NEW = 10
 GPTQ_CASE = "llama-gptq-g16"
 GPTQ_ACT_CASE = "llama-gptq-g16-act-order"
 FP8_CASE = "llama-fp8-rows"
+MOE_GPTQ_CASE = "qwen3-moe-gptq-g16-experts-4bit"  # experts kept 4-bit on every rank (as on CUDA)
 
 
 def _free_port() -> int:
@@ -51,6 +53,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs[GPTQ_ACT_CASE] = tmp_path_factory.mktemp(GPTQ_ACT_CASE)  # act order: row-parallel ranks keep every group
     act_order = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True}
     write_quantized_llama(dirs[GPTQ_ACT_CASE], in_hf_layout(gptq_tensors, 16, True), act_order)
+    dirs[MOE_GPTQ_CASE] = tmp_path_factory.mktemp(MOE_GPTQ_CASE)
+    _write_4bit("qwen3_moe-qknorm-normtopk", dirs[MOE_GPTQ_CASE], "gptq", act_order=False, group=16)
     dirs[FP8_CASE] = tmp_path_factory.mktemp(FP8_CASE)
     fp8_oracle = write_quantized_llama(dirs[FP8_CASE], fp8_rows, {"quant_method": "fp8"})
     with torch.inference_mode():  # HF on the weights the checkpoint means, in fp32 (activations unquantized)
@@ -72,6 +76,7 @@ def tp2_results(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
                 "random": random_dir,
                 "models": {c: str(d) for c, d in model_dirs.items()},
                 "logits": [FP8_CASE],
+                "quantized_experts": [MOE_GPTQ_CASE],
             }
         )
     )
@@ -113,11 +118,12 @@ def test_tp2_greedy_equals_tp1(case: str, model_dirs: dict[str, Path], tp2_resul
     assert PagedDriver(model).greedy(PROMPTS, NUM_NEW) == tp2_results[case]
 
 
-@pytest.mark.parametrize("case", [GPTQ_CASE, GPTQ_ACT_CASE])
+@pytest.mark.parametrize("case", [GPTQ_CASE, GPTQ_ACT_CASE, MOE_GPTQ_CASE])
 def test_tp2_greedy_equals_tp1_with_4bit_weights(
     case: str, model_dirs: dict[str, Path], tp2_results: dict[str, list]
 ) -> None:
-    model = load_model(model_dirs[case], "float32", "cpu", show_progress=False)
+    quantized_experts = True if case == MOE_GPTQ_CASE else None
+    model = load_model(model_dirs[case], "float32", "cpu", show_progress=False, quantized_experts=quantized_experts)
     expected = PagedDriver(model).greedy(PROMPTS, NUM_NEW)
     assert expected == tp2_results[case]
     assert len({tuple(t) for t in expected}) > 1

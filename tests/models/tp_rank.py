@@ -22,7 +22,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-method", required=True)
-    parser.add_argument("--job", required=True, help="JSON: {prompts, num_new, models: {case: dir}, random, logits}")
+    parser.add_argument(
+        "--job", required=True, help="JSON: {prompts, num_new, models: {case: dir}, random, logits, quantized_experts}"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -30,7 +32,10 @@ def main() -> None:
     ctx = init_parallel(args.rank, args.world_size, args.init_method, torch.device("cpu"), timeout_s=120)
     results: dict[str, list[list[int]] | list[list[float]]] = {}
     for case, model_dir in job["models"].items():
-        model = load_model(model_dir, "float32", "cpu", show_progress=False, parallel=ctx)
+        quantized_experts = True if case in job.get("quantized_experts", ()) else None  # as CUDA keeps them
+        model = load_model(
+            model_dir, "float32", "cpu", show_progress=False, parallel=ctx, quantized_experts=quantized_experts
+        )
         if case in job.get("logits", ()):  # the prompts' last-position logits (where tokens may not be exact)
             logits = PagedDriver(model).step(dict(enumerate(job["prompts"])))
             results[case] = [lg[-1].tolist() for lg in logits]

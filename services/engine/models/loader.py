@@ -300,10 +300,6 @@ def load_model(
         cfg = {**cfg, PACKED_EXPERTS_KEY: keeps_experts_packed(device, mxfp4_packed, cfg)}
     method = resolve_quantization(quantization, cfg)
     is_sharded = parallel is not None and parallel.world_size > 1
-    if is_sharded and method != "none":  # quantized linears split per rank; MoE experts split dequantised
-        if quantized_experts:
-            raise ValueError("quantized experts load unsharded (tensor parallel holds them dequantised)")
-        quantized_experts = False
     if (experts := experts_quantization(method, cfg, device, quantized_experts)) is not None:
         cfg = {**cfg, QUANTIZED_EXPERTS_KEY: experts}  # MoE families build fp8 / int4 experts from this
     spec: ModelSpec = build_spec(model_dir, cfg, resolve_dtype(dtype, cfg, device), max_model_len)

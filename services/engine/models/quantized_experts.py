@@ -211,6 +211,7 @@ class Int4Experts(QuantizedExperts):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, group_size: int) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, act)
+        self.group_size = group_size
         e, h, i, dtype = num_experts, hidden_size, intermediate_size, self.gate_up_proj.dtype
         g13, g2 = group_size or h, group_size or i
         if h % g13 or i % g2:

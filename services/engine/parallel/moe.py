@@ -12,10 +12,14 @@ needs an all-to-all per layer and balances only on average: not built.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedserve.services.engine.models.moe import Experts
-from pagedserve.services.engine.parallel.linear import Part, ReadSlice
+from pagedserve.services.engine.models.quantized_experts import Fp8Experts, Int4Experts
+from pagedserve.services.engine.parallel.linear import Part, ReadSlice, even_part
+from pagedserve.services.engine.parallel.state import ParallelContext
 
 
 class ParallelExperts(Experts):
@@ -44,3 +48,86 @@ class ParallelExperts(Experts):
             self.gate_up_proj.data.copy_(torch.cat([gate, up], dim=1))
         else:  # fused 3-D down [E, hidden, I]: the reader slices the first two dims only
             self.down_proj.data.copy_(read(0, 0, self.num_experts).narrow(2, start, size))
+
+
+class _QuantizedSlices:
+    """Quantized experts (fp8, int4) under tensor parallelism, sliced as ParallelExperts slices dense ones: this
+    rank's gate and up rows of each expert with their scales (and zero points), and its intermediate columns of
+    each down weight: its codes (two a byte for int4), its groups' scales and zero points (all ranks share a
+    per-channel group's), and the whole per-row fp8 down scale. Each full checkpoint tensor is cut to this
+    rank's piece, then loaded by the quantized experts' own `load_weight` (kernel layout, fp8 scale forms).
+    The fused-MoE kernel and the torch paths run the local experts unchanged."""
+
+    part: Part
+    hidden_size: int
+    num_experts: int
+    load_weight: Callable[[str, torch.Tensor, str | None], list[str]]
+
+    def _full_columns(self, param_name: str) -> int:
+        """Columns of one expert's full down tensor `param_name`: codes, groups, or 1 (int4's per-channel group)."""
+        if param_name != "down_proj" and getattr(self, "group_size", None) == 0:
+            return 1
+        return getattr(self, param_name).shape[2] * self.part.full_size // self.part.size
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        """One full tensor per expert and part, as Hub checkpoints store them."""
+        local = getattr(self, param_name)
+        experts = range(self.num_experts)
+        if param_name.startswith("down_proj"):
+            shape = (self.hidden_size,) if local.dim() == 2 else (self.hidden_size, self._full_columns(param_name))
+            return [(f"down:{e}", shape) for e in experts]
+        shape = (self.part.full_size, *local.shape[2:])
+        return [(f"{p}:{e}", shape) for e in experts for p in ("gate", "up")]
+
+    def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
+        start, size, full = self.part.start, self.part.size, self.part.full_size
+        local = getattr(self, param_name)
+        down = param_name.startswith("down_proj")
+        if shard_id is None:  # a fused 3-D tensor [E, rows, ...] (or a per-expert [E] scale, loaded whole)
+            if down or local.dim() < 2:
+                loaded = read(0, 0, self.num_experts)
+                if down and local.dim() == 3 and loaded.dim() == 3:
+                    loaded = self._columns(loaded, param_name, 2)
+            else:
+                loaded = torch.cat([read(1, start, size), read(1, full + start, size)], dim=1)
+        elif not down:  # one expert's gate or up rows, or their scales / zero points
+            loaded = read(0, start, size)
+        elif local.dim() == 2:  # fp8's per-row down scale: every row of hidden
+            loaded = read(0, 0, self.hidden_size)
+        else:
+            loaded = self._columns(read(0, 0, self.hidden_size), param_name, 1)
+        return self.load_weight(param_name, loaded, shard_id)
+
+    def _columns(self, tensor: torch.Tensor, param_name: str, dim: int) -> torch.Tensor:
+        """This rank's intermediate columns of a down tensor along `dim` (a per-tensor scale, or the one group of
+        a per-channel int4 weight, as it is)."""
+        columns, full = self._full_columns(param_name), self.part.full_size
+        if tensor.dim() <= dim or columns == 1:
+            return tensor
+        if tensor.shape[dim] != columns:
+            raise ValueError(f"{param_name}: {tensor.shape[dim]} columns where {columns} were expected")
+        return tensor.narrow(dim, self.part.start * columns // full, self.part.size * columns // full)
+
+
+class ParallelFp8Experts(_QuantizedSlices, Fp8Experts):
+    def __init__(self, num_experts: int, hidden_size: int, part: Part, activation: str) -> None:
+        super().__init__(num_experts, hidden_size, part.size, activation)
+        self.part, self.hidden_size = part, hidden_size
+
+
+class ParallelInt4Experts(_QuantizedSlices, Int4Experts):
+    def __init__(self, num_experts: int, hidden_size: int, part: Part, activation: str, group_size: int) -> None:
+        super().__init__(num_experts, hidden_size, part.size, activation, group_size)
+        self.part, self.hidden_size = part, hidden_size
+
+
+def parallel_experts(experts: Experts, hidden_size: int, ctx: ParallelContext) -> Experts:
+    """This rank's experts: dense ones sliced (ParallelExperts), quantized ones kept quantized and sliced at
+    whole groups (and whole bytes of int4 codes)."""
+    if isinstance(experts, Int4Experts):
+        part = even_part(experts.intermediate_size, ctx, unit=experts.group_size or 2)
+        return ParallelInt4Experts(experts.num_experts, hidden_size, part, experts.activation, experts.group_size)
+    part = even_part(experts.intermediate_size, ctx)
+    if isinstance(experts, Fp8Experts):
+        return ParallelFp8Experts(experts.num_experts, hidden_size, part, experts.activation)
+    return ParallelExperts(experts.num_experts, hidden_size, part, experts.activation)

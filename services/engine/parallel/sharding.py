@@ -32,7 +32,7 @@ from pagedserve.services.engine.parallel.linear import (
     attention_parts,
     even_part,
 )
-from pagedserve.services.engine.parallel.moe import ParallelExperts
+from pagedserve.services.engine.parallel.moe import parallel_experts
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 
@@ -88,9 +88,7 @@ def _shard_gated_mlp(mlp: GatedMLP, hidden_size: int, ctx: ParallelContext) -> N
 
 
 def _shard_moe(moe: MoE, hidden_size: int, ctx: ParallelContext) -> None:
-    experts = moe.experts
-    part = even_part(experts.intermediate_size, ctx)
-    moe.experts = ParallelExperts(experts.num_experts, hidden_size, part, experts.activation)
+    moe.experts = parallel_experts(moe.experts, hidden_size, ctx)
     moe.reduce = ctx.all_reduce
 
 
