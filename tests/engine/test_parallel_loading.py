@@ -18,12 +18,18 @@ from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.models.fp8 import Fp8Linear
 from pagedserve.services.engine.models.int4 import Int4Linear
 from pagedserve.services.engine.models.moe import Experts
-from pagedserve.services.engine.models.quantized_experts import QuantizedExperts
+from pagedserve.services.engine.models.quantized_experts import Fp8Experts, Int4Experts, QuantizedExperts
 from pagedserve.services.engine.models.weights import safetensors_files
 from pagedserve.services.engine.parallel.fp8 import ColumnParallelFp8, RowParallelFp8
 from pagedserve.services.engine.parallel.int4 import ColumnParallelInt4, RowParallelInt4
+from pagedserve.services.engine.parallel.linear import ReadSlice
 from pagedserve.services.engine.parallel.loading import load_random, load_sharded, random_tensor
-from pagedserve.services.engine.parallel.moe import ParallelExperts, ParallelFp8Experts, ParallelInt4Experts
+from pagedserve.services.engine.parallel.moe import (
+    ParallelExperts,
+    ParallelFp8Experts,
+    ParallelInt4Experts,
+    parallel_experts,
+)
 from pagedserve.services.engine.parallel.state import ParallelContext
 from tests.engine.engine_helpers import WholeReads
 from tests.models.int4_checkpoints import (
@@ -414,3 +420,52 @@ def test_random_quantized_experts_fill_each_rank_in_their_format(fmt: str, tmp_p
             assert int(experts.gate_up_proj_zeros.max()) <= 15 and int(experts.down_proj_zeros.max()) <= 15
         for w in _dequantized_experts(experts):
             assert 0.005 < float(w.std()) < 0.08, float(w.std())
+
+
+def _reader(tensor: torch.Tensor) -> ReadSlice:
+    return lambda dim, start, size: tensor.narrow(dim, start, size)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g8", "int4-channel", "fp8"])
+def test_fused_quantized_expert_tensors_are_cut_per_rank(fmt: str) -> None:
+    """Checkpoints that store every expert in one tensor ([E, 2I, ...] gate_up, [E, hidden, ...] down, or one
+    fp8 scale an expert) load into each rank's slice as the per-expert pieces do."""
+    num_experts, hidden, intermediate = 3, 16, 32
+    gen = torch.Generator().manual_seed(0)
+    if fmt == "fp8":
+        whole: Fp8Experts | Int4Experts = Fp8Experts(num_experts, hidden, intermediate, "silu")
+        tensors = {
+            "gate_up_proj": (torch.randn(3, 64, 16, generator=gen) * 50).to(expert_quant.FP8_DTYPE),
+            "gate_up_proj_scale": torch.rand(3, generator=gen) + 0.5,  # one an expert
+            "down_proj": (torch.randn(3, 16, 32, generator=gen) * 50).to(expert_quant.FP8_DTYPE),
+            "down_proj_scale": torch.rand(3, 16, generator=gen) + 0.5,
+        }
+    else:
+        group = 8 if fmt == "int4-g8" else 0
+        whole = Int4Experts(num_experts, hidden, intermediate, "silu", group)
+        g13, g2 = (2, 4) if group else (1, 1)
+        tensors = {
+            "gate_up_proj": torch.randint(0, 256, (3, 64, 8), generator=gen, dtype=torch.uint8),
+            "gate_up_proj_scale": torch.rand(3, 64, g13, generator=gen),
+            "gate_up_proj_zeros": torch.randint(0, 16, (3, 64, g13), generator=gen, dtype=torch.uint8),
+            "down_proj": torch.randint(0, 256, (3, 16, 16), generator=gen, dtype=torch.uint8),
+            "down_proj_scale": torch.rand(3, 16, g2, generator=gen),
+            "down_proj_zeros": torch.randint(0, 16, (3, 16, g2), generator=gen, dtype=torch.uint8),
+        }
+    whole.to_empty(device=CPU)
+    for name, tensor in tensors.items():
+        whole.load_weight(name, tensor, None)
+    full_w13, full_w2 = _dequantized_experts(whole)
+    pieces = []
+    for rank in range(2):
+        part = parallel_experts(whole, hidden, _ctx(rank, 2))
+        assert isinstance(part, (ParallelFp8Experts, ParallelInt4Experts))
+        assert part.intermediate_size == intermediate // 2
+        part.to_empty(device=CPU)
+        for name, tensor in tensors.items():
+            part.load_piece(name, None, _reader(tensor))
+        pieces.append(_dequantized_experts(part))
+    half = intermediate // 2
+    torch.testing.assert_close(torch.cat([w13[:, :half] for w13, _ in pieces], 1), full_w13[:, :intermediate])
+    torch.testing.assert_close(torch.cat([w13[:, half:] for w13, _ in pieces], 1), full_w13[:, intermediate:])
+    torch.testing.assert_close(torch.cat([w2 for _, w2 in pieces], 2), full_w2)

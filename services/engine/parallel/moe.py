@@ -83,13 +83,12 @@ class _QuantizedSlices:
         start, size, full = self.part.start, self.part.size, self.part.full_size
         local = getattr(self, param_name)
         down = param_name.startswith("down_proj")
-        if shard_id is None:  # a fused 3-D tensor [E, rows, ...] (or a per-expert [E] scale, loaded whole)
-            if down or local.dim() < 2:
-                loaded = read(0, 0, self.num_experts)
-                if down and local.dim() == 3 and loaded.dim() == 3:
-                    loaded = self._columns(loaded, param_name, 2)
-            else:
-                loaded = torch.cat([read(1, start, size), read(1, full + start, size)], dim=1)
+        if shard_id is None:  # a fused tensor of every expert [E, rows, ...], or one scale an expert [E]
+            loaded = read(0, 0, self.num_experts)
+            if down and local.dim() == 3 and loaded.dim() == 3:
+                loaded = self._columns(loaded, param_name, 2)
+            elif not down and loaded.dim() >= 2 and loaded.shape[1] == 2 * full:  # this rank's gate rows, up rows
+                loaded = torch.cat([loaded[:, start : start + size], loaded[:, full + start : full + start + size]], 1)
         elif not down:  # one expert's gate or up rows, or their scales / zero points
             loaded = read(0, start, size)
         elif local.dim() == 2:  # fp8's per-row down scale: every row of hidden
