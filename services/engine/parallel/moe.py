@@ -22,18 +22,37 @@ from pagedserve.services.engine.parallel.linear import Part, ReadSlice, even_par
 from pagedserve.services.engine.parallel.state import ParallelContext
 
 
-class ParallelExperts(Experts):
+class _IntermediateSlice:
+    """An experts module holding this rank's `part` of the full intermediate dim, and the full per-expert
+    checkpoint tensors its parameters come from."""
+
+    part: Part
+    hidden_size: int
+    num_experts: int
+
+    def _full_columns(self, param_name: str) -> int:
+        """Columns of one expert's full down tensor `param_name`: inputs, int4 codes, groups, or 1 (an int4
+        per-channel group)."""
+        if param_name != "down_proj" and getattr(self, "group_size", None) == 0:
+            return 1
+        return getattr(self, param_name).shape[2] * self.part.full_size // self.part.size
+
+    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
+        """One full tensor per expert and part, as Hub checkpoints store them."""
+        local = getattr(self, param_name)
+        experts = range(self.num_experts)
+        if param_name.startswith("down_proj"):
+            shape = (self.hidden_size,) if local.dim() == 2 else (self.hidden_size, self._full_columns(param_name))
+            return [(f"down:{e}", shape) for e in experts]
+        shape = (self.part.full_size, *local.shape[2:])
+        return [(f"{p}:{e}", shape) for e in experts for p in ("gate", "up")]
+
+
+class ParallelExperts(_IntermediateSlice, Experts):
     def __init__(self, num_experts: int, hidden_size: int, part: Part, activation: str) -> None:
         super().__init__(num_experts, hidden_size, part.size, activation)
         self.part = part  # this rank's slice of the full intermediate dim
         self.hidden_size = hidden_size
-
-    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
-        """One full tensor per expert and part, as Hub checkpoints store them."""
-        full, hidden = self.part.full_size, self.hidden_size
-        if param_name == "down_proj":
-            return [(f"down:{e}", (hidden, full)) for e in range(self.num_experts)]
-        return [(f"{p}:{e}", (full, hidden)) for e in range(self.num_experts) for p in ("gate", "up")]
 
     def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> None:
         start, size, full = self.part.start, self.part.size, self.part.full_size
@@ -50,7 +69,7 @@ class ParallelExperts(Experts):
             self.down_proj.data.copy_(read(0, 0, self.num_experts).narrow(2, start, size))
 
 
-class _QuantizedSlices:
+class _QuantizedSlices(_IntermediateSlice):
     """Quantized experts (fp8, int4) under tensor parallelism, sliced as ParallelExperts slices dense ones: this
     rank's gate and up rows of each expert with their scales (and zero points), and its intermediate columns of
     each down weight: its codes (two a byte for int4), its groups' scales and zero points (all ranks share a
@@ -58,26 +77,7 @@ class _QuantizedSlices:
     rank's piece, then loaded by the quantized experts' own `load_weight` (kernel layout, fp8 scale forms).
     The fused-MoE kernel and the torch paths run the local experts unchanged."""
 
-    part: Part
-    hidden_size: int
-    num_experts: int
     load_weight: Callable[[str, torch.Tensor, str | None], list[str]]
-
-    def _full_columns(self, param_name: str) -> int:
-        """Columns of one expert's full down tensor `param_name`: codes, groups, or 1 (int4's per-channel group)."""
-        if param_name != "down_proj" and getattr(self, "group_size", None) == 0:
-            return 1
-        return getattr(self, param_name).shape[2] * self.part.full_size // self.part.size
-
-    def full_pieces(self, param_name: str) -> list[tuple[str | None, tuple[int, ...]]]:
-        """One full tensor per expert and part, as Hub checkpoints store them."""
-        local = getattr(self, param_name)
-        experts = range(self.num_experts)
-        if param_name.startswith("down_proj"):
-            shape = (self.hidden_size,) if local.dim() == 2 else (self.hidden_size, self._full_columns(param_name))
-            return [(f"down:{e}", shape) for e in experts]
-        shape = (self.part.full_size, *local.shape[2:])
-        return [(f"{p}:{e}", shape) for e in experts for p in ("gate", "up")]
 
     def load_piece(self, param_name: str, shard_id: str | None, read: ReadSlice) -> list[str]:
         start, size, full = self.part.start, self.part.size, self.part.full_size
