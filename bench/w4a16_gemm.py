@@ -2,9 +2,10 @@
 
     python3 -m bench w4a16_gemm [--json bench/results/w4a16.json]      # CUDA
     python3 -m bench w4a16_gemm --rows 1,4,8 --gemv-sweep             # the GEMV's tile / split-K sweep only
+    python3 -m bench w4a16_gemm --rows 16,64,256 --sweep --formats tiled  # the tiled GEMM's tile sweep
 
 Per linear (qkv, o, gate_up, down) and rows M: the tl.dot GEMM (kernels/w4a16_gemm.py) on GPTQ's K-major
-checkpoint layout and on the tiled layout Int4Linear repacks every 4-bit format to at load (AWQ with --awq),
+checkpoint layout and on the tiled layout Int4Linear repacks every 4-bit format to at load (`--formats`),
 the GEMV (kernels/w4a16_gemv.py, tiled, rows <= 16), bf16 `F.linear` (cuBLAS), and the floor = bytes the
 kernel must read (4-bit weights, fp16 scales, packed zeros, activations) / the measured copy bandwidth.
 CUDA-graph timed (`do_bench_cudagraph`), each call on the next of enough weight copies to span 256 MiB, so
@@ -42,39 +43,34 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
     "decode": [
         (16, 128, 1, 4, 3, 0),
         (16, 64, 1, 4, 3, 0),
-        (16, 256, 1, 8, 3, 0),
-        (16, 128, 1, 4, 4, 0),
-        (16, 128, 1, 4, 2, 0),
-        (16, 128, 1, 4, 3, 1),
-        (16, 64, 0, 4, 3, 0),
         (16, 128, 2, 4, 3, 0),
         (16, 64, 2, 4, 3, 0),
         (16, 256, 2, 8, 3, 0),
-        (16, 128, 2, 8, 3, 0),
         (16, 128, 2, 4, 4, 0),
+        (16, 128, 2, 4, 2, 0),
+        (16, 128, 2, 4, 3, 1),
     ],
     "mid": [
         (64, 128, 1, 4, 3, 0),
-        (64, 64, 1, 4, 3, 0),
-        (64, 256, 1, 8, 3, 0),
-        (64, 128, 0, 4, 3, 0),
-        (64, 64, 0, 4, 4, 0),
         (32, 128, 1, 4, 3, 0),
-        (64, 128, 1, 4, 3, 1),
         (64, 128, 2, 4, 3, 0),
+        (64, 128, 2, 4, 3, 1),
+        (32, 128, 2, 4, 3, 0),
         (64, 64, 2, 4, 3, 0),
         (64, 128, 2, 8, 3, 0),
         (64, 256, 2, 8, 3, 0),
-        (32, 128, 2, 4, 3, 0),
-        (64, 64, 2, 4, 4, 0),
-        (64, 128, 2, 4, 3, 1),
+        (64, 128, 2, 4, 4, 0),
+        (64, 128, 2, 4, 2, 0),
     ],
     "prefill": [
         (128, 128, 0, 8, 3, 1),
         (128, 256, 0, 8, 3, 1),
         (64, 128, 0, 4, 3, 1),
-        (128, 128, 0, 4, 3, 1),
-        (256, 128, 1, 8, 3, 1),
+        (128, 128, 2, 8, 3, 0),
+        (128, 128, 2, 8, 3, 1),
+        (128, 256, 2, 8, 3, 0),
+        (64, 128, 2, 4, 3, 0),
+        (64, 128, 2, 4, 3, 1),
     ],
 }
 
@@ -164,7 +160,7 @@ def measure(rows: int, k: int, n: int, bandwidth: float, args: argparse.Namespac
     bf16 = copies((torch.randn(n, k, device="cuda", dtype=torch.bfloat16),), rotate)
     result: dict[str, object] = {"bf16_us": rotated_us(lambda w: F.linear(x, w[0]), bf16)}
     del bf16
-    for fmt in () if args.gemv_sweep else ("awq", "gptq", "tiled") if args.awq else ("gptq", "tiled"):
+    for fmt in () if args.gemv_sweep else args.formats.split(","):
         sweep, default = (TILED_SWEEP, default_tiled_tiles(rows, n)) if fmt == "tiled" else (SWEEP, default_tiles(rows))
         candidates = [*sweep[_row_class(rows)], default] if args.sweep else [default]
         candidates = list(dict.fromkeys(candidates))  # the default once, timed beside the sweep
@@ -206,7 +202,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,64,256")
     parser.add_argument("--sweep", action="store_true", help="time each GEMM tile candidate, report the best")
     parser.add_argument("--gemv-sweep", action="store_true", help="time each GEMV tile / split candidate, no GEMM")
-    parser.add_argument("--awq", action="store_true", help="also time the GEMM on AWQ's checkpoint layout")
+    parser.add_argument("--formats", default="gptq,tiled", help="GEMM layouts to time: awq, gptq, tiled")
     parser.add_argument("--l2-resident", action="store_true", help="time one weight copy (L2 hits between calls)")
     parser.add_argument("--gemv-prefetch", action="store_true", help="M = 1: each GEMV tile without and with prefetch")
     parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")

@@ -212,14 +212,16 @@ def _float_slices(packed, scale, zero):
 
 @triton.jit
 def _joined(slices):
-    """The 8 [N, 16] slices as one [N, 128] operand whose column 8j + i is column j of slice i (input 16i + j of
-    the tile): three levels of tl.join, so the MMA gets the whole tile in one dot of depth 128."""
+    """The 8 [N, 16] slices as one [N, 128] operand, slice i in columns 16i.. (the tile's inputs in order): in
+    the MMA's operand layout each thread already holds, for step i of a depth-128 dot, slice i's registers, so
+    the joins, the permute and the reshape only rename them."""
     p0 = tl.join(slices[0], slices[4])
     p1 = tl.join(slices[1], slices[5])
     p2 = tl.join(slices[2], slices[6])
     p3 = tl.join(slices[3], slices[7])
     n: tl.constexpr = slices[0].shape[0]
-    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (n, 128))
+    stacked = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, 16, i & 4, i & 2, i & 1]
+    return tl.reshape(tl.permute(stacked, (0, 2, 3, 4, 1)), (n, 128))
 
 
 @triton.jit
@@ -252,8 +254,9 @@ def _w4a16_tiled_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """The tiled layout's GEMM: per tile of 128 inputs one [16, BLOCK_N] load; slice i of it is rows 16i.. of the
-    tile, dequantised as it is and fed to an MMA of depth 16 (or, JOIN, all 8 to one MMA of depth 128 against x's
-    rows in the joined order: one wait per tile instead of eight), with no reshape of the nibbles."""
+    tile, dequantised as it is and fed to an MMA of depth 16 (or, JOIN, all 8 to one MMA of depth 128: its steps
+    issue back to back, where separate dots on register operands each wait for the last), with no reshape of the
+    nibbles."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -263,7 +266,6 @@ def _w4a16_tiled_kernel(
     mask_n = offs_n < N
     offs_j = tl.arange(0, 16)
     r = tl.arange(0, 128)
-    joined_rows = 16 * (r % 8) + r // 8  # JOIN: column 8j + i of the joined slices is input 16i + j
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -284,9 +286,7 @@ def _w4a16_tiled_kernel(
             else:
                 slices = _float_slices(packed, scale[:, None], zero[:, None])
             w = _joined(slices).to(x_ptr.dtype.element_ty)
-            x = tl.load(
-                x_ptr + offs_m[None, :] * stride_xm + (kt + joined_rows)[:, None], mask=mask_m[None, :], other=0.0
-            )
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (kt + r)[:, None], mask=mask_m[None, :], other=0.0)
             acc += tl.dot(w, x)
         elif UNPACK_ASM:
             scale, zero = _group_params(
@@ -403,10 +403,11 @@ _FULL_GRID = 132  # one program per SM of an H100
 # dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
 DEQUANTIZE_ABOVE_ROWS = 256
 UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (benchmarks turn it off to compare)
-# default_tiled_tiles' SWAP at <= 64 rows. 2 (a tile's slices joined into one dot) compiles for sm_90 to one wgmma
-# wait per tile instead of eight and passes the GPU tests, but the H200 sweep of 2026-11-28 found SWAP 1 the best
-# tile for every 8B linear at 16 and 64 rows (bench/results/wave3_h200_2026-11-28/): it stays off.
-JOINED_SWAP = 1
+# default_tiled_tiles' SWAP at <= 64 rows: 2, a tile's slices joined into one dot of depth 128, compiles for sm_90
+# to eight wgmma steps in flight at once, where separate dots (1) wait for each other. (Joined in the inputs'
+# order since 2026-11-29: before, x was gathered element by element and the slices shuffled through shared memory,
+# and the H200 sweep of 2026-11-28 found 1 faster, bench/results/wave3_h200_2026-11-28/.)
+JOINED_SWAP = 2
 
 
 def default_tiles(m: int) -> Tiles:
@@ -420,12 +421,12 @@ def default_tiles(m: int) -> Tiles:
 
 def default_tiled_tiles(m: int, n: int) -> Tiles:
     """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
-    side (SWAP); when the row and column tiles alone fill the GPU (e.g. the 8B gate_up's 224 column tiles) no
-    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/)."""
+    side (SWAP) in one row tile; when the column tiles alone fill the GPU (e.g. the 8B gate_up's 224) no split-K,
+    else split."""
     if m > 64:
         return 128, 128, 0, 8, 3, 1
-    block_m = 16 if m <= 16 else 64 if triton.cdiv(n, 128) >= _FULL_GRID else 32
-    split = 1 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= _FULL_GRID else 0
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64  # one row tile: the weight dequantised once
+    split = 1 if triton.cdiv(n, 128) >= _FULL_GRID else 0
     return block_m, 128, JOINED_SWAP, 4, 3, split
 
 
