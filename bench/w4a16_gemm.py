@@ -21,6 +21,7 @@ import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,10 @@ TILED_SWEEP: dict[str, list[Tiles]] = {  # (BLOCK_M, BLOCK_N, SWAP, warps, stage
         (64, 256, 2, 8, 3, 0),
         (64, 128, 2, 4, 4, 0),
         (64, 128, 2, 4, 2, 0),
+        (64, 64, 1, 4, 3, 0),
+        (32, 64, 2, 4, 3, 0),
+        (64, 64, 2, 4, 4, 0),
+        (64, 64, 2, 4, 3, 1),
     ],
     "prefill": [
         (128, 128, 0, 8, 3, 1),
@@ -231,6 +236,13 @@ def main() -> None:
                 f"{r.get('tiled_tiles', '')} {r.get('gemv_tiles', '')}",
                 flush=True,
             )
+            if args.sweep:
+                timed = cast(dict[str, float], r.get("tiled_all_us", {}))
+                print("  " + " ".join(f"[{t}] {us:.1f}" for t, us in timed.items()), flush=True)
+            write_json(args, bandwidth, results)  # after every row: a sweep cut short keeps what it timed
+
+
+def write_json(args: argparse.Namespace, bandwidth: float, results: list[dict[str, object]]) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
