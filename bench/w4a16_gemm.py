@@ -212,9 +212,14 @@ def main() -> None:
     parser.add_argument("--gemv-prefetch", action="store_true", help="M = 1: each GEMV tile without and with prefetch")
     parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
     parser.add_argument("--gemv-rows", type=int, default=gemv_module.GEMV_ROWS, help="packed rows a GEMV load brings")
+    parser.add_argument("--once", metavar="ROWS:LINEAR", help="one served call (GEMV at 1 row) for a profiler")
     args = parser.parse_args()
     launch_config.set_pdl(args.pdl)
     gemv_module.GEMV_ROWS = args.gemv_rows
+    if args.once:
+        rows, name = args.once.split(":")
+        call_once(int(rows), *SHAPES[name])
+        return
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; µs per call; floor = bytes / copy rate")
     formats = ("awq", "gptq", "tiled_f32", "tiled", "gemv")
@@ -240,6 +245,19 @@ def main() -> None:
                 timed = cast(dict[str, float], r.get("tiled_all_us", {}))
                 print("  " + " ".join(f"[{t}] {us:.1f}" for t, us in timed.items()), flush=True)
             write_json(args, bandwidth, results)  # after every row: a sweep cut short keeps what it timed
+
+
+def call_once(rows: int, k: int, n: int) -> None:
+    """Three calls of the kernel serving `rows` rows (defaults), eager: `ncu --launch-skip 2 --launch-count 1`
+    profiles the third."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    qweight, qzeros, scales = packed(k, n, "tiled")
+    for _ in range(3):
+        if rows == 1:
+            w4a16_gemv(x, qweight, qzeros, scales, GROUP, 1)
+        else:
+            w4a16_matmul(x, qweight, qzeros, scales, None, GROUP, "tiled", 1)
+    torch.cuda.synchronize()
 
 
 def write_json(args: argparse.Namespace, bandwidth: float, results: list[dict[str, object]]) -> None:

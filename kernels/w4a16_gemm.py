@@ -403,11 +403,11 @@ _FULL_GRID = 132  # one program per SM of an H100
 # dequantises the weight again in every 128-row tile (a 32K-token prefill: 64 times).
 DEQUANTIZE_ABOVE_ROWS = 256
 UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (benchmarks turn it off to compare)
-# default_tiled_tiles' SWAP at <= 64 rows. 2 (a tile's slices joined into one dot of depth 128) compiles for sm_90
-# to eight wgmma steps in flight at once, where separate dots (1) wait for each other; joined in the inputs' order
-# since 2026-11-29 (x loaded contiguous, no shuffle through shared memory). Yet the H200 sweep of that day found it
-# no faster at 16 and 64 rows, and the 8B decode at batch 64 slower with it and one row tile (5,433 against 6,077
-# out tok/s, bench/results/w4a16_joined_h200_2026-11-29/): the waits are not what bounds these tiles.
+# default_tiled_tiles' SWAP for 128-column tiles. 2 (a tile's slices joined into one dot of depth 128) compiles
+# for sm_90 to eight wgmma steps in flight at once, where separate dots (1) wait for each other; joined in the
+# inputs' order since 2026-11-29 (x loaded contiguous, no shuffle through shared memory). At 128 columns the H200
+# sweep of that day found it no faster, and the 8B decode at batch 64 slower with it (5,433 against 6,077 out
+# tok/s); at 64 columns it is the best tile (bench/results/w4a16_joined_h200_2026-11-29/).
 JOINED_SWAP = 1
 
 
@@ -421,14 +421,19 @@ def default_tiles(m: int) -> Tiles:
 
 
 def default_tiled_tiles(m: int, n: int) -> Tiles:
-    """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout: few rows go on the MMA's narrow
-    side (SWAP); when the row and column tiles alone fill the GPU (e.g. the 8B gate_up's 224 column tiles) no
-    split-K, else split (the H100 sweep's best at M = 16 and 64: bench/results/w4a16_tiled_h100/)."""
+    """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout at <= 64 rows: few rows go on the
+    MMA's narrow side (SWAP). When the 128-column tiles alone fill the GPU (the 8B gate_up's 224), 128 columns a
+    program; when they are few, 64 columns with the slices joined (more programs, each with eight MMA steps in
+    flight), split over K as the grid needs. The H200 sweep's best, or within 5% of it, on the 8B linears at 16
+    and 64 rows but o at 64 (20.9 against 18.4 µs; bench/results/w4a16_joined_h200_2026-11-29/)."""
     if m > 64:
         return 128, 128, 0, 8, 3, 1
-    block_m = 16 if m <= 16 else 64 if triton.cdiv(n, 128) >= _FULL_GRID else 32
-    split = 1 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= _FULL_GRID else 0
-    return block_m, 128, JOINED_SWAP, 4, 3, split
+    column_tiles = triton.cdiv(n, 128)
+    if m <= 16:
+        return (16, 64, 2, 4, 3, 0) if 3 * column_tiles < _FULL_GRID else (16, 128, JOINED_SWAP, 4, 3, 0)
+    if column_tiles >= _FULL_GRID:
+        return 64, 128, JOINED_SWAP, 4, 3, 1
+    return 32 if m <= 32 else 64, 64, 2, 4, 3, 0
 
 
 def _launch_split_k(
