@@ -271,7 +271,13 @@ def _w4a16_tiled_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for kt in range(k_start, tl.minimum(k_start + k_per_split, K), 128):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # The separate-slice tiles load each tile's scale and zero a tile ahead: the compiler's pipelining left those
+    # loads in the tile that uses them, where each waited out its latency (Nsight Compute, 2026-11-29).
+    next_scale, next_zero = _group_params(
+        qzeros_ptr, scales_ptr, k_start // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+    )
+    for kt in range(k_start, k_end, 128):
         rows = kt // 8 + offs_j
         if SWAP:  # [BLOCK_N, 16]
             packed = tl.load(qweight_ptr + rows[None, :] * stride_qw + offs_n[:, None], mask=mask_n[:, None], other=0)
@@ -289,8 +295,10 @@ def _w4a16_tiled_kernel(
             x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (kt + r)[:, None], mask=mask_m[None, :], other=0.0)
             acc += tl.dot(w, x)
         elif UNPACK_ASM:
-            scale, zero = _group_params(
-                qzeros_ptr, scales_ptr, kt // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+            scale, zero = next_scale, next_zero
+            ahead = tl.minimum(kt + 128, k_end - 1) // group_size  # (past the end: this tile's group again)
+            next_scale, next_zero = _group_params(
+                qzeros_ptr, scales_ptr, ahead, stride_qz, stride_s, offs_n, mask_n, zero_offset
             )
             if SWAP:  # per column of the weight: its rows of packed (SWAP) or its columns
                 scale, zero = scale[:, None], zero[:, None]
