@@ -465,6 +465,7 @@ def _launch_split_k(
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     split = split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
+    split = triton.cdiv(k, k_per_split)  # no slice starts past K (the kernel reads a slice's first scales early)
     partial, counters = split_k_buffers(out, split, grid_m * grid_n)
     qweight, qzeros, scales = weights[:3]
     kernel[(grid_m, grid_n, split)](

@@ -73,6 +73,7 @@ def test_act_order_rows_of_a_shard_index_every_groups_scales(device: torch.devic
     ("m", "tiles"),
     [
         (3, (16, 32, 1, 4, 2, 2)),  # few rows on the MMA's narrow side, 2 K slices
+        (5, (16, 32, 1, 4, 2, 4)),  # 4 slices asked of 3 tiles: a 4th would start past K (none is launched)
         (20, (32, 64, 0, 4, 2, 1)),  # rows as the MMA's tall side
         (40, (16, 32, 1, 4, 1, 0)),  # 3 row tiles, split chosen
         (24, (16, 32, 2, 4, 2, 2)),  # the tile's slices joined into one dot (groups of 128; per slice otherwise)
