@@ -559,7 +559,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="a sliding window on every call (keys)")
     parser.add_argument("--sinks", action="store_true", help="learned per-head sinks on every call")
     parser.add_argument("--softcap", type=float, default=None, help="attention-logit soft-capping on every call")
+    parser.add_argument("--once", metavar="SHAPE", help="the engine's kernel and SDPA's, 3 calls each, for ncu")
     args = parser.parse_args()
+    if args.once:
+        call_once(next(shape for shape in SHAPES if args.once in shape.name))
+        return
     features = Features(args.window, args.sinks, args.softcap)
     props = torch.cuda.get_device_properties(0)
     rates = copy_bandwidth()
@@ -609,6 +613,28 @@ def main() -> None:
     for r in rows:
         if r["best_swept"] is not None:
             print(f"best swept, {r['shape']}: {r['best_swept']}")
+
+
+def call_once(shape: Shape) -> None:
+    """Three calls of the engine's attention and three of SDPA's default on one input of `shape`, eager (for a
+    profiler: `ncu -k regex:...` picks the kernels)."""
+    x = step_inputs(
+        make_paged_batch(
+            shape.query_lens,
+            shape.seq_lens,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            block_size=shape.block_size,
+            dtype=DTYPE,
+            device=DEVICE,
+            kv_dtype=shape.kv_dtype,
+        )
+    )
+    ours, sdpa = engine_call({})(x), sdpa_calls(shape, 1)[0]
+    for call in (ours, ours, ours, sdpa, sdpa, sdpa):
+        call()
+    torch.cuda.synchronize()
 
 
 def _us(value: object) -> str:
