@@ -561,10 +561,13 @@ def main() -> None:
     parser.add_argument("--softcap", type=float, default=None, help="attention-logit soft-capping on every call")
     parser.add_argument("--once", metavar="SHAPE", help="the engine's kernel and SDPA's, 3 calls each, for ncu")
     args = parser.parse_args()
-    if args.once:
-        call_once(next(shape for shape in SHAPES if args.once in shape.name))
-        return
     features = Features(args.window, args.sinks, args.softcap)
+    if args.once:
+        by_name = {shape.name: shape for shape in SHAPES}
+        if args.once not in by_name:
+            parser.error(f"--once takes one of: {', '.join(by_name)}")
+        call_once(by_name[args.once], features)
+        return
     props = torch.cuda.get_device_properties(0)
     rates = copy_bandwidth()
     copy_tbs = rates["copy"]
@@ -615,7 +618,7 @@ def main() -> None:
             print(f"best swept, {r['shape']}: {r['best_swept']}")
 
 
-def call_once(shape: Shape) -> None:
+def call_once(shape: Shape, features: Features) -> None:
     """Three calls of the engine's attention and three of SDPA's default on one input of `shape`, eager (for a
     profiler: `ncu -k regex:...` picks the kernels)."""
     x = step_inputs(
@@ -631,7 +634,7 @@ def call_once(shape: Shape) -> None:
             kv_dtype=shape.kv_dtype,
         )
     )
-    ours, sdpa = engine_call({})(x), sdpa_calls(shape, 1)[0]
+    ours, sdpa = engine_call(features.kwargs(shape.num_heads, DEVICE))(x), sdpa_calls(shape, 1)[0]
     for call in (ours, ours, ours, sdpa, sdpa, sdpa):
         call()
     torch.cuda.synchronize()

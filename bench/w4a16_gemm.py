@@ -212,8 +212,10 @@ def main() -> None:
     parser.add_argument("--gemv-prefetch", action="store_true", help="M = 1: each GEMV tile without and with prefetch")
     parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
     parser.add_argument("--gemv-rows", type=int, default=gemv_module.GEMV_ROWS, help="packed rows a GEMV load brings")
-    parser.add_argument("--once", metavar="ROWS:LINEAR", help="one served call (GEMV at 1 row) for a profiler")
+    parser.add_argument("--once", metavar="ROWS:LINEAR", help="3 calls of the served kernel: ncu profiles the 3rd")
     args = parser.parse_args()
+    if not set(args.formats.split(",")) <= {"awq", "gptq", "tiled"}:
+        parser.error(f"--formats takes awq, gptq and tiled, not {args.formats}")
     launch_config.set_pdl(args.pdl)
     gemv_module.GEMV_ROWS = args.gemv_rows
     if args.once:
@@ -241,19 +243,19 @@ def main() -> None:
                 f"{r.get('tiled_tiles', '')} {r.get('gemv_tiles', '')}",
                 flush=True,
             )
-            if args.sweep:
-                timed = cast(dict[str, float], r.get("tiled_all_us", {}))
+            if args.sweep and "tiled_all_us" in r:
+                timed = cast(dict[str, float], r["tiled_all_us"])
                 print("  " + " ".join(f"[{t}] {us:.1f}" for t, us in timed.items()), flush=True)
             write_json(args, bandwidth, results)  # after every row: a sweep cut short keeps what it timed
 
 
 def call_once(rows: int, k: int, n: int) -> None:
-    """Three calls of the kernel serving `rows` rows (defaults), eager: `ncu --launch-skip 2 --launch-count 1`
-    profiles the third."""
+    """Three calls of the kernel Int4Linear serves `rows` rows with (default tiles), eager: `ncu --launch-skip 2
+    --launch-count 1` profiles the third."""
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     qweight, qzeros, scales = packed(k, n, "tiled")
     for _ in range(3):
-        if rows == 1:
+        if rows <= gemv_module.MAX_ROWS:  # as Int4Linear chooses
             w4a16_gemv(x, qweight, qzeros, scales, GROUP, 1)
         else:
             w4a16_matmul(x, qweight, qzeros, scales, None, GROUP, "tiled", 1)

@@ -272,11 +272,12 @@ def _w4a16_tiled_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # The separate-slice tiles load each tile's scale and zero a tile ahead: the compiler's pipelining left those
-    # loads in the tile that uses them, where each waited out its latency (Nsight Compute, 2026-11-29).
-    next_scale, next_zero = _group_params(
-        qzeros_ptr, scales_ptr, k_start // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
-    )
+    if UNPACK_ASM and not JOIN:
+        # These tiles load each tile's scale and zero a tile ahead: the compiler's pipelining left those loads in
+        # the tile that uses them, where each waited out its latency (Nsight Compute, 2026-11-29).
+        next_scale, next_zero = _group_params(
+            qzeros_ptr, scales_ptr, k_start // group_size, stride_qz, stride_s, offs_n, mask_n, zero_offset
+        )
     for kt in range(k_start, k_end, 128):
         rows = kt // 8 + offs_j
         if SWAP:  # [BLOCK_N, 16]
@@ -416,7 +417,11 @@ UNPACK_WITH_ASM = True  # the tiled GEMM's Marlin-style unpacking on CUDA (bench
 # inputs' order since 2026-11-29 (x loaded contiguous, no shuffle through shared memory). At 128 columns the H200
 # sweep of that day found it no faster, and the 8B decode at batch 64 slower with it (5,433 against 6,077 out
 # tok/s); at 64 columns it is the best tile (bench/results/w4a16_joined_h200_2026-11-29/).
-JOINED_SWAP = 1
+SEPARATE, JOINED = 1, 2  # SWAP: the slices as separate dots of depth 16, or joined into one of depth 128
+WIDE_TILE_SWAP = SEPARATE
+# At <= 16 rows, 64-column tiles when three times the 128-column tiles would not fill the GPU (the 8B o and down:
+# 32 tiles; qkv's 48 keep 128 columns): the H200 sweep's best on each side of that line.
+FEW_COLUMN_TILES_FACTOR = 3
 
 
 def default_tiles(m: int) -> Tiles:
@@ -430,18 +435,29 @@ def default_tiles(m: int) -> Tiles:
 
 def default_tiled_tiles(m: int, n: int) -> Tiles:
     """(BLOCK_M, BLOCK_N, SWAP, warps, stages, SPLIT_K) for the tiled layout at <= 64 rows: few rows go on the
-    MMA's narrow side (SWAP). When the 128-column tiles alone fill the GPU (the 8B gate_up's 224), 128 columns a
-    program; when they are few, 64 columns with the slices joined (more programs, each with eight MMA steps in
-    flight), split over K as the grid needs. The H200 sweep's best, or within 5% of it, on the 8B linears at 16
-    and 64 rows but o at 64 (20.9 against 18.4 µs; bench/results/w4a16_joined_h200_2026-11-29/)."""
+    MMA's narrow side (SWAP). Where the 128-column tiles are many (at 64 rows: they alone fill the GPU, like the 8B
+    gate_up's 224; at 16: FEW_COLUMN_TILES_FACTOR times them would), 128 columns a program, separate slices; else
+    64 columns with the slices joined (more programs, each with eight MMA steps in flight; groups that are not
+    whole tiles take separate slices anyway), split over K as the grid needs. The H200 sweep's best, or within 5%
+    of it, on the 8B linears at 16 and 64 rows but o at 64 (20.9 against 18.4 µs;
+    bench/results/w4a16_joined_h200_2026-11-29/)."""
     if m > 64:
         return 128, 128, 0, 8, 3, 1
     column_tiles = triton.cdiv(n, 128)
     if m <= 16:
-        return (16, 64, 2, 4, 3, 0) if 3 * column_tiles < _FULL_GRID else (16, 128, JOINED_SWAP, 4, 3, 0)
+        if FEW_COLUMN_TILES_FACTOR * column_tiles < _FULL_GRID:
+            return 16, 64, JOINED, 4, 3, 0
+        return 16, 128, WIDE_TILE_SWAP, 4, 3, 0
     if column_tiles >= _FULL_GRID:
-        return 64, 128, JOINED_SWAP, 4, 3, 1
-    return 32 if m <= 32 else 64, 64, 2, 4, 3, 0
+        return 64, 128, WIDE_TILE_SWAP, 4, 3, 1
+    return 32 if m <= 32 else 64, 64, JOINED, 4, 3, 0
+
+
+def k_slices(k: int, split: int, k_tile: int) -> tuple[int, int]:
+    """(slices, inputs a slice) for `split` slices of K in whole K tiles, fewer where a slice would start past K
+    (the tiled kernel reads a slice's first scales before its loop)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
+    return triton.cdiv(k, k_per_split), k_per_split
 
 
 def _launch_split_k(
@@ -463,9 +479,7 @@ def _launch_split_k(
     zero-filled buffer, no copy after)."""
     (m, k), n = x.shape, out.shape[1]
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
-    split = split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), k_tile) * k_tile
-    split = triton.cdiv(k, k_per_split)  # no slice starts past K (the kernel reads a slice's first scales early)
+    split, k_per_split = k_slices(k, split or split_k(grid_m * grid_n, k, min_slice, _TARGET_PROGRAMS), k_tile)
     partial, counters = split_k_buffers(out, split, grid_m * grid_n)
     qweight, qzeros, scales = weights[:3]
     kernel[(grid_m, grid_n, split)](

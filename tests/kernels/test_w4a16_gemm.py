@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedserve.kernels.w4a16_gemm import DEQUANTIZE_ABOVE_ROWS, Tiles, dequantize_tiled, w4a16_matmul
+from pagedserve.kernels.w4a16_gemm import DEQUANTIZE_ABOVE_ROWS, Tiles, dequantize_tiled, k_slices, w4a16_matmul
 from pagedserve.kernels.w4a16_gemv import reserve_split_counters
 from pagedserve.services.engine.models.int4 import dequantize
 from pagedserve.services.engine.models.int4_repack import tile_rows
@@ -73,14 +73,16 @@ def test_act_order_rows_of_a_shard_index_every_groups_scales(device: torch.devic
     ("m", "tiles"),
     [
         (3, (16, 32, 1, 4, 2, 2)),  # few rows on the MMA's narrow side, 2 K slices
-        (5, (16, 32, 1, 4, 2, 4)),  # 4 slices asked of 3 tiles: a 4th would start past K (none is launched)
+        (5, (16, 32, 1, 4, 2, 4)),  # 4 slices asked of 3 tiles: 3 launched (k_slices)
         (20, (32, 64, 0, 4, 2, 1)),  # rows as the MMA's tall side
         (40, (16, 32, 1, 4, 1, 0)),  # 3 row tiles, split chosen
         (24, (16, 32, 2, 4, 2, 2)),  # the tile's slices joined into one dot (groups of 128; per slice otherwise)
         (64, (64, 64, 2, 4, 2, 1)),
     ],
 )
-@pytest.mark.parametrize("group", [32, 128, 192])  # 192: a group ends inside a tile of 128
+# 192: a group ends inside a tile of 128; 384: one group over all three tiles, so a K slice starts inside it (on
+# CUDA the scales then come a tile ahead from the slice's own group)
+@pytest.mark.parametrize("group", [32, 128, 192, 384])
 def test_tiled_gemm_orientations_and_splits(device: torch.device, m: int, tiles: Tiles, group: int) -> None:
     torch.manual_seed(2)
     k, n = 384, 96
@@ -100,6 +102,13 @@ def test_tiled_gemm_orientations_and_splits(device: torch.device, m: int, tiles:
     # split-K sums in slice order and leaves every tile's counter at zero: a second call gives the same bits
     assert not reserve_split_counters(x.device).any()
     assert torch.equal(w4a16_matmul(x, *packed, None, group, "tiled", zero_offset=1, tiles=tiles), got)
+
+
+def test_no_k_slice_starts_past_k() -> None:
+    assert k_slices(384, 4, 128) == (3, 128)  # 96 inputs a slice round up to a tile: three slices cover K
+    assert k_slices(384, 2, 128) == (2, 256)
+    assert k_slices(11008, 8, 128) == (8, 1408)  # the last slice is short, not empty
+    assert k_slices(14336, 32, 128) == (28, 512)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])

@@ -1,6 +1,6 @@
 """Checkpoints written by the compressed-tensors library itself (its ModelCompressor, as llm-compressor saves
 them), not by our own writer: W4A16 and W8A16 `pack-quantized`, W8A8-INT8 `int-quantized` and FP8
-`float-quantized`, by group, channel or tensor. Each loads into the layer its format names, every linear means
+`float-quantized`, by group, channel, tensor or block. Each loads into the layer its format names, every linear means
 the weight the library's own fake quantization gives (`fake_quantize`), and where our path leaves activations
 unquantized the tiny Llama generates what HF transformers generates with those weights."""
 
@@ -114,15 +114,19 @@ def test_library_written_checkpoints_load_as_the_weights_they_mean(tmp_path: Pat
     weights, activations, layer_type = SCHEMES[scheme]
     reference, meant = _library_checkpoint(tmp_path, weights, activations)
     ours = load_model(tmp_path, dtype="float32", device="cpu", show_progress=False)
+    checked = set()
     for layer_index in range(reference.config.num_hidden_layers):
         for block in ("self_attn", "mlp"):
             prefix = f"model.layers.{layer_index}.{block}"
             for name, layer in ours.get_submodule(prefix).named_children():
-                if not isinstance(layer, nn.Module) or not name.endswith("_proj"):
+                if not name.endswith("_proj"):
                     continue
                 assert isinstance(layer, layer_type), (prefix, name, type(layer))
-                want = torch.cat([meant[f"{prefix}.{part}"] for part in FUSED.get(name, (name,))])
+                parts = [f"{prefix}.{part}" for part in FUSED.get(name, (name,))]
+                want = torch.cat([meant[part] for part in parts])
                 torch.testing.assert_close(_dense_weight(layer), want, rtol=0, atol=1e-6, msg=f"{prefix}.{name}")
+                checked.update(parts)
+    assert checked == set(meant)  # every linear the library quantized, and nothing else
     if layer_type is Fp8Linear:
         return  # our fp8 path quantizes activations per token: HF's unquantized forward is no oracle for tokens
     config = Config.of(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
