@@ -256,6 +256,24 @@ def step_inputs(batch: PagedBatch) -> StepInputs:
     return StepInputs(batch, query, key, value, meta)
 
 
+def shape_inputs(shape: Shape, seed: int) -> StepInputs:
+    """One random input copy of `shape`: its paged batch and this step's q/k/v."""
+    return step_inputs(
+        make_paged_batch(
+            shape.query_lens,
+            shape.seq_lens,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            block_size=shape.block_size,
+            dtype=DTYPE,
+            device=DEVICE,
+            seed=seed,
+            kv_dtype=shape.kv_dtype,
+        )
+    )
+
+
 Call = Callable[[], object]
 
 
@@ -410,23 +428,7 @@ def run_shape(
     nbytes, flops = traffic(shape, window=features.window)
     feats = features.kwargs(shape.num_heads, DEVICE)
     copies = num_copies(nbytes)
-    inputs = [
-        step_inputs(
-            make_paged_batch(
-                shape.query_lens,
-                shape.seq_lens,
-                num_heads=shape.num_heads,
-                num_kv_heads=shape.num_kv_heads,
-                head_dim=shape.head_dim,
-                block_size=shape.block_size,
-                dtype=DTYPE,
-                device=DEVICE,
-                seed=i,
-                kv_dtype=shape.kv_dtype,
-            )
-        )
-        for i in range(copies)
-    ]
+    inputs = [shape_inputs(shape, seed=i) for i in range(copies)]
     b0 = inputs[0].batch
     scale = shape.head_dim**-0.5
     if features:  # the reference oracle has no windows, sinks or soft-capping; the torch path has
@@ -621,19 +623,7 @@ def main() -> None:
 def call_once(shape: Shape, features: Features) -> None:
     """Three calls of the engine's attention and three of SDPA's default on one input of `shape`, eager (for a
     profiler: `ncu -k regex:...` picks the kernels)."""
-    x = step_inputs(
-        make_paged_batch(
-            shape.query_lens,
-            shape.seq_lens,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            block_size=shape.block_size,
-            dtype=DTYPE,
-            device=DEVICE,
-            kv_dtype=shape.kv_dtype,
-        )
-    )
+    x = shape_inputs(shape, seed=0)
     ours, sdpa = engine_call(features.kwargs(shape.num_heads, DEVICE))(x), sdpa_calls(shape, 1)[0]
     for call in (ours, ours, ours, sdpa, sdpa, sdpa):
         call()
