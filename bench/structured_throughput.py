@@ -36,7 +36,7 @@ from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_mem
 from pagedserve.services.engine import engine as engine_module
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
-from pagedserve.services.engine.structured import mask_worker
+from pagedserve.services.engine.structured import mask_worker, matcher_calls
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -258,6 +258,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--switch-interval-ms", type=float, help="the GIL switch interval the mask worker sets (5: Python's default)"
     )
+    parser.add_argument(
+        "--xgrammar-accept",
+        action="store_true",
+        help="advance the matchers with xgrammar's own batched accept, which hands the GIL back 2N + 2 times "
+        "(the engine's, matcher_calls.batch_accept, keeps it): the A/B of 2026-11-29",
+    )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -272,6 +278,8 @@ def main() -> None:
         mask_worker.FILL_THREADS = args.fill_threads
     if args.switch_interval_ms is not None:
         mask_worker.SWITCH_INTERVAL_S = args.switch_interval_ms / 1e3
+    if args.xgrammar_accept:
+        matcher_calls.held_accept = lambda: None  # type: ignore[assignment]  # (before anything calls it)
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
         "environment": {
@@ -290,6 +298,7 @@ def main() -> None:
         "grammar_worker": {
             "fill_threads": mask_worker.FILL_THREADS,
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
+            "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
         },
         "models": [],
     }

@@ -3,9 +3,10 @@
 The mask worker (services/engine/structured/mask_worker.py) advances a step's matchers and fills their masks on
 a thread beside the engine thread. That only takes the work off the step if the calls run without the GIL.
 Here a pure-Python spinner thread counts while the main thread makes one call (`batch_accept_token`,
-`batch_fill_next_token_bitmask`, and the one-matcher `accept_token` / `fill_next_token_bitmask` in a loop) over
-`--rows` json_schema matchers. The spinner's progress during the call, as a share of its rate alone, says how
-much of the call another Python thread could use: about 100% = GIL released, about 0% = GIL held throughout.
+`batch_fill_next_token_bitmask`, and the one-matcher `accept_token` / `fill_next_token_bitmask` in a loop; and the
+engine's accept, `matcher_calls.batch_accept`, which keeps the GIL) over `--rows` json_schema matchers. The
+spinner's progress during the call, as a share of its rate alone, says how much of the call another Python thread
+could use: about 100% = GIL released, about 0% = GIL held throughout.
 
     python -m bench.xgrammar_gil --tokenizer DIR [--rows 128] [--json out.json]
 """
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from bench.structured_throughput import SCHEMA
+from pagedserve.services.engine.structured import matcher_calls
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 TEXT = '{"rows": [{"id": 12, "name": "abc", "score": 1.5, "tag": "alpha"}, {"id": 3, "name": "de", "score": 2'
@@ -69,6 +71,7 @@ def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
     """Each call's time alone, then beside the spinner (fresh matchers, the same tokens), and the spinner's share."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
+    from xgrammar.matcher import _core
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)).compile_json_schema(
@@ -82,8 +85,19 @@ def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
         matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
         bitmask = torch.full(xgr.get_bitmask_shape(rows, VOCAB), -1, dtype=torch.int32)
         batch = xgr.BatchGrammarMatcher(max_threads=1)
+        raw_accept: Any = _core.BatchGrammarMatcher.batch_accept_token  # the Function both accepts below call
+
+        def xgrammar_accept(token: int) -> list[bool]:
+            raw_accept.release_gil = True  # tvm-ffi's default (matcher_calls.batch_accept turns it off)
+            return xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token] * rows)
+
+        def engine_accept(token: int) -> list[bool]:
+            raw_accept.release_gil = False
+            return matcher_calls.batch_accept(matchers, [token] * rows)
+
         calls: dict[str, Callable[[int], Any]] = {
-            "batch_accept_token": lambda token: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [token] * rows),
+            "batch_accept_token": xgrammar_accept,
+            "matcher_calls.batch_accept": engine_accept,
             "batch_fill_next_token_bitmask": lambda _: batch.batch_fill_next_token_bitmask(matchers, bitmask, None),
             "accept_token (loop)": lambda token: [m.accept_token(token) for m in matchers],
             "fill_next_token_bitmask (loop)": lambda _: [
@@ -94,7 +108,7 @@ def measure(tokenizer_dir: Path, rows: int) -> dict[str, dict[str, float]]:
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
         for step, token in enumerate(token_ids):
             names = ["batch_fill_next_token_bitmask", "fill_next_token_bitmask (loop)"]
-            names.append("batch_accept_token" if step % 2 else "accept_token (loop)")  # one accept per token
+            names.append(("batch_accept_token", "accept_token (loop)", "matcher_calls.batch_accept")[step % 3])
             names.append("control: time.sleep(0.2 ms)")
             for name in names:
                 if spinner is None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from pagedserve.services.engine.structured import matcher_calls
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
 from pagedserve.services.engine.structured.mask_worker import MaskWorker
@@ -103,3 +104,33 @@ def test_the_cpu_apply_matches_xgrammars_kernel() -> None:
             ours = logits.clone()
             apply_token_bitmask(ours, TokenBitmask(bits, row_ids))
             assert torch.equal(ours, expected)
+
+
+def test_the_held_accept_answers_as_xgrammars_own(pool: GrammarCompilerPool, tokenizer: Any, monkeypatch: Any) -> None:
+    """matcher_calls.batch_accept (the binding's accept, kept from handing the GIL back; its result read in one
+    call unless a row rejected) advances matchers and answers as xgrammar's wrapper does, and as its fallback."""
+    accept = matcher_calls.held_accept()
+    assert accept is not None and accept.release_gil is False  # the installed xgrammar takes the held path
+    spec = GrammarSpec("regex", r"[0-9]{4}")
+    digit, letter = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("7", "a"))
+
+    def matchers() -> list[Any]:
+        return [ready(pool, spec).matcher for _ in range(3)]
+
+    for tokens in ([digit] * 3, [digit, letter, digit]):
+        theirs, ours, fallback = matchers(), matchers(), matchers()
+        expected = xgr.BatchGrammarMatcher.batch_accept_token(theirs, tokens)
+        assert expected == [token == digit for token in tokens]
+        assert matcher_calls.batch_accept(ours, tokens) == expected
+        with monkeypatch.context() as patch:
+            patch.setattr(matcher_calls, "held_accept", lambda: None)
+            assert matcher_calls.batch_accept(fallback, tokens) == expected
+        for mine, reference in ((ours, theirs), (fallback, theirs)):  # the matchers advanced alike
+            for a, b in zip(mine, reference, strict=True):
+                assert torch.equal(_mask(a), _mask(b))
+
+
+def _mask(matcher: Any) -> torch.Tensor:
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask[0]

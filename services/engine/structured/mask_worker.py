@@ -5,8 +5,10 @@
 
 xgrammar's matcher calls run in C++ without the GIL, so the worker runs while the engine thread's Python
 prepares and launches the step, instead of after it. Each call takes the GIL back, though, and beside a thread
-busy in Python every take-back waits up to the switch interval (bench/xgrammar_gil.py: a batched accept of 128
-matchers took 0.17 ms alone and ~5 ms beside a busy thread at a 0.5 ms interval). The engine joins the work
+busy in Python every take-back waits up to the switch interval (bench/xgrammar_gil.py: xgrammar's batched accept
+of 128 matchers took 0.17 ms alone and ~5 ms beside a busy thread at a 0.5 ms interval, its result read one
+element, one hand-back, at a time). So the worker's calls hand the GIL back as few times as they can: the accept
+keeps it (matcher_calls.py), the fill releases it once. The engine joins the work
 (`GrammarTask.join`) before sampling and before it reads step N's tokens; between submit and join it touches
 none of the grammars it handed over.
 
@@ -102,7 +104,7 @@ class MaskWorker:
         if not constrained:
             return accepted, slot, 0
         copied = self._copied[slot]
-        if copied is not None:
+        if copied is not None and not copied.query():  # (done, two steps on: no wait that hands the GIL back)
             copied.synchronize()  # the copy out of this buffer two steps ago
         assert self._fill is not None
         self._fill([matcher for _, matcher in constrained], self._host[slot], None)  # rows 0..k-1
