@@ -1,4 +1,4 @@
-"""Structured output's cost to everyone else: json_schema requests mixed 50/50 with plain ones.
+"""Structured output's cost: json_schema requests mixed 50/50 with plain ones, and all json_schema.
 
 On each shape (random weights, as bench/throughput.py builds them; the SmolLM2 tokenizer gives the
 grammar its vocabulary), through the offline Engine at 256 concurrency, three runs of the same shape
@@ -185,7 +185,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=0)
     row: dict[str, Any] = {"model": name}
     runs = [("all_plain", 0), ("mixed", args.num_requests // 2), ("all_json", args.num_requests)]
-    for label, num_json in runs + [("all_plain_again", 0)] * args.repeat_plain:
+    if args.repeat_plain:
+        runs.append(("all_plain_again", 0))
+    for label, num_json in runs:
         engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer), model=ours)
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
@@ -275,6 +277,11 @@ def parse_args() -> argparse.Namespace:
         help="advance the matchers with xgrammar's own batched accept, which hands the GIL back 2N + 2 times "
         "(the engine's, matcher_calls.batch_accept, keeps it): the A/B of 2026-11-29",
     )
+    parser.add_argument(
+        "--accept-releases-gil",
+        action="store_true",
+        help="the engine's accept releases the GIL through its C++ (matcher_calls.HOLD_GIL off)",
+    )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -290,7 +297,8 @@ def main() -> None:
     if args.switch_interval_ms is not None:
         mask_worker.SWITCH_INTERVAL_S = args.switch_interval_ms / 1e3
     if args.xgrammar_accept:
-        matcher_calls.held_accept = lambda: None  # type: ignore[assignment]  # (before anything calls it)
+        matcher_calls.binding_accept = lambda: None  # type: ignore[assignment]  # (before anything calls it)
+    matcher_calls.HOLD_GIL = not args.accept_releases_gil
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
         "environment": {
@@ -310,6 +318,7 @@ def main() -> None:
             "fill_threads": mask_worker.FILL_THREADS,
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
             "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
+            "accept_holds_gil": matcher_calls.HOLD_GIL and not args.xgrammar_accept,
         },
         "models": [],
     }

@@ -106,10 +106,10 @@ def test_the_cpu_apply_matches_xgrammars_kernel() -> None:
             assert torch.equal(ours, expected)
 
 
-def test_the_held_accept_answers_as_xgrammars_own(pool: GrammarCompilerPool, tokenizer: Any, monkeypatch: Any) -> None:
+def test_the_engines_accept_answers_as_xgrammars(pool: GrammarCompilerPool, tokenizer: Any, monkeypatch: Any) -> None:
     """matcher_calls.batch_accept (the binding's accept, kept from handing the GIL back; its result read in one
     call unless a row rejected) advances matchers and answers as xgrammar's wrapper does, and as its fallback."""
-    accept = matcher_calls.held_accept()
+    accept = matcher_calls.binding_accept()
     assert accept is not None and accept.release_gil is False  # the installed xgrammar takes the held path
     spec = GrammarSpec("regex", r"[0-9]{4}")
     digit, letter = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("7", "a"))
@@ -123,7 +123,7 @@ def test_the_held_accept_answers_as_xgrammars_own(pool: GrammarCompilerPool, tok
         assert expected == [token == digit for token in tokens]
         assert matcher_calls.batch_accept(ours, tokens) == expected
         with monkeypatch.context() as patch:
-            patch.setattr(matcher_calls, "held_accept", lambda: None)
+            patch.setattr(matcher_calls, "binding_accept", lambda: None)
             assert matcher_calls.batch_accept(fallback, tokens) == expected
         for mine, reference in ((ours, theirs), (fallback, theirs)):  # the matchers advanced alike
             for a, b in zip(mine, reference, strict=True):

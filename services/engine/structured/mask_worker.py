@@ -3,14 +3,13 @@
     engine thread:  schedule N+1 | submit | prepare N+1, launch its forward | join: copy masks, sample
     worker:                      | wait for N's tokens, advance the grammars | fill N+1's masks |
 
-xgrammar's matcher calls run in C++ without the GIL, so the worker runs while the engine thread's Python
-prepares and launches the step, instead of after it. Each call takes the GIL back, though, and beside a thread
-busy in Python every take-back waits up to the switch interval (bench/xgrammar_gil.py: xgrammar's batched accept
-of 128 matchers took 0.17 ms alone and ~5 ms beside a busy thread at a 0.5 ms interval, its result read one
-element, one hand-back, at a time). So the worker's calls hand the GIL back as few times as they can: the accept
-keeps it (matcher_calls.py), the fill releases it once. The engine joins the work
-(`GrammarTask.join`) before sampling and before it reads step N's tokens; between submit and join it touches
-none of the grammars it handed over.
+The worker's xgrammar calls run in C++ while the engine thread's Python prepares and launches the step, instead
+of after it. Every call into xgrammar's binding releases the GIL and takes it back, and beside a thread busy in
+Python each take-back can wait up to the switch interval (bench/xgrammar_gil.py: xgrammar's batched accept of 128
+matchers, which reads its result one element, one hand-back, at a time, took 0.17 ms alone and ~5 ms beside a
+busy thread at a 0.5 ms interval). So the worker hands the GIL back as seldom as it can: the accept keeps it
+(matcher_calls.py), the fill releases it once. The engine joins the work (`GrammarTask.join`) before sampling
+and before it reads step N's tokens; between submit and join it touches none of the grammars it handed over.
 
 Masks are filled into rows 0..k-1 of a pinned host buffer (two, used in turn: the copy out of one may
 still wait behind a forward pass on the device while the worker fills the other), so only the grammar
@@ -33,7 +32,7 @@ NUM_HOST_BUFFERS = 2
 # xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
 # 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
 FILL_THREADS = 1
-# The worker's Python between its GIL-free xgrammar calls needs the GIL back from the engine thread, which runs
+# The worker's Python around its xgrammar calls needs the GIL back from the engine thread, which runs
 # Python between kernels: with the default 5 ms switch interval each hand-back could wait out most of a step
 # (bench/grammar_handback.py, 2 ms of engine Python: 1.2-2.0 ms of join wait at 5 ms, 0.2 ms at 0.5 ms).
 SWITCH_INTERVAL_S = 0.0005
@@ -104,7 +103,7 @@ class MaskWorker:
         if not constrained:
             return accepted, slot, 0
         copied = self._copied[slot]
-        if copied is not None and not copied.query():  # (done, two steps on: no wait that hands the GIL back)
+        if copied is not None and not copied.query():  # usually done; query() keeps the GIL, a wait hands it back
             copied.synchronize()  # the copy out of this buffer two steps ago
         assert self._fill is not None
         self._fill([matcher for _, matcher in constrained], self._host[slot], None)  # rows 0..k-1
