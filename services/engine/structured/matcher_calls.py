@@ -4,7 +4,7 @@ Since xgrammar 0.1.33 every call into its binding (apache-tvm-ffi) releases the 
 engine thread, busy in Python between kernels, a take-back after more than a few tens of µs waits up to the switch
 interval. xgrammar's own `BatchGrammarMatcher.batch_accept_token` then reads its result array one element at a
 time, each read a call of its own: 2N + 1 more hand-backs for N rows. Beside a busy thread at a 0.5 ms interval,
-128 rows took 2.6-3.2 ms on two CPU cores and 16.5 ms on an H200 host, where they take 0.11-0.30 ms alone
+128 rows took 2.6-4.5 ms on two CPU cores and 16.5 ms on an H200 host, where they take 0.11-0.30 ms alone
 (bench/xgrammar_gil.py; bench/results/xgrammar_gil_cpu/, structured_gil_h200_2026-11-29/).
 
 Here the result is read in one call that keeps the GIL, which asks whether any row rejected its token; only then
