@@ -213,6 +213,11 @@ class RunnerConfig:
     async_scheduling: bool | None = opt(
         None, "schedule step N+1 before step N's tokens reach the host (default: on CUDA only)"
     )
+    grammar_process: bool | None = opt(
+        None,
+        "structured output: the grammar matchers and their masks in a process of their own, off the engine "
+        "thread's GIL (default: on CUDA only)",
+    )
     gemv_max_rows: int = opt(
         1,
         "CUDA: dense linears of up to this many rows (decode of a few sequences) run the GEMV kernel instead of "

@@ -124,10 +124,18 @@ class Engine:
         self._warned_priority = False
         self.lora = self.runner.lora  # None without --enable-lora
         self._lora_waiting: list[Request] = []  # their adapter waits for a slot (every slot pinned by others)
+        on_cuda = self.device.type == "cuda"
+        grammar_process = config.runner.grammar_process if config.runner.grammar_process is not None else on_cuda
         self.grammars = GrammarAdmission(
-            config.model.tokenizer or self.model_dir, self.vocab_size, sorted(self.eos_token_ids)
+            config.model.tokenizer or self.model_dir,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+            process_rows=config.scheduler.max_num_seqs if grammar_process else 0,
+            pin_masks=on_cuda,
         )
-        self.mask_worker = MaskWorker(self.vocab_size, config.scheduler.max_num_seqs, self.device)
+        self.mask_worker = MaskWorker(
+            self.vocab_size, config.scheduler.max_num_seqs, self.device, lambda: self.grammars.process
+        )
         self.token_chars = TokenChars(config.model.tokenizer or self.model_dir, self.vocab_size)
         if self.device.type == "cuda" and config.runner.warm_up:
             self._warm_up()
@@ -553,6 +561,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the executor's worker ranks (no-op on one process); the engine is unusable after."""
         self.mask_worker.shutdown()
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def is_admitted(self, request_id: str) -> bool:

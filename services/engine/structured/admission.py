@@ -1,7 +1,8 @@
 """Sequences whose grammar is still compiling wait here, outside the scheduler, so they never hold
 up the batch: the engine hands each to the scheduler once its grammar is ready (or failed).
 
-The compiler pool (and with it xgrammar and the tokenizer) is created on the first grammar request.
+The compiler pool (and with it xgrammar and the tokenizer) is created on the first grammar request, and with
+it, where the engine asks for one, the grammar process that holds the matchers (grammar_process.py).
 """
 
 from __future__ import annotations
@@ -10,18 +11,29 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.structured.grammar_process import GrammarProcess
 from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
-from pagedserve.services.engine.structured.state import GrammarState
+from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState
 from pagedserve.shared.tokenizer_loader import load_tokenizer
 
 
 class GrammarAdmission:
-    def __init__(self, tokenizer_source: str | Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_source: str | Path,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        process_rows: int = 0,  # > 0: matchers in a grammar process, masks for this many rows (0: in-process)
+        pin_masks: bool = False,  # the process's mask buffers page-locked (CUDA)
+    ) -> None:
         self.tokenizer_source = tokenizer_source
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compiling: list[Request] = []
         self._pool: Any = None
+        self._process_rows = process_rows
+        self._pin_masks = pin_masks
+        self.process: GrammarProcess | None = None
 
     @property
     def pool(self) -> Any:
@@ -30,6 +42,10 @@ class GrammarAdmission:
 
             tokenizer = load_tokenizer(self.tokenizer_source)
             self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
+            if self._process_rows:
+                self.process = GrammarProcess(
+                    self._pool.tokenizer_info, self.vocab_size, self._process_rows, self._pin_masks
+                )
         return self._pool
 
     @property
@@ -47,7 +63,11 @@ class GrammarAdmission:
             gate = ReasoningGate.for_prompt(
                 params.reasoning_start_ids or [], params.reasoning_end_ids, request.prompt_token_ids
             )
-        request.grammar = GrammarState(self.pool.submit(spec), gate)
+        compiled = self.pool.submit(spec)
+        if self.process is not None:
+            request.grammar = RemoteGrammarState(compiled, gate, spec, self.process)
+        else:
+            request.grammar = GrammarState(compiled, gate)
         self.compiling.append(request)
 
     def pop_ready(self) -> list[Request]:
@@ -73,3 +93,9 @@ class GrammarAdmission:
 
     def __len__(self) -> int:
         return len(self.compiling)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self.process is not None:
+            self.process.shutdown()

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from pagedserve.services.engine.request import Request
+from pagedserve.services.engine.structured.grammar_process import GrammarProcess
+from pagedserve.services.engine.structured.state import RemoteGrammarState
 
 
 @dataclass(slots=True)
@@ -31,15 +33,30 @@ def build_token_bitmask(requests: Sequence[Request], vocab_size: int, device: to
     import xgrammar as xgr
 
     host = xgr.allocate_token_bitmask(len(requests), vocab_size)
-    for row in rows:
-        grammar = requests[row].grammar
-        assert grammar is not None
-        grammar.fill_bitmask(host, row)
+    first = requests[rows[0]].grammar
+    if isinstance(first, RemoteGrammarState):  # an engine's grammars are all in the grammar process, or none
+        rows = _fill_remote(first.process, [(row, requests[row].grammar) for row in rows], host)
+        if not rows:
+            return None
+    else:
+        for row in rows:
+            grammar = requests[row].grammar
+            assert grammar is not None
+            grammar.fill_bitmask(host, row)
     if device.type == "cuda":
         bitmask = host.pin_memory().to(device, non_blocking=True)
     else:
         bitmask = host
     return TokenBitmask(bitmask, rows)
+
+
+def _fill_remote(process: GrammarProcess, grammars: list[tuple[int, Any]], host: torch.Tensor) -> list[int]:
+    """The grammar process's masks of these rows into `host`: the rows it constrained. Its first slot serves
+    (a synchronous step overlaps no other)."""
+    num_rows = process.fill(0, [(row, grammar.matcher_id) for row, grammar in grammars])
+    rows = process.rows[0][:num_rows]
+    host.index_copy_(0, rows, process.masks[0][:num_rows])
+    return list(rows.tolist())
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:

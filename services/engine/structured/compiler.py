@@ -42,6 +42,7 @@ class GrammarCompilerPool:
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.tokenizer_info = info  # (sent to the grammar process, which builds matchers from compiled grammars)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()

@@ -11,6 +11,10 @@ busy thread at a 0.5 ms interval). So the worker hands the GIL back as seldom as
 (matcher_calls.py), the fill releases it once. The engine joins the work (`GrammarTask.join`) before sampling
 and before it reads step N's tokens; between submit and join it touches none of the grammars it handed over.
 
+With a grammar process (grammar_process.py) the worker only passes the step's tokens and rows to it, one message
+each, and the masks arrive in the process's shared buffers; the GIL-held work left here is a few list
+comprehensions.
+
 Masks are filled into rows 0..k-1 of a pinned host buffer (two, used in turn: the copy out of one may
 still wait behind a forward pass on the device while the worker fills the other), so only the grammar
 rows travel to the device, where they are scattered to their rows of the step's bitmask.
@@ -26,9 +30,10 @@ from typing import Any
 import torch
 
 from pagedserve.services.engine.structured.bitmask import TokenBitmask
-from pagedserve.services.engine.structured.state import GrammarState
+from pagedserve.services.engine.structured.grammar_process import NUM_SLOTS, GrammarProcess
+from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState
 
-NUM_HOST_BUFFERS = 2
+NUM_HOST_BUFFERS = NUM_SLOTS
 # xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
 # 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
 FILL_THREADS = 1
@@ -61,10 +66,18 @@ class GrammarTask:
 class MaskWorker:
     """The worker thread and the bitmask buffers (allocated, with xgrammar imported, on first use)."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_rows: int,
+        device: torch.device,
+        process: Callable[[], GrammarProcess | None] = lambda: None,  # the grammar process, if any (once used)
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = device
+        self._process_of = process
+        self._process: GrammarProcess | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._fill: Callable[..., Any] | None = None
         self._host: list[torch.Tensor] = []  # [max_rows, words] int32, masks in rows 0..k-1
@@ -87,7 +100,12 @@ class MaskWorker:
 
         words = xgr.get_bitmask_shape(self.max_rows, self.vocab_size)[1]
         pin = self.device.type == "cuda"
-        for _ in range(NUM_HOST_BUFFERS):
+        self._process = process = self._process_of()
+        for slot in range(NUM_HOST_BUFFERS):
+            if process is not None:  # its shared buffers (pinned by it on CUDA)
+                self._host.append(process.masks[slot])
+                self._host_rows.append(process.rows[slot])
+                continue
             self._host.append(torch.full((self.max_rows, words), -1, dtype=torch.int32, pin_memory=pin))
             self._host_rows.append(torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin))
         self._bitmask = torch.full((self.max_rows, words), -1, dtype=torch.int32, device=self.device)
@@ -99,14 +117,17 @@ class MaskWorker:
         self, accept: Callable[[], Any] | None, fill: Sequence[tuple[int, GrammarState]], slot: int
     ) -> tuple[Any, int, int]:
         accepted = accept() if accept is not None else None
-        constrained = [(row, grammar.matcher) for row, grammar in fill if grammar.constrains_next]
+        constrained = [(row, grammar) for row, grammar in fill if grammar.constrains_next]
         if not constrained:
             return accepted, slot, 0
         copied = self._copied[slot]
         if copied is not None and not copied.query():  # usually done; query() keeps the GIL, a wait hands it back
             copied.synchronize()  # the copy out of this buffer two steps ago
+        if self._process is not None:
+            remote = [(row, g.matcher_id) for row, g in constrained if isinstance(g, RemoteGrammarState)]
+            return accepted, slot, self._process.fill(slot, remote)
         assert self._fill is not None
-        self._fill([matcher for _, matcher in constrained], self._host[slot], None)  # rows 0..k-1
+        self._fill([grammar.matcher for _, grammar in constrained], self._host[slot], None)  # rows 0..k-1
         rows = self._host_rows[slot].numpy()
         rows[: len(constrained)] = [row for row, _ in constrained]
         return accepted, slot, len(constrained)

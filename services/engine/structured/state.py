@@ -10,12 +10,15 @@ fills its mask (mask_worker.py), never while the engine's thread touches it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from pagedserve.services.engine.structured.grammar_process import TERMINATED, GrammarProcess
 from pagedserve.services.engine.structured.matcher_calls import batch_accept
 from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
+from pagedserve.shared.grammar_spec import GrammarSpec
 
 
 class GrammarState:
@@ -79,9 +82,68 @@ class GrammarState:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class RemoteGrammarState(GrammarState):
+    """A grammar whose matcher and reasoning gate live in the grammar process (grammar_process.py): here only its
+    id there and its outcome (`error`, `is_terminated`), which every accept's reply brings back."""
+
+    def __init__(
+        self, compiled: Future[Any], gate: ReasoningGate | None, spec: GrammarSpec, process: GrammarProcess
+    ) -> None:
+        super().__init__(compiled, gate)
+        self.spec = spec
+        self.process = process
+        self.matcher_id = -1  # its id in the grammar process, once opened
+
+    def _start(self) -> bool:
+        if not self._compiled.done():
+            return False
+        exc = self._compiled.exception()
+        if exc is not None:
+            self.error = f"the grammar did not compile: {exc}"
+            return True
+        self.matcher_id = self.process.open(self.spec, self._compiled.result(), self.gate)
+        self.gate = None  # the child's copy follows the tokens now
+        weakref.finalize(self, self.process.drop, self.matcher_id)
+        return True
+
+    @property
+    def is_ready(self) -> bool:
+        return self.matcher_id >= 0 or self.error is not None or self._start()
+
+    def replay(self, token_ids: list[int]) -> None:
+        self._accept(token_ids)
+
+    def accept(self, token_id: int) -> bool:
+        return self._accept([token_id])
+
+    def _accept(self, token_ids: list[int]) -> bool:
+        if not self.constrains_next or not token_ids:
+            return self.error is None
+        self.note(self.process.accept([(self.matcher_id, t) for t in token_ids]).get(self.matcher_id))
+        return self.error is None
+
+    def note(self, outcome: str | None) -> None:
+        """Take an accept's outcome: None (goes on), TERMINATED, or an error."""
+        if outcome == TERMINATED:
+            self.is_terminated = True
+        elif outcome is not None:
+            self.error = outcome
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token may be masked (the child knows whether the reasoning is over)."""
+        return self.matcher_id >= 0 and not self.is_terminated and self.error is None
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        raise NotImplementedError("a remote grammar's mask is filled in the grammar process (GrammarProcess.fill)")
+
+
 def accept_all(grammars: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
     """`GrammarState.accept` for many grammars, their matchers advanced in one xgrammar call (matcher_calls.py:
-    with the fewest GIL hand-backs, as the mask worker calls it beside the engine's thread)."""
+    with the fewest GIL hand-backs, as the mask worker calls it beside the engine's thread), or in one message
+    to the grammar process."""
+    if grammars and isinstance(grammars[0], RemoteGrammarState):
+        return _accept_all_remote(grammars, token_ids)
     accepted = [True] * len(grammars)
     batch: list[int] = []
     for i, (grammar, token_id) in enumerate(zip(grammars, token_ids, strict=True)):
@@ -101,4 +163,20 @@ def accept_all(grammars: Sequence[GrammarState], token_ids: Sequence[int]) -> li
             accepted[i] = False
         elif token_id in grammar.stop_token_ids:  # (without a stop token the matcher does not terminate)
             grammar.is_terminated = bool(grammar.matcher.is_terminated())
+    return accepted
+
+
+def _accept_all_remote(grammars: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
+    """accept_all for an engine's grammars in the grammar process (all of them are, or none)."""
+    accepted = [True] * len(grammars)
+    live = [(i, g) for i, g in enumerate(grammars) if isinstance(g, RemoteGrammarState) and g.constrains_next]
+    if not live:
+        return accepted
+    ended = live[0][1].process.accept([(g.matcher_id, token_ids[i]) for i, g in live])
+    if ended:  # usually none: a step's tokens fit their grammars
+        for i, grammar in live:
+            outcome = ended.get(grammar.matcher_id)
+            if outcome is not None:
+                grammar.note(outcome)
+                accepted[i] = grammar.error is None
     return accepted

@@ -1,0 +1,279 @@
+"""Structured output's matchers in a process of their own (`--grammar-process`; the default on CUDA).
+
+Beside the engine thread, a grammar worker thread shares the engine's GIL. On an H200 host 256 json_schema rows
+added ~1.9 ms to a 2.3 ms step that way (bench/results/structured_gil_h200_2026-11-29/): the worker's Python and
+its GIL-held accept ran between the engine thread's kernel launches, and each take-back of the GIL after the mask
+fill's C++ waited for the engine thread. Here the matchers, their reasoning gates and the fill live in a child
+process with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill, one message
+each; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
+
+Engine side: `GrammarProcess` (a lock makes each request and its reply one exchange: the engine thread opens
+matchers and replays, the mask worker thread steps them). Child side: `serve`. Grammars are compiled in the engine
+(admission waits on them there) and sent once per spec, as xgrammar's serialised form.
+
+The child is `python -m` this module, given a socket and an anonymous shared file: not multiprocessing's spawn,
+which re-imports the engine's main script in the child (an offline script without a `__main__` guard would start
+itself again), and nothing to name or clean up when either side is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pagedserve.services.engine.structured.compiler import CACHE_SIZE
+from pagedserve.services.engine.structured.matcher_calls import batch_accept
+from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
+from pagedserve.shared.grammar_spec import GrammarSpec
+
+log = logging.getLogger(__name__)
+NUM_SLOTS = 2  # mask buffers used in turn (mask_worker.py: one may still be copied out while the other fills)
+TERMINATED = ""  # an accept's outcome for a grammar that completed; any other string is its error
+
+
+class GrammarProcessError(RuntimeError):
+    """The grammar process failed or died: every grammar request of the engine is lost with it."""
+
+
+class GrammarProcess:
+    """The child process, its pipe and the shared mask buffers (engine side)."""
+
+    def __init__(self, tokenizer_info: Any, vocab_size: int, max_rows: int, pin: bool) -> None:
+        import xgrammar as xgr
+
+        words = xgr.get_bitmask_shape(max_rows, vocab_size)[1]
+        shape = (NUM_SLOTS, max_rows, words)
+        self._file = _shared_file(_size(shape))
+        self._mmap = mmap.mmap(self._file.fileno(), _size(shape))
+        # [slot, row, word]: a slot's masks in rows 0..k-1; rows: each of those rows' row in the step
+        self.masks, self.rows = _views(self._mmap, shape)
+        self.masks.fill_(-1)
+        if pin:  # page-locked, so `.to(cuda, non_blocking=True)` is an asynchronous copy
+            _check(torch.cuda.cudart().cudaHostRegister(self.masks.data_ptr(), len(self._mmap), 0))
+        self._pinned = pin
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._file.fileno()), *map(str, shape)]
+        self._child = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._file.fileno()))
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._dropped: list[int] = []  # matchers to free, sent with the next request
+        with self._lock:
+            self._call("start", tokenizer_info.serialize_json())
+
+    def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
+        """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
+        with self._lock:
+            matcher_id, self._next_id = self._next_id, self._next_id + 1
+            if self._call("open", matcher_id, spec, None, gate) == "missing":  # the child has not got it (now)
+                self._call("open", matcher_id, spec, compiled.serialize_json(), gate)
+            return matcher_id
+
+    def drop(self, matcher_id: int) -> None:
+        """Free a matcher (with the next request: called from a finaliser, it must not wait)."""
+        self._dropped.append(matcher_id)
+
+    def accept(self, pairs: Sequence[tuple[int, int]]) -> dict[int, str]:
+        """Advance matchers by tokens, in order ((matcher id, token id) pairs; a matcher's tokens after its end
+        or a rejection are ignored): TERMINATED or an error for each matcher that ended, by id."""
+        with self._lock:
+            result: dict[int, str] = self._call("accept", pairs)
+            return result
+
+    def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
+        """Fill the masks of those (row, matcher id) that constrain their next token into `slot`'s rows 0..k-1
+        (their rows in self.rows[slot]): k."""
+        with self._lock:
+            num_rows: int = self._call("fill", slot, rows)
+            return num_rows
+
+    def num_matchers(self) -> int:
+        """How many matchers the child holds (after freeing the dropped ones)."""
+        with self._lock:
+            count: int = self._call("num_matchers")
+            return count
+
+    def _call(self, *request: Any) -> Any:
+        dropped, self._dropped = self._dropped, []
+        try:
+            self._conn.send((dropped, request))
+            ok, reply = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise GrammarProcessError(f"the grammar process is gone (exit code {self._child.poll()})") from exc
+        if not ok:
+            raise GrammarProcessError(f"the grammar process failed:\n{reply}")
+        return reply
+
+    def shutdown(self) -> None:
+        self._conn.close()  # the child's recv ends
+        try:
+            self._child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
+            self._pinned = False
+
+
+def _shared_file(size: int) -> Any:
+    """An anonymous file of `size` bytes (gone when both processes close it)."""
+    if hasattr(os, "memfd_create"):
+        file = os.fdopen(os.memfd_create("pagedserve-grammar-masks"), "r+b")
+    else:
+        file = tempfile.TemporaryFile()  # noqa: SIM115 (returned open: the child maps it too)
+    file.truncate(size)
+    return file
+
+
+def _size(shape: tuple[int, int, int]) -> int:
+    slots, rows, words = shape
+    return slots * rows * words * 4 + slots * rows * 8
+
+
+def _views(buffer: mmap.mmap, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masks (int32 [slot, row, word]) and their rows (int64 [slot, row]) in one shared buffer."""
+    slots, rows, words = shape
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    split = slots * rows * words * 4
+    return flat[:split].view(torch.int32).view(shape), flat[split:].view(torch.int64).view(slots, rows)
+
+
+def _check(error: Any) -> None:
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {error}")
+
+
+@dataclass(slots=True)
+class _Matcher:
+    matcher: Any  # xgrammar.GrammarMatcher
+    gate: ReasoningGate | None
+    stop_token_ids: frozenset[int]
+    ended: bool = False  # completed or rejected: takes no more tokens, fills no mask
+
+    @property
+    def constrains_next(self) -> bool:
+        return not self.ended and (self.gate is None or self.gate.is_open)
+
+
+class _Child:
+    """The child's state: compiled grammars by spec (a bounded cache) and matchers by id."""
+
+    def __init__(self, tokenizer_info_json: str, masks: torch.Tensor, rows: torch.Tensor) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.tokenizer_info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+        self.masks, self.rows = masks, rows
+        self.grammars: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self.matchers: dict[int, _Matcher] = {}
+        self.fill_batch = xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
+
+    def open(self, matcher_id: int, spec: GrammarSpec, serialized: str | None, gate: ReasoningGate | None) -> str:
+        compiled = self.grammars.get(spec)
+        if compiled is None:
+            if serialized is None:
+                return "missing"
+            compiled = self.xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+            self.grammars[spec] = compiled
+            while len(self.grammars) > CACHE_SIZE:
+                self.grammars.popitem(last=False)
+        self.grammars.move_to_end(spec)
+        matcher = self.xgr.GrammarMatcher(compiled)
+        self.matchers[matcher_id] = _Matcher(matcher, gate, frozenset(matcher.stop_token_ids))
+        return "opened"
+
+    def accept(self, pairs: Sequence[tuple[int, int]]) -> dict[int, str]:
+        """As GrammarState.accept / accept_all: the gated tokens pass free, the rest go to xgrammar in batches
+        (one batch while no matcher appears twice: a replay's tokens go one call each)."""
+        ended: dict[int, str] = {}
+        batch: list[tuple[int, _Matcher, int]] = []
+        in_batch: set[int] = set()
+        for matcher_id, token_id in pairs:
+            state = self.matchers[matcher_id]
+            if state.ended:
+                continue
+            if state.gate is not None and not state.gate.is_open:  # still reasoning: free text
+                state.gate.feed(token_id)
+                continue
+            if matcher_id in in_batch:
+                self._accept_batch(batch, ended)
+                batch, in_batch = [], set()
+                if state.ended:
+                    continue
+            batch.append((matcher_id, state, token_id))
+            in_batch.add(matcher_id)
+        self._accept_batch(batch, ended)
+        return ended
+
+    @staticmethod
+    def _accept_batch(batch: list[tuple[int, _Matcher, int]], ended: dict[int, str]) -> None:
+        if not batch:
+            return
+        accepted = batch_accept([state.matcher for _, state, _ in batch], [token_id for _, _, token_id in batch])
+        for (matcher_id, state, token_id), ok in zip(batch, accepted, strict=True):
+            if not ok:
+                state.ended = True
+                ended[matcher_id] = f"the grammar rejected token {token_id}"
+            elif token_id in state.stop_token_ids and state.matcher.is_terminated():
+                state.ended = True  # (without a stop token the matcher does not terminate)
+                ended[matcher_id] = TERMINATED
+
+    def num_matchers(self) -> int:
+        return len(self.matchers)
+
+    def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
+        constrained = [(row, self.matchers[matcher_id]) for row, matcher_id in rows]
+        constrained = [(row, state) for row, state in constrained if state.constrains_next]
+        if constrained:
+            self.fill_batch([state.matcher for _, state in constrained], self.masks[slot], None)
+            self.rows[slot, : len(constrained)] = torch.tensor([row for row, _ in constrained])
+        return len(constrained)
+
+
+def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """The child's loop: a request, its reply, until the engine closes the pipe."""
+    torch.set_num_threads(1)
+    child: _Child | None = None
+    while True:
+        try:
+            dropped, (name, *args) = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if child is None:  # the first request: ("start", the tokenizer's xgrammar description)
+                child = _Child(args[0], masks, rows)
+                reply: tuple[bool, Any] = (True, None)
+            else:
+                for matcher_id in dropped:
+                    child.matchers.pop(matcher_id, None)
+                reply = (True, getattr(child, name)(*args))
+        except Exception:
+            reply = (False, traceback.format_exc())
+        conn.send(reply)
+
+
+def main() -> None:
+    sock_fd, file_fd, *dims = map(int, sys.argv[1:])
+    slots, rows, words = dims
+    buffer = mmap.mmap(file_fd, _size((slots, rows, words)))
+    masks, row_ids = _views(buffer, (slots, rows, words))
+    serve(Connection(sock_fd), masks, row_ids)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The grammar process (structured output's matchers off the engine's GIL): its masks and accept outcomes are a
+local matcher's, token by token; replays and reasoning gates run there; dropped matchers are freed; a dead
+process is an error, not a hang. An engine with it gives the in-process engine's tokens, overlapped or under
+speculative decoding."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from pagedserve.services.engine.models.base import CausalLM
+from pagedserve.services.engine.sampling_params import SamplingParams
+from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
+from pagedserve.services.engine.structured.grammar_process import GrammarProcess, GrammarProcessError
+from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
+from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState, accept_all
+from pagedserve.shared.grammar_spec import GrammarSpec
+from pagedserve.shared.tokenizer_loader import load_tokenizer
+from tests.engine.test_structured import PERSON, make_engine, output_text
+
+VOCAB = 49152  # SmolLM2's
+EOS = 2
+SPECS = [GrammarSpec.json_schema(PERSON), GrammarSpec("regex", r"[0-9]{3}"), GrammarSpec.choice(["yes", "no"])]
+COMPLETIONS = ['{"name":"Ann","age":41}', "123", "no"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Any:
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def pool(tokenizer: Any) -> GrammarCompilerPool:
+    return GrammarCompilerPool(tokenizer, VOCAB, [EOS])
+
+
+@pytest.fixture(scope="module")
+def process(pool: GrammarCompilerPool) -> Iterator[GrammarProcess]:
+    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=8, pin=False)
+    yield process
+    process.shutdown()
+
+
+def local(pool: GrammarCompilerPool, spec: GrammarSpec, gate: ReasoningGate | None = None) -> GrammarState:
+    state = GrammarState(pool.submit(spec), gate)
+    pool.submit(spec).result()
+    assert state.is_ready
+    return state
+
+
+def remote(
+    pool: GrammarCompilerPool, process: GrammarProcess, spec: GrammarSpec, gate: ReasoningGate | None = None
+) -> RemoteGrammarState:
+    state = RemoteGrammarState(pool.submit(spec), gate, spec, process)
+    pool.submit(spec).result()
+    assert state.is_ready and state.matcher_id >= 0
+    return state
+
+
+def local_mask(state: GrammarState) -> torch.Tensor:
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill_bitmask(bitmask, 0)
+    return bitmask[0]
+
+
+def remote_masks(process: GrammarProcess, rows: list[tuple[int, RemoteGrammarState]]) -> dict[int, torch.Tensor]:
+    """The masks the child fills for these (row, grammar)s, by row (slot 1)."""
+    num_rows = process.fill(1, [(row, grammar.matcher_id) for row, grammar in rows])
+    return {int(row): process.masks[1][i].clone() for i, row in enumerate(process.rows[1][:num_rows])}
+
+
+def test_masks_and_outcomes_follow_a_local_matcher(
+    pool: GrammarCompilerPool, process: GrammarProcess, tokenizer: Any
+) -> None:
+    """Three grammars stepped together, one batched accept a step: after every token each row's mask is the
+    local matcher's; each completes at its stop token, and a finished row is no longer filled."""
+    locals_ = [local(pool, spec) for spec in SPECS]
+    remotes = [remote(pool, process, spec) for spec in SPECS]
+    streams = [[*tokenizer.encode(text, add_special_tokens=False), EOS] for text in COMPLETIONS]
+    rows = [(row, grammar) for row, grammar in zip([5, 0, 3], remotes)]
+    for step in range(max(map(len, streams))):
+        live = [i for i in range(3) if step < len(streams[i])]
+        masks = remote_masks(process, [rows[i] for i in live if remotes[i].constrains_next])
+        for i in live:
+            assert torch.equal(masks[rows[i][0]], local_mask(locals_[i])), (SPECS[i].kind, step)
+        tokens = [streams[i][step] for i in live]
+        assert accept_all([remotes[i] for i in live], tokens) == accept_all([locals_[i] for i in live], tokens)
+        for i in live:
+            assert remotes[i].is_terminated == locals_[i].is_terminated
+    assert all(g.is_terminated and g.error is None for g in remotes)
+    assert remote_masks(process, rows) == {}
+
+
+def test_a_rejected_token_ends_the_grammar_with_the_local_error(
+    pool: GrammarCompilerPool, process: GrammarProcess, tokenizer: Any
+) -> None:
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    here, there = local(pool, SPECS[1]), remote(pool, process, SPECS[1])
+    assert here.accept(letter) is False and there.accept(letter) is False
+    assert there.error == here.error == f"the grammar rejected token {letter}"
+    assert remote_masks(process, [(0, there)]) == {}  # ended: no mask, and no more accepts
+    assert there.accept(letter) is False
+
+
+def test_replays_and_reasoning_gates_run_in_the_child(
+    pool: GrammarCompilerPool, process: GrammarProcess, tokenizer: Any
+) -> None:
+    """A continuation's tokens reach one matcher several times in one message; behind a gate they pass free
+    until the end marker, and the row gets no mask until then."""
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+    thinking = tokenizer.encode("hmm, digits", add_special_tokens=False)
+    digits = tokenizer.encode("12", add_special_tokens=False)
+    here = local(pool, SPECS[1], ReasoningGate([marker]))
+    there = remote(pool, process, SPECS[1], ReasoningGate([marker]))
+    here.replay(thinking)
+    there.replay(thinking)
+    assert remote_masks(process, [(2, there)]) == {}  # still reasoning
+    here.replay([*marker, *digits])
+    there.replay([*marker, *digits])
+    assert torch.equal(remote_masks(process, [(2, there)])[2], local_mask(here))
+    assert there.error is None and not there.is_terminated
+
+
+def test_dropped_matchers_are_freed(pool: GrammarCompilerPool, process: GrammarProcess) -> None:
+    before = process.num_matchers()
+    grammars = [remote(pool, process, SPECS[2]) for _ in range(3)]
+    assert process.num_matchers() == before + 3
+    del grammars
+    gc.collect()
+    assert process.num_matchers() == before
+
+
+def test_a_dead_process_is_an_error(pool: GrammarCompilerPool) -> None:
+    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=2, pin=False)
+    grammar = remote(pool, process, SPECS[2])
+    process._child.kill()
+    process._child.wait()
+    with pytest.raises(GrammarProcessError, match="gone"):
+        grammar.accept(EOS)
+    process.shutdown()
+
+
+PROMPT_TEXT = "Describe a person as JSON with a name and an age."
+
+
+def test_an_engine_with_the_process_gives_the_in_process_tokens(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any
+) -> None:
+    """Grammar rows beside plain ones under overlapped steps, one behind a reasoning gate, one continuing a
+    partial answer: the same greedy tokens with the matchers in the grammar process as in the engine's; then
+    the same with speculative decoding (its synchronous mask path)."""
+    chat = [{"role": "user", "content": PROMPT_TEXT}]
+    prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    spec = GrammarSpec.json_schema(PERSON)
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=spec)
+    plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[*prompt[:-5], 300 + i, *prompt[-5:]] for i in range(5)]
+    # the gate's end marker: the row's own first two free tokens, so the grammar starts mid-answer
+    first = make_engine(smollm2_dir, smol_model).generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=2))
+    free = first[0].token_ids
+    gated = SamplingParams(temperature=0.0, max_tokens=40, structured_output=spec, reasoning_end_ids=[free])
+    params = [constrained, plain, gated, constrained, plain]
+    partial = tokenizer.encode('{"name":"Zed","age":', add_special_tokens=False)
+
+    def run(**settings: Any) -> list[list[int]]:
+        engine = make_engine(smollm2_dir, smol_model, **settings)
+        tokens: dict[str, list[int]] = {"cont": []}
+        engine.add_request("cont", prompt, constrained, output_token_ids=partial)
+        for i, (row_prompt, row_params) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), row_prompt, row_params)
+            tokens[str(i)] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert (engine.grammars.process is not None) == settings["grammar_process"]
+        engine.shutdown()
+        return [tokens[str(i)] for i in range(len(params))] + [tokens["cont"]]
+
+    in_process = run(grammar_process=False, async_scheduling=True)
+    assert run(grammar_process=True, async_scheduling=True) == in_process
+    assert in_process[2][:2] == free
+    for tokens in [in_process[0], in_process[2][2:], in_process[3], partial + in_process[-1]]:
+        jsonschema.validate(json.loads(output_text(tokenizer, tokens)), PERSON)
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
+    assert run(grammar_process=True, speculative_config=ngram) == in_process
