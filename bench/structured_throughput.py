@@ -188,7 +188,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.repeat_plain:
         runs.append(("all_plain_again", 0))
     for label, num_json in runs:
-        engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer), model=ours)
+        process = args.grammar_process == "on"
+        engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer, grammar_process=process), model=ours)
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
         timer, accept = WorkerTimer(), AcceptTimer()
@@ -254,6 +255,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def skip_grammar_work() -> None:
+    """--skip-grammar-work: the worker takes the step's tokens but never advances a matcher nor fills a mask."""
+
+    def no_ends(rows: Any, token_ids: list[int], num_rows: int) -> list[bool]:
+        return [False] * num_rows
+
+    def no_masks(worker: MaskWorker, accept: Any, fill: Any, slot: int) -> tuple[Any, int, int]:
+        return (accept() if accept is not None else None), slot, 0
+
+    engine_module._grammar_ends_of = no_ends
+    MaskWorker._run = no_masks  # type: ignore[method-assign,assignment]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m,llama-3.1-8b")
@@ -282,6 +296,18 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="the engine's accept releases the GIL through its C++ (matcher_calls.HOLD_GIL off)",
     )
+    parser.add_argument(
+        "--grammar-process",
+        choices=("on", "off"),
+        default="on",
+        help="the matchers in the engine's grammar process (on: the CUDA default) or on its worker thread (off)",
+    )
+    parser.add_argument(
+        "--skip-grammar-work",
+        action="store_true",
+        help="a lower bound: grammar rows whose matchers are never advanced nor their masks filled (what the "
+        "engine's own per-row handling costs)",
+    )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -299,6 +325,8 @@ def main() -> None:
     if args.xgrammar_accept:
         matcher_calls.binding_accept = lambda: None  # type: ignore[assignment]  # (before anything calls it)
     matcher_calls.HOLD_GIL = not args.accept_releases_gil
+    if args.skip_grammar_work:
+        skip_grammar_work()
     device = torch.cuda.get_device_name()
     report: dict[str, Any] = {
         "environment": {
@@ -319,6 +347,8 @@ def main() -> None:
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
             "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
             "accept_holds_gil": matcher_calls.HOLD_GIL and not args.xgrammar_accept,
+            "grammar_process": args.grammar_process,
+            "skip_grammar_work": args.skip_grammar_work,
         },
         "models": [],
     }
