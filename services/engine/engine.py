@@ -133,8 +133,9 @@ class Engine:
             process_rows=config.scheduler.max_num_seqs if grammar_process else 0,
             pin_masks=on_cuda,
         )
+        grammars = self.grammars  # (not self: a cycle through the engine would outlive gc.freeze() below)
         self.mask_worker = MaskWorker(
-            self.vocab_size, config.scheduler.max_num_seqs, self.device, lambda: self.grammars.process
+            self.vocab_size, config.scheduler.max_num_seqs, self.device, lambda: grammars.process
         )
         self.token_chars = TokenChars(config.model.tokenizer or self.model_dir, self.vocab_size)
         if self.device.type == "cuda" and config.runner.warm_up:

@@ -1,12 +1,13 @@
 """The grammar process (structured output's matchers off the engine's GIL): its masks and accept outcomes are a
 local matcher's, token by token; replays and reasoning gates run there; dropped matchers are freed; a dead
 process is an error, not a hang. An engine with it gives the in-process engine's tokens, overlapped or under
-speculative decoding."""
+speculative decoding, and is freed when dropped."""
 
 from __future__ import annotations
 
 import gc
 import json
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,9 @@ def test_an_engine_with_the_process_gives_the_in_process_tokens(
                 tokens[out.request_id] += out.new_token_ids
         assert (engine.grammars.process is not None) == settings["grammar_process"]
         engine.shutdown()
+        freed = weakref.ref(engine)
+        del engine  # by its reference count: gc.freeze() at its start keeps a cycle through it for good
+        assert freed() is None
         return [tokens[str(i)] for i in range(len(params))] + [tokens["cont"]]
 
     in_process = run(grammar_process=False, async_scheduling=True)
