@@ -12,8 +12,9 @@ last of them finished, per plain request and in all) and its ratio; all_json's o
 all_plain's (issue 23's goal for both: >= 0.9); steps/s, and
 the grammar's per-step cost: the worker thread's time per grammar step (`worker`: waiting for the last
 step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
-bitmask of the step's grammar rows; all of it beside the engine thread's launch), the time the engine
-thread then still waits for it before sampling (`join`: the grammar work left on the critical path), and
+bitmask of the step's grammar rows; all of it beside the engine thread's launch; with the grammar process
+(the CUDA default) only the wait for the tokens and their post to the process, and `accept` is not
+measured), the time the engine thread then still waits for it before sampling (`join`: the grammar work left on the critical path), and
 the device time of applying the mask to [256, vocab] logits (`apply`, timed alone with CUDA events).
 
     python -m bench.structured_throughput --tokenizer /path/to/SmolLM2-135M-Instruct
@@ -40,7 +41,7 @@ from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.structured import mask_worker, matcher_calls
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
-from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
+from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker, RemoteGrammarTask
 from pagedserve.shared.grammar_spec import GrammarSpec
 
 ROW = {
@@ -78,35 +79,47 @@ class AcceptTimer:
 
 
 class WorkerTimer:
-    """Wraps the mask worker's task (on its thread) and the engine thread's join of it, timing both."""
+    """Wraps the mask worker's task (on its thread: the whole grammar work, or with the grammar process the wait for
+    the tokens and the post) and the engine thread's join of it, timing both."""
 
     def __init__(self) -> None:
-        self.real_run, self.real_join = MaskWorker._run, GrammarTask.join
+        self.real_run, self.real_post = MaskWorker._run, MaskWorker._post
+        self.real_joins = {cls: cls.join for cls in (GrammarTask, RemoteGrammarTask)}
         self.worker_ms: list[float] = []
         self.join_ms: list[float] = []
 
     def install(self) -> None:
         timer = self
 
-        def run(worker: MaskWorker, *args: Any) -> Any:
-            start = time.perf_counter()
-            out = timer.real_run(worker, *args)
-            timer.worker_ms.append((time.perf_counter() - start) * 1e3)
-            return out
+        def timed(real: Any) -> Any:
+            def call(worker: MaskWorker, *args: Any) -> Any:
+                start = time.perf_counter()
+                out = real(worker, *args)
+                timer.worker_ms.append((time.perf_counter() - start) * 1e3)
+                return out
 
-        def join(task: GrammarTask) -> Any:
-            first, start = task._joined is None, time.perf_counter()
-            out = timer.real_join(task)
-            if first:
-                timer.join_ms.append((time.perf_counter() - start) * 1e3)
-            return out
+            return call
 
-        MaskWorker._run = run  # type: ignore[method-assign,assignment]
-        GrammarTask.join = join  # type: ignore[method-assign,assignment]
+        def timed_join(real: Any) -> Any:
+            def join(task: Any) -> Any:
+                first, start = task._joined is None, time.perf_counter()
+                out = real(task)
+                if first:
+                    timer.join_ms.append((time.perf_counter() - start) * 1e3)
+                return out
+
+            return join
+
+        MaskWorker._run = timed(self.real_run)  # type: ignore[method-assign]
+        MaskWorker._post = timed(self.real_post)  # type: ignore[method-assign]
+        for cls, real in self.real_joins.items():
+            cls.join = timed_join(real)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         MaskWorker._run = self.real_run  # type: ignore[method-assign]
-        GrammarTask.join = self.real_join  # type: ignore[method-assign]
+        MaskWorker._post = self.real_post  # type: ignore[method-assign]
+        for cls, real in self.real_joins.items():
+            cls.join = real  # type: ignore[method-assign]
 
 
 def run(engine: Engine, prompts: list[list[int]], output_len: int, num_json: int) -> dict[str, Any]:
@@ -306,11 +319,13 @@ def parse_args() -> argparse.Namespace:
         "--skip-grammar-work",
         action="store_true",
         help="a lower bound: grammar rows whose matchers are never advanced nor their masks filled (what the "
-        "engine's own per-row handling costs)",
+        "engine's own per-row handling costs; on the worker thread, --grammar-process off)",
     )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.skip_grammar_work:
+        args.grammar_process = "off"
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 64, 128, 32
     return args

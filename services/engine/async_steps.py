@@ -31,7 +31,7 @@ from pagedserve.services.engine.kv_offload import HostKVTier
 from pagedserve.services.engine.model_runner import StepHandle, StepResult
 from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.scheduler import SchedulerOutput
-from pagedserve.services.engine.structured.mask_worker import GrammarTask
+from pagedserve.services.engine.structured.mask_worker import StepGrammarTask
 from pagedserve.shared import stop_rule
 from pagedserve.shared.kv_blocks import hash_block
 
@@ -48,7 +48,7 @@ class InflightStep:
     has_grammar_rows: bool
     result: StepResult | None = None  # once waited for
     grammar_ends: list[bool] | None = None  # per row, once its grammar rows took their tokens
-    grammar_task: GrammarTask | None = None  # the worker that takes its tokens into the grammars (join first)
+    grammar_task: StepGrammarTask | None = None  # the worker that takes its tokens into the grammars (join first)
 
     def pending_rows(self) -> dict[Request, int]:
         """Sequences whose last token is this step's placeholder -> its row in the sampled ids."""

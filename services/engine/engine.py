@@ -56,7 +56,7 @@ from pagedserve.services.engine.spec_decode.proposers import make_speculative_de
 from pagedserve.services.engine.step_profile import StepProfile
 from pagedserve.services.engine.structured import bitmask
 from pagedserve.services.engine.structured.admission import GrammarAdmission
-from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker
+from pagedserve.services.engine.structured.mask_worker import MaskWorker, StepGrammarTask
 from pagedserve.services.engine.structured.state import accept_all
 from pagedserve.services.engine.token_chars import TokenChars
 from pagedserve.shared.config import Config
@@ -419,12 +419,17 @@ class Engine:
             has_grammar_rows = has_grammar_rows or r.grammar is not None
         return InflightStep(scheduled, handle, updated, positions, needs_tokens, has_grammar_rows)
 
-    def _submit_grammar_work(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> GrammarTask | None:
+    def _submit_grammar_work(self, scheduled: SchedulerOutput, previous: InflightStep | None) -> StepGrammarTask | None:
         """Hand the launch's grammar work to the worker thread: advance the grammars by the previous step's
         tokens (when it is still in flight), then fill the masks of this step's grammar rows. The rows to
         advance are chosen here, as the engine thread sees them now."""
         sampling = (s.request for s in scheduled.scheduled if s.is_sampling)
         fill = [(row, r.grammar) for row, r in enumerate(sampling) if r.grammar is not None]
+        if self.grammars.process is not None:  # the matchers are in the grammar process: one message a step
+            if previous is not None and previous.has_grammar_rows:
+                previous.grammar_task = self.mask_worker.submit_remote(previous.handle, _grammar_rows(previous), fill)
+                return previous.grammar_task
+            return self.mask_worker.submit_remote(None, [], fill) if fill else None
         if previous is not None and previous.has_grammar_rows:
             accept_rows = _grammar_rows(previous)
             handle = previous.handle

@@ -195,3 +195,18 @@ def test_an_engine_with_the_process_gives_the_in_process_tokens(
         jsonschema.validate(json.loads(output_text(tokenizer, tokens)), PERSON)
     ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
     assert run(grammar_process=True, speculative_config=ngram) == in_process
+
+
+def test_a_step_reply_waits_for_its_collector(
+    pool: GrammarCompilerPool, process: GrammarProcess, tokenizer: Any
+) -> None:
+    """A step posted (by the mask worker) and collected later (by the engine thread): calls made in between get
+    their own replies, and the step's accept and fill arrive intact."""
+    here, there = local(pool, SPECS[1]), remote(pool, process, SPECS[1])
+    seven = tokenizer.encode("7", add_special_tokens=False)[0]
+    ticket = process.post_step([there.matcher_id], [seven], 0, [(4, there.matcher_id)])
+    count = process.num_matchers()  # reads past the step's reply, which waits for its ticket
+    assert count >= 1
+    ended, num_rows = process.collect(ticket)
+    assert here.accept(seven) and ended == {} and num_rows == 1
+    assert process.rows[0][0] == 4 and torch.equal(process.masks[0][0], local_mask(here))

@@ -4,12 +4,14 @@ Beside the engine thread, a grammar worker thread shares the engine's GIL. On an
 added ~1.9 ms to a 2.3 ms step that way (bench/results/structured_gil_h200_2026-11-29/): the worker's Python and
 its GIL-held accept ran between the engine thread's kernel launches, and each take-back of the GIL after the mask
 fill's C++ waited for the engine thread. Here the matchers, their reasoning gates and the fill live in a child
-process with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill, one message
-each; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
+process with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill in one
+message; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
 
-Engine side: `GrammarProcess` (a lock makes each request and its reply one exchange: the engine thread opens
-matchers and replays, the mask worker thread steps them). Child side: `serve`. Grammars are compiled in the engine
-(admission waits on them there) and sent once per spec, as xgrammar's serialised form.
+Engine side: `GrammarProcess`. Requests are posted and their replies collected by ticket, in order: the mask
+worker thread posts a step as soon as its tokens reach the host and goes on, and the engine thread collects the
+reply when it samples; it also opens matchers and replays tokens, whose replies may arrive after a step's.
+Child side: `serve`. Grammars are compiled in the engine (admission waits on them there) and sent once per spec,
+as xgrammar's serialised form.
 
 The child is `python -m` this module, given a socket and an anonymous shared file: not multiprocessing's spawn,
 which re-imports the engine's main script in the child (an offline script without a `__main__` guard would start
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,25 +67,28 @@ class GrammarProcess:
         self.masks.fill_(-1)
         if pin:  # page-locked, so `.to(cuda, non_blocking=True)` is an asynchronous copy
             _check(torch.cuda.cudart().cudaHostRegister(self.masks.data_ptr(), len(self._mmap), 0))
-        self._pinned = pin
+        # unpinned before the buffer is unmapped, also when the engine is dropped without shutdown() (a later
+        # buffer at the same address could not be registered)
+        self._unpin = weakref.finalize(self, _unregister, self.masks.data_ptr() if pin else None)
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._file.fileno()), *map(str, shape)]
         self._child = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._file.fileno()))
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # a request and its ticket
+        self._receive_lock = threading.Lock()
+        self._num_posted = self._num_received = 0
+        self._replies: dict[int, tuple[bool, Any]] = {}  # by ticket: received before their poster collected them
         self._next_id = 0
         self._dropped: list[int] = []  # matchers to free, sent with the next request
-        with self._lock:
-            self._call("start", tokenizer_info.serialize_json())
+        self._call("start", tokenizer_info.serialize_json())
 
     def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
         """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
-        with self._lock:
-            matcher_id, self._next_id = self._next_id, self._next_id + 1
-            if self._call("open", matcher_id, spec, None, gate) == "missing":  # the child has not got it (now)
-                self._call("open", matcher_id, spec, compiled.serialize_json(), gate)
-            return matcher_id
+        matcher_id, self._next_id = self._next_id, self._next_id + 1  # (the engine thread's alone)
+        if self._call("open", matcher_id, spec, None, gate) == "missing":  # the child has not got it (now)
+            self._call("open", matcher_id, spec, compiled.serialize_json(), gate)
+        return matcher_id
 
     def drop(self, matcher_id: int) -> None:
         """Free a matcher (with the next request: called from a finaliser, it must not wait)."""
@@ -91,33 +97,56 @@ class GrammarProcess:
     def accept(self, pairs: Sequence[tuple[int, int]]) -> dict[int, str]:
         """Advance matchers by tokens, in order ((matcher id, token id) pairs; a matcher's tokens after its end
         or a rejection are ignored): TERMINATED or an error for each matcher that ended, by id."""
-        with self._lock:
-            result: dict[int, str] = self._call("accept", pairs)
-            return result
+        ended: dict[int, str] = self._call("accept", pairs)
+        return ended
 
     def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
         """Fill the masks of those (row, matcher id) that constrain their next token into `slot`'s rows 0..k-1
         (their rows in self.rows[slot]): k."""
-        with self._lock:
-            num_rows: int = self._call("fill", slot, rows)
-            return num_rows
+        num_rows: int = self._call("fill", slot, rows)
+        return num_rows
+
+    def post_step(
+        self, matcher_ids: Sequence[int], token_ids: Sequence[int], slot: int, rows: Sequence[tuple[int, int]]
+    ) -> int:
+        """A step's grammar work in one message, not waited for: `accept` of the pairs, then `fill`. Its ticket:
+        `collect` gives (the accept's outcomes, the fill's row count)."""
+        return self._post("step", matcher_ids, token_ids, slot, rows)
 
     def num_matchers(self) -> int:
         """How many matchers the child holds (after freeing the dropped ones)."""
-        with self._lock:
-            count: int = self._call("num_matchers")
-            return count
+        count: int = self._call("num_matchers")
+        return count
 
     def _call(self, *request: Any) -> Any:
-        dropped, self._dropped = self._dropped, []
-        try:
-            self._conn.send((dropped, request))
-            ok, reply = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise GrammarProcessError(f"the grammar process is gone (exit code {self._child.poll()})") from exc
+        return self.collect(self._post(*request))
+
+    def _post(self, *request: Any) -> int:
+        with self._send_lock:
+            dropped, self._dropped = self._dropped, []
+            try:
+                self._conn.send((dropped, request))
+            except OSError as exc:
+                raise self._gone() from exc
+            ticket, self._num_posted = self._num_posted, self._num_posted + 1
+            return ticket
+
+    def collect(self, ticket: int) -> Any:
+        """The reply to a posted request (replies come in order: earlier ones wait here for their posters)."""
+        with self._receive_lock:
+            while ticket not in self._replies:
+                try:
+                    self._replies[self._num_received] = self._conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise self._gone() from exc
+                self._num_received += 1
+            ok, reply = self._replies.pop(ticket)
         if not ok:
             raise GrammarProcessError(f"the grammar process failed:\n{reply}")
         return reply
+
+    def _gone(self) -> GrammarProcessError:
+        return GrammarProcessError(f"the grammar process is gone (exit code {self._child.poll()})")
 
     def shutdown(self) -> None:
         self._conn.close()  # the child's recv ends
@@ -125,9 +154,12 @@ class GrammarProcess:
             self._child.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._child.kill()
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
-            self._pinned = False
+        self._unpin()
+
+
+def _unregister(pointer: int | None) -> None:
+    if pointer is not None:
+        torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
 def _shared_file(size: int) -> Any:
@@ -235,6 +267,11 @@ class _Child:
 
     def num_matchers(self) -> int:
         return len(self.matchers)
+
+    def step(
+        self, matcher_ids: Sequence[int], token_ids: Sequence[int], slot: int, rows: Sequence[tuple[int, int]]
+    ) -> tuple[dict[int, str], int]:
+        return self.accept(list(zip(matcher_ids, token_ids, strict=True))), self.fill(slot, rows)
 
     def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
         constrained = [(row, self.matchers[matcher_id]) for row, matcher_id in rows]

@@ -11,9 +11,10 @@ busy thread at a 0.5 ms interval). So the worker hands the GIL back as seldom as
 (matcher_calls.py), the fill releases it once. The engine joins the work (`GrammarTask.join`) before sampling
 and before it reads step N's tokens; between submit and join it touches none of the grammars it handed over.
 
-With a grammar process (grammar_process.py) the worker only passes the step's tokens and rows to it, one message
-each, and the masks arrive in the process's shared buffers; the GIL-held work left here is a few list
-comprehensions.
+With a grammar process (grammar_process.py, `submit_remote`) the worker thread only waits for step N's tokens
+and posts them, with the rows to fill, to the process in one message, not waiting for its reply: the engine thread
+collects it when it samples, and the masks are in the process's shared buffers. The GIL-held work left on the
+worker is two list comprehensions, and it takes the GIL back once a step (after the tokens' wait).
 
 Masks are filled into rows 0..k-1 of a pinned host buffer (two, used in turn: the copy out of one may
 still wait behind a forward pass on the device while the worker fills the other), so only the grammar
@@ -22,6 +23,7 @@ rows travel to the device, where they are scattered to their rows of the step's 
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,10 +31,12 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.engine.request import Request
 from pagedserve.services.engine.structured.bitmask import TokenBitmask
 from pagedserve.services.engine.structured.grammar_process import NUM_SLOTS, GrammarProcess
 from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState
 
+log = logging.getLogger(__name__)
 NUM_HOST_BUFFERS = NUM_SLOTS
 # xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
 # 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
@@ -61,6 +65,58 @@ class GrammarTask:
 
     def masks(self) -> TokenBitmask | None:
         return self.join()[1]
+
+
+class RemoteGrammarTask:
+    """One step's grammar work posted to the grammar process: `join` as GrammarTask's."""
+
+    def __init__(
+        self,
+        worker: MaskWorker,
+        posted: Future[tuple[Any, int]] | int,  # (the step result, its ticket) from the worker thread, or a ticket
+        accept_rows: Sequence[tuple[int, Request]],
+        slot: int,
+    ) -> None:
+        self._worker = worker
+        self._posted = posted
+        self._accept_rows = accept_rows
+        self._slot = slot
+        self._joined: tuple[Any, TokenBitmask | None] | None = None
+
+    def join(self) -> tuple[Any, TokenBitmask | None]:
+        """(the step result and per row whether its grammar ended it, or None without an accept; the masks)."""
+        if self._joined is None:
+            process = self._worker.process
+            assert process is not None
+            if isinstance(self._posted, int):
+                result, ticket = None, self._posted
+            else:
+                result, ticket = self._posted.result()
+            ended, num_rows = process.collect(ticket)
+            accepted = None if result is None else (result, self._ends(ended, len(result.sampled_token_ids)))
+            self._joined = accepted, self._worker.to_device(self._slot, num_rows) if num_rows else None
+        return self._joined
+
+    def masks(self) -> TokenBitmask | None:
+        return self.join()[1]
+
+    def _ends(self, ended: dict[int, str], num_rows: int) -> list[bool]:
+        """Per row of the step: whether its grammar ended the sequence (completed, or rejected its token)."""
+        ends = [False] * num_rows
+        if ended:  # usually none
+            for row, request in self._accept_rows:
+                grammar = request.grammar
+                assert isinstance(grammar, RemoteGrammarState)
+                outcome = ended.get(grammar.matcher_id)
+                if outcome is not None:
+                    grammar.note(outcome)
+                    ends[row] = True
+                    if grammar.error is not None:
+                        log.error("request %s: %s", request.request_id, grammar.error)
+        return ends
+
+
+StepGrammarTask = GrammarTask | RemoteGrammarTask
 
 
 class MaskWorker:
@@ -95,6 +151,52 @@ class MaskWorker:
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
         return GrammarTask(self, self._executor.submit(self._run, accept, fill, slot))
 
+    @property
+    def process(self) -> GrammarProcess | None:
+        return self._process
+
+    def submit_remote(
+        self,
+        handle: Any,  # the previous step's (its `result()` waits for its tokens), or None: fill only
+        accept_rows: Sequence[tuple[int, Request]],  # its rows whose grammar takes their token
+        fill: Sequence[tuple[int, GrammarState]],
+    ) -> RemoteGrammarTask:
+        """`submit` for grammars in the grammar process: the previous step's tokens go to it from the worker
+        thread as soon as they reach the host, with this step's rows to fill, in one message."""
+        if self._executor is None:
+            self._start()
+        assert self._executor is not None
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
+        rows = [(row, g.matcher_id) for row, g in fill if isinstance(g, RemoteGrammarState) and g.constrains_next]
+        live = [(row, r.grammar) for row, r in accept_rows]
+        ids = [g.matcher_id for _, g in live if isinstance(g, RemoteGrammarState) and g.constrains_next]
+        token_rows = [row for row, g in live if isinstance(g, RemoteGrammarState) and g.constrains_next]
+        if handle is None or not ids:
+            self._wait_copied(slot)
+            assert self._process is not None
+            ticket = self._process.post_step([], [], slot, rows)
+            # (no grammar takes a token: the result is waited for on the worker all the same, off this thread)
+            posted = ticket if handle is None else self._executor.submit(lambda: (handle.result(), ticket))
+        else:
+            posted = self._executor.submit(self._post, handle, ids, token_rows, slot, rows)
+        return RemoteGrammarTask(self, posted, accept_rows, slot)
+
+    def _post(
+        self, handle: Any, ids: list[int], token_rows: list[int], slot: int, rows: list[tuple[int, int]]
+    ) -> tuple[Any, int]:
+        result = handle.result()  # waits (without the GIL) for the previous step's tokens
+        tokens = result.sampled_token_ids
+        self._wait_copied(slot)
+        assert self._process is not None
+        return result, self._process.post_step(ids, [tokens[row] for row in token_rows], slot, rows)
+
+    def _wait_copied(self, slot: int) -> None:
+        """Until the copy out of this buffer two steps ago is done (usually it is: query() keeps the GIL, a
+        wait hands it back)."""
+        copied = self._copied[slot]
+        if copied is not None and not copied.query():
+            copied.synchronize()
+
     def _start(self) -> None:
         import xgrammar as xgr
 
@@ -120,12 +222,7 @@ class MaskWorker:
         constrained = [(row, grammar) for row, grammar in fill if grammar.constrains_next]
         if not constrained:
             return accepted, slot, 0
-        copied = self._copied[slot]
-        if copied is not None and not copied.query():  # usually done; query() keeps the GIL, a wait hands it back
-            copied.synchronize()  # the copy out of this buffer two steps ago
-        if self._process is not None:
-            remote = [(row, g.matcher_id) for row, g in constrained if isinstance(g, RemoteGrammarState)]
-            return accepted, slot, self._process.fill(slot, remote)
+        self._wait_copied(slot)
         assert self._fill is not None
         self._fill([grammar.matcher for _, grammar in constrained], self._host[slot], None)  # rows 0..k-1
         rows = self._host_rows[slot].numpy()
