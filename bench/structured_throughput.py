@@ -14,7 +14,9 @@ the grammar's per-step cost: the worker thread's time per grammar step (`worker`
 step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
 bitmask of the step's grammar rows; all of it beside the engine thread's launch; with the grammar process
 (the CUDA default) only the wait for the tokens and their post to the process, and `accept` is not
-measured), the time the engine thread then still waits for it before sampling (`join`: the grammar work left on the critical path), and
+measured), the time the engine thread then still waits for it before sampling (`join`: the grammar work left
+on the critical path; with the grammar process, its own medians too: `handover`, from the engine thread's
+hand-over to the worker's post, `post_to_start` and the child's `work`), and
 the device time of applying the mask to [256, vocab] logits (`apply`, timed alone with CUDA events).
 
     python -m bench.structured_throughput --tokenizer /path/to/SmolLM2-135M-Instruct
@@ -213,6 +215,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             timer.remove()
             engine_module._grammar_ends_of = accept.real
+        if engine.grammars.process is not None:
+            row[label]["grammar_process_ms"] = engine.grammars.process.step_timings()
         if timer.worker_ms:
             row[label]["worker_ms_per_step"] = _spread(timer.worker_ms)
             row[label]["join_ms_per_step"] = _spread(timer.join_ms)

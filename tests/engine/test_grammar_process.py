@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,9 +205,11 @@ def test_a_step_reply_waits_for_its_collector(
     their own replies, and the step's accept and fill arrive intact."""
     here, there = local(pool, SPECS[1]), remote(pool, process, SPECS[1])
     seven = tokenizer.encode("7", add_special_tokens=False)[0]
-    ticket = process.post_step([there.matcher_id], [seven], 0, [(4, there.matcher_id)])
+    ticket = process.post_step([there.matcher_id], [seven], 0, [(4, there.matcher_id)], time.monotonic())
     count = process.num_matchers()  # reads past the step's reply, which waits for its ticket
     assert count >= 1
     ended, num_rows = process.collect(ticket)
     assert here.accept(seven) and ended == {} and num_rows == 1
     assert process.rows[0][0] == 4 and torch.equal(process.masks[0][0], local_mask(here))
+    timings = process.step_timings()
+    assert set(timings) == {"handover_ms", "post_to_start_ms", "work_ms"} and timings["work_ms"] > 0

@@ -24,13 +24,15 @@ import logging
 import mmap
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -107,11 +109,22 @@ class GrammarProcess:
         return num_rows
 
     def post_step(
-        self, matcher_ids: Sequence[int], token_ids: Sequence[int], slot: int, rows: Sequence[tuple[int, int]]
+        self,
+        matcher_ids: Sequence[int],
+        token_ids: Sequence[int],
+        slot: int,
+        rows: Sequence[tuple[int, int]],
+        submitted_at: float,  # time.monotonic() when the engine thread handed the step over
     ) -> int:
         """A step's grammar work in one message, not waited for: `accept` of the pairs, then `fill`. Its ticket:
         `collect` gives (the accept's outcomes, the fill's row count)."""
-        return self._post("step", matcher_ids, token_ids, slot, rows)
+        return self._post("step", matcher_ids, token_ids, slot, rows, (submitted_at, time.monotonic()))
+
+    def step_timings(self) -> dict[str, float]:
+        """Medians over the steps so far, ms: hand-over to post (the worker thread's wait for the tokens and the
+        GIL), post to the child's start, the child's work."""
+        timings: dict[str, float] = self._call("step_timings")
+        return timings
 
     def num_matchers(self) -> int:
         """How many matchers the child holds (after freeing the dropped ones)."""
@@ -213,6 +226,7 @@ class _Child:
         self.masks, self.rows = masks, rows
         self.grammars: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self.matchers: dict[int, _Matcher] = {}
+        self.timings: deque[tuple[float, float, float]] = deque(maxlen=10_000)  # seconds, per step (step_timings)
         self.fill_batch = xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
 
     def open(self, matcher_id: int, spec: GrammarSpec, serialized: str | None, gate: ReasoningGate | None) -> str:
@@ -269,9 +283,24 @@ class _Child:
         return len(self.matchers)
 
     def step(
-        self, matcher_ids: Sequence[int], token_ids: Sequence[int], slot: int, rows: Sequence[tuple[int, int]]
+        self,
+        matcher_ids: Sequence[int],
+        token_ids: Sequence[int],
+        slot: int,
+        rows: Sequence[tuple[int, int]],
+        times: tuple[float, float],
     ) -> tuple[dict[int, str], int]:
-        return self.accept(list(zip(matcher_ids, token_ids, strict=True))), self.fill(slot, rows)
+        start = time.monotonic()
+        ended = self.accept(list(zip(matcher_ids, token_ids, strict=True)))
+        num_rows = self.fill(slot, rows)
+        submitted, posted = times
+        self.timings.append((posted - submitted, start - posted, time.monotonic() - start))
+        return ended, num_rows
+
+    def step_timings(self) -> dict[str, float]:
+        columns = list(zip(*self.timings, strict=True)) or [(0.0,)] * 3
+        names = ("handover_ms", "post_to_start_ms", "work_ms")
+        return {name: round(1e3 * statistics.median(column), 3) for name, column in zip(names, columns, strict=True)}
 
     def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
         constrained = [(row, self.matchers[matcher_id]) for row, matcher_id in rows]

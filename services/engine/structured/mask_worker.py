@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -174,21 +175,27 @@ class MaskWorker:
         if handle is None or not ids:
             self._wait_copied(slot)
             assert self._process is not None
-            ticket = self._process.post_step([], [], slot, rows)
+            ticket = self._process.post_step([], [], slot, rows, time.monotonic())
             # (no grammar takes a token: the result is waited for on the worker all the same, off this thread)
             posted = ticket if handle is None else self._executor.submit(lambda: (handle.result(), ticket))
         else:
-            posted = self._executor.submit(self._post, handle, ids, token_rows, slot, rows)
+            posted = self._executor.submit(self._post, handle, ids, token_rows, slot, rows, time.monotonic())
         return RemoteGrammarTask(self, posted, accept_rows, slot)
 
     def _post(
-        self, handle: Any, ids: list[int], token_rows: list[int], slot: int, rows: list[tuple[int, int]]
+        self,
+        handle: Any,
+        ids: list[int],
+        token_rows: list[int],
+        slot: int,
+        rows: list[tuple[int, int]],
+        submitted_at: float,
     ) -> tuple[Any, int]:
         result = handle.result()  # waits (without the GIL) for the previous step's tokens
         tokens = result.sampled_token_ids
         self._wait_copied(slot)
         assert self._process is not None
-        return result, self._process.post_step(ids, [tokens[row] for row in token_rows], slot, rows)
+        return result, self._process.post_step(ids, [tokens[row] for row in token_rows], slot, rows, submitted_at)
 
     def _wait_copied(self, slot: int) -> None:
         """Until the copy out of this buffer two steps ago is done (usually it is: query() keeps the GIL, a
