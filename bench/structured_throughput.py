@@ -41,7 +41,7 @@ from bench.throughput import CUDA, SHAPES, build_models, engine_config, free_mem
 from pagedserve.services.engine import engine as engine_module
 from pagedserve.services.engine.engine import Engine
 from pagedserve.services.engine.sampling_params import SamplingParams
-from pagedserve.services.engine.structured import mask_worker, matcher_calls
+from pagedserve.services.engine.structured import grammar_process, mask_worker, matcher_calls
 from pagedserve.services.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 from pagedserve.services.engine.structured.mask_worker import GrammarTask, MaskWorker, RemoteGrammarTask
 from pagedserve.shared.grammar_spec import GrammarSpec
@@ -298,7 +298,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--repeat-plain", action="store_true", help="a second all-plain run: run-to-run noise")
-    parser.add_argument("--fill-threads", type=int, help="xgrammar's mask-filling threads (default: the engine's)")
+    parser.add_argument(
+        "--fill-threads",
+        type=int,
+        help="xgrammar's mask-filling threads (default: the engine's; with the grammar process, at most this many)",
+    )
     parser.add_argument(
         "--switch-interval-ms", type=float, help="the GIL switch interval the mask worker sets (5: Python's default)"
     )
@@ -338,7 +342,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.fill_threads is not None:
-        mask_worker.FILL_THREADS = args.fill_threads
+        mask_worker.FILL_THREADS = grammar_process.MAX_FILL_THREADS = args.fill_threads
     if args.switch_interval_ms is not None:
         mask_worker.SWITCH_INTERVAL_S = args.switch_interval_ms / 1e3
     if args.xgrammar_accept:
@@ -363,6 +367,7 @@ def main() -> None:
         },
         "grammar_worker": {
             "fill_threads": mask_worker.FILL_THREADS,
+            "process_fill_threads": grammar_process.fill_threads(),
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
             "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
             "accept_holds_gil": matcher_calls.HOLD_GIL and not args.xgrammar_accept,

@@ -46,6 +46,10 @@ from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
 from pagedserve.shared.grammar_spec import GrammarSpec
 
 log = logging.getLogger(__name__)
+# The child's threads for a step's masks: its own cores, unlike the worker thread's, whose GIL they shared. On the
+# H200 host (16 cores) one thread's accept and fill of 256 json_schema rows took 1.6-1.8 ms a step
+# (bench/results/grammar_process_h200_2026-11-29/, call 3), near the 2.2 ms forward it must hide under.
+MAX_FILL_THREADS = 8
 NUM_SLOTS = 2  # mask buffers used in turn (mask_worker.py: one may still be copied out while the other fills)
 TERMINATED = ""  # an accept's outcome for a grammar that completed; any other string is its error
 
@@ -83,7 +87,7 @@ class GrammarProcess:
         self._replies: dict[int, tuple[bool, Any]] = {}  # by ticket: received before their poster collected them
         self._next_id = 0
         self._dropped: list[int] = []  # matchers to free, sent with the next request
-        self._call("start", tokenizer_info.serialize_json())
+        self._call("start", tokenizer_info.serialize_json(), fill_threads())
 
     def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
         """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
@@ -175,6 +179,12 @@ def _unregister(pointer: int | None) -> None:
         torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
+def fill_threads() -> int:
+    """Half the cores this process may run on (the engine keeps the rest), up to MAX_FILL_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(MAX_FILL_THREADS, cores // 2))
+
+
 def _shared_file(size: int) -> Any:
     """An anonymous file of `size` bytes (gone when both processes close it)."""
     if hasattr(os, "memfd_create"):
@@ -218,7 +228,7 @@ class _Matcher:
 class _Child:
     """The child's state: compiled grammars by spec (a bounded cache) and matchers by id."""
 
-    def __init__(self, tokenizer_info_json: str, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    def __init__(self, tokenizer_info_json: str, threads: int, masks: torch.Tensor, rows: torch.Tensor) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -227,7 +237,7 @@ class _Child:
         self.grammars: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self.matchers: dict[int, _Matcher] = {}
         self.timings: deque[tuple[float, float, float]] = deque(maxlen=10_000)  # seconds, per step (step_timings)
-        self.fill_batch = xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
+        self.fill_batch = xgr.BatchGrammarMatcher(max_threads=threads).batch_fill_next_token_bitmask
 
     def open(self, matcher_id: int, spec: GrammarSpec, serialized: str | None, gate: ReasoningGate | None) -> str:
         compiled = self.grammars.get(spec)
@@ -321,8 +331,8 @@ def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor) -> None:
         except (EOFError, OSError):
             return
         try:
-            if child is None:  # the first request: ("start", the tokenizer's xgrammar description)
-                child = _Child(args[0], masks, rows)
+            if child is None:  # the first request: ("start", the tokenizer's xgrammar description, fill threads)
+                child = _Child(args[0], args[1], masks, rows)
                 reply: tuple[bool, Any] = (True, None)
             else:
                 for matcher_id in dropped:
