@@ -13,7 +13,7 @@ all_plain's (issue 23's goal for both: >= 0.9); steps/s, and
 the grammar's per-step cost: the worker thread's time per grammar step (`worker`: waiting for the last
 step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
 bitmask of the step's grammar rows; all of it beside the engine thread's launch; with the grammar process
-(the CUDA default) only the wait for the tokens and their post to the process, and `accept` is not
+(--grammar-process on) only the wait for the tokens and their post to the process, and `accept` is not
 measured), the time the engine thread then still waits for it before sampling (`join`: the grammar work left
 on the critical path; with the grammar process, its own medians too: `handover`, from the engine thread's
 hand-over to the worker's post, `post_to_start` and the child's `work`), and
@@ -301,7 +301,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--fill-threads",
         type=int,
-        help="xgrammar's mask-filling threads (default: the engine's; with the grammar process, at most this many)",
+        help="xgrammar's mask-filling threads, on the worker thread or in the grammar process (default: the engine's)",
     )
     parser.add_argument(
         "--switch-interval-ms", type=float, help="the GIL switch interval the mask worker sets (5: Python's default)"
@@ -320,8 +320,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--grammar-process",
         choices=("on", "off"),
-        default="on",
-        help="the matchers in the engine's grammar process (on: the CUDA default) or on its worker thread (off)",
+        default="off",
+        help="the matchers in the engine's grammar process (on) or on its worker thread (off, the default)",
     )
     parser.add_argument(
         "--skip-grammar-work",
@@ -342,7 +342,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.fill_threads is not None:
-        mask_worker.FILL_THREADS = grammar_process.MAX_FILL_THREADS = args.fill_threads
+        mask_worker.FILL_THREADS = grammar_process.FILL_THREADS = args.fill_threads
     if args.switch_interval_ms is not None:
         mask_worker.SWITCH_INTERVAL_S = args.switch_interval_ms / 1e3
     if args.xgrammar_accept:
@@ -367,7 +367,7 @@ def main() -> None:
         },
         "grammar_worker": {
             "fill_threads": mask_worker.FILL_THREADS,
-            "process_fill_threads": grammar_process.fill_threads(),
+            "process_fill_threads": grammar_process.FILL_THREADS,
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
             "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
             "accept_holds_gil": matcher_calls.HOLD_GIL and not args.xgrammar_accept,

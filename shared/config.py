@@ -213,10 +213,10 @@ class RunnerConfig:
     async_scheduling: bool | None = opt(
         None, "schedule step N+1 before step N's tokens reach the host (default: on CUDA only)"
     )
-    grammar_process: bool | None = opt(
-        None,
+    grammar_process: bool = opt(
+        False,
         "structured output: the grammar matchers and their masks in a process of their own, off the engine "
-        "thread's GIL (default: on CUDA only)",
+        "thread's GIL (on an H200 no faster than the worker thread yet: bench/results/grammar_process_h200_2026-11-29)",
     )
     gemv_max_rows: int = opt(
         1,

@@ -124,14 +124,12 @@ class Engine:
         self._warned_priority = False
         self.lora = self.runner.lora  # None without --enable-lora
         self._lora_waiting: list[Request] = []  # their adapter waits for a slot (every slot pinned by others)
-        on_cuda = self.device.type == "cuda"
-        grammar_process = config.runner.grammar_process if config.runner.grammar_process is not None else on_cuda
         self.grammars = GrammarAdmission(
             config.model.tokenizer or self.model_dir,
             self.vocab_size,
             sorted(self.eos_token_ids),
-            process_rows=config.scheduler.max_num_seqs if grammar_process else 0,
-            pin_masks=on_cuda,
+            process_rows=config.scheduler.max_num_seqs if config.runner.grammar_process else 0,
+            pin_masks=self.device.type == "cuda",
         )
         grammars = self.grammars  # (not self: a cycle through the engine would outlive gc.freeze() below)
         self.mask_worker = MaskWorker(

@@ -1,4 +1,4 @@
-"""Structured output's matchers in a process of their own (`--grammar-process`; the default on CUDA).
+"""Structured output's matchers in a process of their own (`--grammar-process`; off by default).
 
 Beside the engine thread, a grammar worker thread shares the engine's GIL. On an H200 host 256 json_schema rows
 added ~1.9 ms to a 2.3 ms step that way (bench/results/structured_gil_h200_2026-11-29/): the worker's Python and
@@ -46,10 +46,10 @@ from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
 from pagedserve.shared.grammar_spec import GrammarSpec
 
 log = logging.getLogger(__name__)
-# The child's threads for a step's masks: its own cores, unlike the worker thread's, whose GIL they shared. On the
-# H200 host (16 cores) one thread's accept and fill of 256 json_schema rows took 1.6-1.8 ms a step
-# (bench/results/grammar_process_h200_2026-11-29/, call 3), near the 2.2 ms forward it must hide under.
-MAX_FILL_THREADS = 8
+# The child's threads for a step's masks. Up to 8 (half the H200 host's 16 cores) against 1 made no difference
+# beyond run-to-run noise (bench/results/grammar_process_h200_2026-11-29/, call 4: the child's work a step, 256
+# json_schema rows, 1.48 against 1.60 ms; 128 rows 1.19 against 1.06): its Python and the accept are serial.
+FILL_THREADS = 1
 NUM_SLOTS = 2  # mask buffers used in turn (mask_worker.py: one may still be copied out while the other fills)
 TERMINATED = ""  # an accept's outcome for a grammar that completed; any other string is its error
 
@@ -87,7 +87,7 @@ class GrammarProcess:
         self._replies: dict[int, tuple[bool, Any]] = {}  # by ticket: received before their poster collected them
         self._next_id = 0
         self._dropped: list[int] = []  # matchers to free, sent with the next request
-        self._call("start", tokenizer_info.serialize_json(), fill_threads())
+        self._call("start", tokenizer_info.serialize_json(), FILL_THREADS)
 
     def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
         """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
@@ -177,12 +177,6 @@ class GrammarProcess:
 def _unregister(pointer: int | None) -> None:
     if pointer is not None:
         torch.cuda.cudart().cudaHostUnregister(pointer)
-
-
-def fill_threads() -> int:
-    """Half the cores this process may run on (the engine keeps the rest), up to MAX_FILL_THREADS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(1, min(MAX_FILL_THREADS, cores // 2))
 
 
 def _shared_file(size: int) -> Any:
