@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -18,14 +19,17 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from pagedserve.services.engine.model_runner import StepResult
 from pagedserve.services.engine.models.base import CausalLM
 from pagedserve.services.engine.sampling_params import SamplingParams
 from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
 from pagedserve.services.engine.structured.grammar_process import GrammarProcess, GrammarProcessError
+from pagedserve.services.engine.structured.mask_worker import MaskWorker
 from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
 from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState, accept_all
 from pagedserve.shared.grammar_spec import GrammarSpec
 from pagedserve.shared.tokenizer_loader import load_tokenizer
+from tests.engine.engine_helpers import make_request
 from tests.engine.test_structured import PERSON, make_engine, output_text
 
 VOCAB = 49152  # SmolLM2's
@@ -213,3 +217,54 @@ def test_a_step_reply_waits_for_its_collector(
     assert process.rows[0][0] == 4 and torch.equal(process.masks[0][0], local_mask(here))
     timings = process.step_timings()
     assert set(timings) == {"handover_ms", "post_to_start_ms", "work_ms"} and timings["work_ms"] > 0
+
+
+class CopyEvent:
+    """A step's copy to the host, done or still running (its `synchronize` waits it out)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class LaunchedStep:
+    """A launched step as the mask worker sees it: `ready`, and `result()` (which notes the thread it ran on)."""
+
+    def __init__(self, tokens: list[int], done: bool) -> None:
+        self.ready = CopyEvent(done)
+        self.tokens = tokens
+        self.waited_on = ""
+
+    def result(self) -> StepResult:
+        self.ready.synchronize()
+        self.waited_on = threading.current_thread().name
+        return StepResult(list(self.tokens), [None] * len(self.tokens))
+
+
+def test_tokens_on_the_host_are_posted_at_once_others_by_the_worker(
+    pool: GrammarCompilerPool, process: GrammarProcess, tokenizer: Any
+) -> None:
+    """Step tokens already on the host go to the grammar process from the engine thread; tokens still being copied
+    are waited for on the worker thread. Either way the step's result, its ends and its masks come back."""
+    worker = MaskWorker(VOCAB, max_rows=8, device=torch.device("cpu"), process=lambda: process)
+    here, there = local(pool, SPECS[1]), remote(pool, process, SPECS[1])
+    request = make_request([1, 2, 3])
+    request.grammar = there
+    for done, text in ((True, "4"), (False, "5")):
+        token = tokenizer.encode(text, add_special_tokens=False)[0]
+        step = LaunchedStep([EOS, token], done)
+        task = worker.submit_remote(step, [(1, request)], [(1, there)])
+        accepted, masks = task.join()
+        assert accepted is not None and masks is not None
+        result, ends = accepted
+        assert result.sampled_token_ids == [EOS, token] and ends == [False, False]
+        assert step.waited_on == "MainThread" if done else step.waited_on.startswith("grammar-mask")
+        assert here.accept(token)
+        assert torch.equal(torch.as_tensor(masks.row_ids), torch.tensor([1]))
+        assert torch.equal(masks.bitmask[1], local_mask(here))
+    worker.shutdown()

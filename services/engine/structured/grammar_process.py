@@ -7,9 +7,10 @@ fill's C++ waited for the engine thread. Here the matchers, their reasoning gate
 process with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill in one
 message; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
 
-Engine side: `GrammarProcess`. Requests are posted and their replies collected by ticket, in order: the mask
-worker thread posts a step as soon as its tokens reach the host and goes on, and the engine thread collects the
-reply when it samples; it also opens matchers and replays tokens, whose replies may arrive after a step's.
+Engine side: `GrammarProcess`. Requests are posted and their replies collected by ticket, in order: a step is
+posted as soon as its tokens reach the host (by the engine thread or the mask worker, mask_worker.py), and the
+engine thread collects the reply when it samples; it also opens matchers and replays tokens, whose replies may
+arrive after a step's.
 Child side: `serve`. Grammars are compiled in the engine (admission waits on them there) and sent once per spec,
 as xgrammar's serialised form.
 
