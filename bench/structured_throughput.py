@@ -13,7 +13,7 @@ all_plain's (issue 23's goal for both: >= 0.9); steps/s, and
 the grammar's per-step cost: the worker thread's time per grammar step (`worker`: waiting for the last
 step's tokens, advancing the matchers by them, of which `accept` is the matcher calls, and filling the
 bitmask of the step's grammar rows; all of it beside the engine thread's launch; with the grammar process
-(--grammar-process on) only the wait for the tokens and their post to the process, and `accept` is not
+(--grammar-processes N) only the wait for the tokens and their post to the process, and `accept` is not
 measured), the time the engine thread then still waits for it before sampling (`join`: the grammar work left
 on the critical path; with the grammar process, its own medians too: `handover`, from the engine thread's
 hand-over to the worker's post, `post_to_start` and the child's `work`), and
@@ -203,8 +203,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.repeat_plain:
         runs.append(("all_plain_again", 0))
     for label, num_json in runs:
-        process = args.grammar_process == "on"
-        engine = Engine(engine_config(model_dir, args, tokenizer=args.tokenizer, grammar_process=process), model=ours)
+        config = engine_config(model_dir, args, tokenizer=args.tokenizer, grammar_processes=args.grammar_processes)
+        engine = Engine(config, model=ours)
         if num_json:  # compile once before timing (cached by schema, as a server would have it)
             engine.grammars.pool.submit(GrammarSpec.json_schema(SCHEMA)).result()
         timer, accept = WorkerTimer(), AcceptTimer()
@@ -318,22 +318,22 @@ def parse_args() -> argparse.Namespace:
         help="the engine's accept releases the GIL through its C++ (matcher_calls.HOLD_GIL off)",
     )
     parser.add_argument(
-        "--grammar-process",
-        choices=("on", "off"),
-        default="off",
-        help="the matchers in the engine's grammar process (on) or on its worker thread (off, the default)",
+        "--grammar-processes",
+        type=int,
+        default=0,
+        help="the matchers in this many grammar processes of the engine (0, the default: on its worker thread)",
     )
     parser.add_argument(
         "--skip-grammar-work",
         action="store_true",
         help="a lower bound: grammar rows whose matchers are never advanced nor their masks filled (what the "
-        "engine's own per-row handling costs; on the worker thread, --grammar-process off)",
+        "engine's own per-row handling costs; on the worker thread, --grammar-processes 0)",
     )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.skip_grammar_work:
-        args.grammar_process = "off"
+        args.grammar_processes = 0
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 64, 128, 32
     return args
@@ -371,7 +371,7 @@ def main() -> None:
             "switch_interval_s": mask_worker.SWITCH_INTERVAL_S,
             "accept": "xgrammar" if args.xgrammar_accept else "matcher_calls",
             "accept_holds_gil": matcher_calls.HOLD_GIL and not args.xgrammar_accept,
-            "grammar_process": args.grammar_process,
+            "grammar_processes": args.grammar_processes,
             "skip_grammar_work": args.skip_grammar_work,
         },
         "models": [],

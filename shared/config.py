@@ -213,10 +213,11 @@ class RunnerConfig:
     async_scheduling: bool | None = opt(
         None, "schedule step N+1 before step N's tokens reach the host (default: on CUDA only)"
     )
-    grammar_process: bool = opt(
-        False,
-        "structured output: the grammar matchers and their masks in a process of their own, off the engine "
-        "thread's GIL (on an H200 no faster than the worker thread yet: bench/results/grammar_process_h200_2026-11-29)",
+    grammar_processes: int = opt(
+        0,
+        "structured output: the grammar matchers and their masks in this many processes of their own, which share "
+        "the rows, off the engine thread's GIL (0: on a worker thread of the engine; one process on an H200 was no "
+        "faster: bench/results/grammar_process_h200_2026-11-29)",
     )
     gemv_max_rows: int = opt(
         1,
@@ -240,7 +241,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "cuda_graph_max_batch")
-        _at_least(self, 0, "cuda_graph_max_tokens")
+        _at_least(self, 0, "cuda_graph_max_tokens", "grammar_processes")
         if not 0 <= self.gemv_max_rows <= 4:  # kernels/gemv.MAX_ROWS (shared/ imports no kernels)
             raise ValueError(f"gemv_max_rows: {self.gemv_max_rows} is not in 0-4")
         if self.speculative_config is not None:

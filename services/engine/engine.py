@@ -128,7 +128,8 @@ class Engine:
             config.model.tokenizer or self.model_dir,
             self.vocab_size,
             sorted(self.eos_token_ids),
-            process_rows=config.scheduler.max_num_seqs if config.runner.grammar_process else 0,
+            max_rows=config.scheduler.max_num_seqs,
+            num_processes=config.runner.grammar_processes,
             pin_masks=self.device.type == "cuda",
         )
         grammars = self.grammars  # (not self: a cycle through the engine would outlive gc.freeze() below)

@@ -48,9 +48,10 @@ def pool(tokenizer: Any) -> GrammarCompilerPool:
     return GrammarCompilerPool(tokenizer, VOCAB, [EOS])
 
 
-@pytest.fixture(scope="module")
-def process(pool: GrammarCompilerPool) -> Iterator[GrammarProcess]:
-    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=8, pin=False)
+@pytest.fixture(scope="module", params=[1, 2], ids=["one process", "two processes"])
+def process(pool: GrammarCompilerPool, request: pytest.FixtureRequest) -> Iterator[GrammarProcess]:
+    """One process, and two that share the matchers (by id: consecutive grammars land in different ones)."""
+    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=8, pin=False, num_children=request.param)
     yield process
     process.shutdown()
 
@@ -78,9 +79,13 @@ def local_mask(state: GrammarState) -> torch.Tensor:
 
 
 def remote_masks(process: GrammarProcess, rows: list[tuple[int, RemoteGrammarState]]) -> dict[int, torch.Tensor]:
-    """The masks the child fills for these (row, grammar)s, by row (slot 1)."""
+    """The masks the grammar processes fill for these (row, grammar)s, by row (slot 1)."""
     num_rows = process.fill(1, [(row, grammar.matcher_id) for row, grammar in rows])
     return {int(row): process.masks[1][i].clone() for i, row in enumerate(process.rows[1][:num_rows])}
+
+
+def all_allowed(masks: dict[int, torch.Tensor]) -> bool:
+    return bool(masks) and all(bool((mask == -1).all()) for mask in masks.values())
 
 
 def test_masks_and_outcomes_follow_a_local_matcher(
@@ -102,7 +107,7 @@ def test_masks_and_outcomes_follow_a_local_matcher(
         for i in live:
             assert remotes[i].is_terminated == locals_[i].is_terminated
     assert all(g.is_terminated and g.error is None for g in remotes)
-    assert remote_masks(process, rows) == {}
+    assert all_allowed(remote_masks(process, rows))  # an ended grammar masks nothing
 
 
 def test_a_rejected_token_ends_the_grammar_with_the_local_error(
@@ -112,7 +117,7 @@ def test_a_rejected_token_ends_the_grammar_with_the_local_error(
     here, there = local(pool, SPECS[1]), remote(pool, process, SPECS[1])
     assert here.accept(letter) is False and there.accept(letter) is False
     assert there.error == here.error == f"the grammar rejected token {letter}"
-    assert remote_masks(process, [(0, there)]) == {}  # ended: no mask, and no more accepts
+    assert all_allowed(remote_masks(process, [(0, there)]))  # ended: no mask, and no more accepts
     assert there.accept(letter) is False
 
 
@@ -128,7 +133,7 @@ def test_replays_and_reasoning_gates_run_in_the_child(
     there = remote(pool, process, SPECS[1], ReasoningGate([marker]))
     here.replay(thinking)
     there.replay(thinking)
-    assert remote_masks(process, [(2, there)]) == {}  # still reasoning
+    assert all_allowed(remote_masks(process, [(2, there)]))  # still reasoning
     here.replay([*marker, *digits])
     there.replay([*marker, *digits])
     assert torch.equal(remote_masks(process, [(2, there)])[2], local_mask(here))
@@ -145,10 +150,10 @@ def test_dropped_matchers_are_freed(pool: GrammarCompilerPool, process: GrammarP
 
 
 def test_a_dead_process_is_an_error(pool: GrammarCompilerPool) -> None:
-    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=2, pin=False)
+    process = GrammarProcess(pool.tokenizer_info, VOCAB, max_rows=2, pin=False, num_children=2)
     grammar = remote(pool, process, SPECS[2])
-    process._child.kill()
-    process._child.wait()
+    process._children[1].kill()  # not the one holding the grammar: every request goes to both
+    process._children[1].wait()
     with pytest.raises(GrammarProcessError, match="gone"):
         grammar.accept(EOS)
     process.shutdown()
@@ -162,7 +167,7 @@ def test_an_engine_with_the_process_gives_the_in_process_tokens(
 ) -> None:
     """Grammar rows beside plain ones under overlapped steps, one behind a reasoning gate, one continuing a
     partial answer: the same greedy tokens with the matchers in the grammar process as in the engine's; then
-    the same with speculative decoding (its synchronous mask path)."""
+    the same with speculative decoding (its synchronous mask path) and two grammar processes."""
     chat = [{"role": "user", "content": PROMPT_TEXT}]
     prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     spec = GrammarSpec.json_schema(PERSON)
@@ -186,20 +191,20 @@ def test_an_engine_with_the_process_gives_the_in_process_tokens(
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-        assert (engine.grammars.process is not None) == settings["grammar_process"]
+        assert (engine.grammars.process is not None) == bool(settings["grammar_processes"])
         engine.shutdown()
         freed = weakref.ref(engine)
         del engine  # by its reference count: gc.freeze() at its start keeps a cycle through it for good
         assert freed() is None
         return [tokens[str(i)] for i in range(len(params))] + [tokens["cont"]]
 
-    in_process = run(grammar_process=False, async_scheduling=True)
-    assert run(grammar_process=True, async_scheduling=True) == in_process
+    in_process = run(grammar_processes=0, async_scheduling=True)
+    assert run(grammar_processes=1, async_scheduling=True) == in_process
     assert in_process[2][:2] == free
     for tokens in [in_process[0], in_process[2][2:], in_process[3], partial + in_process[-1]]:
         jsonschema.validate(json.loads(output_text(tokenizer, tokens)), PERSON)
     ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
-    assert run(grammar_process=True, speculative_config=ngram) == in_process
+    assert run(grammar_processes=2, speculative_config=ngram) == in_process
 
 
 def test_a_step_reply_waits_for_its_collector(
@@ -212,8 +217,7 @@ def test_a_step_reply_waits_for_its_collector(
     ticket = process.post_step([there.matcher_id], [seven], 0, [(4, there.matcher_id)], time.monotonic())
     count = process.num_matchers()  # reads past the step's reply, which waits for its ticket
     assert count >= 1
-    ended, num_rows = process.collect(ticket)
-    assert here.accept(seven) and ended == {} and num_rows == 1
+    assert process.collect_step(ticket) == {} and here.accept(seven)
     assert process.rows[0][0] == 4 and torch.equal(process.masks[0][0], local_mask(here))
     timings = process.step_timings()
     assert set(timings) == {"handover_ms", "post_to_start_ms", "work_ms"} and timings["work_ms"] > 0

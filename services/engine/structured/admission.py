@@ -23,15 +23,17 @@ class GrammarAdmission:
         tokenizer_source: str | Path,
         vocab_size: int,
         stop_token_ids: list[int],
-        process_rows: int = 0,  # > 0: matchers in a grammar process, masks for this many rows (0: in-process)
-        pin_masks: bool = False,  # the process's mask buffers page-locked (CUDA)
+        max_rows: int = 256,  # a step's rows (the grammar processes' mask buffers)
+        num_processes: int = 0,  # > 0: the matchers in this many grammar processes (0: in this one)
+        pin_masks: bool = False,  # their mask buffers page-locked (CUDA)
     ) -> None:
         self.tokenizer_source = tokenizer_source
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compiling: list[Request] = []
         self._pool: Any = None
-        self._process_rows = process_rows
+        self._max_rows = max_rows
+        self._num_processes = num_processes
         self._pin_masks = pin_masks
         self.process: GrammarProcess | None = None
 
@@ -42,9 +44,10 @@ class GrammarAdmission:
 
             tokenizer = load_tokenizer(self.tokenizer_source)
             self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
-            if self._process_rows:
+            if self._num_processes:
+                info = self._pool.tokenizer_info
                 self.process = GrammarProcess(
-                    self._pool.tokenizer_info, self.vocab_size, self._process_rows, self._pin_masks
+                    info, self.vocab_size, self._max_rows, self._pin_masks, self._num_processes
                 )
         return self._pool
 

@@ -51,8 +51,8 @@ def build_token_bitmask(requests: Sequence[Request], vocab_size: int, device: to
 
 
 def _fill_remote(process: GrammarProcess, grammars: list[tuple[int, Any]], host: torch.Tensor) -> list[int]:
-    """The grammar process's masks of these rows into `host`: the rows it constrained. Its first slot serves
-    (a synchronous step overlaps no other)."""
+    """The grammar process's masks of these rows into `host` (all allowed where a grammar does not constrain the
+    next token): the rows. Its first slot serves (a synchronous step overlaps no other)."""
     num_rows = process.fill(0, [(row, grammar.matcher_id) for row, grammar in grammars])
     rows = process.rows[0][:num_rows]
     host.index_copy_(0, rows, process.masks[0][:num_rows])

@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -60,16 +61,21 @@ class GrammarProcessError(RuntimeError):
 
 
 class GrammarProcess:
-    """The child process, its pipe and the shared mask buffers (engine side)."""
+    """The child processes, their sockets and the shared mask buffers (engine side).
 
-    def __init__(self, tokenizer_info: Any, vocab_size: int, max_rows: int, pin: bool) -> None:
+    Every request goes to every child, pickled once; a child serves the matchers whose id it owns (id % children) and
+    answers the rest with nothing. A step's masks are written at the index of their entry in the step's fill list, so
+    the children write disjoint rows of one slot, with no offsets to agree on.
+    """
+
+    def __init__(self, tokenizer_info: Any, vocab_size: int, max_rows: int, pin: bool, num_children: int = 1) -> None:
         import xgrammar as xgr
 
         words = xgr.get_bitmask_shape(max_rows, vocab_size)[1]
         shape = (NUM_SLOTS, max_rows, words)
         self._file = _shared_file(_size(shape))
         self._mmap = mmap.mmap(self._file.fileno(), _size(shape))
-        # [slot, row, word]: a slot's masks in rows 0..k-1; rows: each of those rows' row in the step
+        # [slot, entry, word]: the masks of a step's fill entries; rows: each entry's row in the step
         self.masks, self.rows = _views(self._mmap, shape)
         self.masks.fill_(-1)
         if pin:  # page-locked, so `.to(cuda, non_blocking=True)` is an asynchronous copy
@@ -77,15 +83,20 @@ class GrammarProcess:
         # unpinned before the buffer is unmapped, also when the engine is dropped without shutdown() (a later
         # buffer at the same address could not be registered)
         self._unpin = weakref.finalize(self, _unregister, self.masks.data_ptr() if pin else None)
-        ours, theirs = socket.socketpair()
-        command = [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._file.fileno()), *map(str, shape)]
-        self._child = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._file.fileno()))
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        self._children: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        for index in range(num_children):
+            ours, theirs = socket.socketpair()
+            fds = (theirs.fileno(), self._file.fileno())
+            command = [sys.executable, "-m", __name__, *map(str, (*fds, *shape, index, num_children))]
+            self._children.append(subprocess.Popen(command, pass_fds=fds))
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
         self._send_lock = threading.Lock()  # a request and its ticket
         self._receive_lock = threading.Lock()
-        self._num_posted = self._num_received = 0
-        self._replies: dict[int, tuple[bool, Any]] = {}  # by ticket: received before their poster collected them
+        self._num_posted = 0
+        self._num_received = [0] * num_children
+        self._replies: list[dict[int, tuple[bool, Any]]] = [{} for _ in self._conns]  # by ticket, until collected
         self._next_id = 0
         self._dropped: list[int] = []  # matchers to free, sent with the next request
         self._call("start", tokenizer_info.serialize_json(), FILL_THREADS)
@@ -93,7 +104,7 @@ class GrammarProcess:
     def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
         """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
         matcher_id, self._next_id = self._next_id, self._next_id + 1  # (the engine thread's alone)
-        if self._call("open", matcher_id, spec, None, gate) == "missing":  # the child has not got it (now)
+        if "missing" in self._call("open", matcher_id, spec, None, gate):  # its child has not got the grammar (now)
             self._call("open", matcher_id, spec, compiled.serialize_json(), gate)
         return matcher_id
 
@@ -104,14 +115,13 @@ class GrammarProcess:
     def accept(self, pairs: Sequence[tuple[int, int]]) -> dict[int, str]:
         """Advance matchers by tokens, in order ((matcher id, token id) pairs; a matcher's tokens after its end
         or a rejection are ignored): TERMINATED or an error for each matcher that ended, by id."""
-        ended: dict[int, str] = self._call("accept", pairs)
-        return ended
+        return _merged(self._call("accept", pairs))
 
     def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
-        """Fill the masks of those (row, matcher id) that constrain their next token into `slot`'s rows 0..k-1
-        (their rows in self.rows[slot]): k."""
-        num_rows: int = self._call("fill", slot, rows)
-        return num_rows
+        """The masks of these (row, matcher id) into `slot`'s entries 0..k-1 (their rows in self.rows[slot]; a
+        matcher that does not constrain its next token gets an all-allowed mask): k."""
+        self._call("step", [], [], slot, rows, (0.0, 0.0))
+        return len(rows)
 
     def post_step(
         self,
@@ -122,57 +132,77 @@ class GrammarProcess:
         submitted_at: float,  # time.monotonic() when the engine thread handed the step over
     ) -> int:
         """A step's grammar work in one message, not waited for: `accept` of the pairs, then `fill`. Its ticket:
-        `collect` gives (the accept's outcomes, the fill's row count)."""
+        `collect_step` gives the accept's outcomes."""
         return self._post("step", matcher_ids, token_ids, slot, rows, (submitted_at, time.monotonic()))
 
+    def collect_step(self, ticket: int) -> dict[int, str]:
+        return _merged(self.collect(ticket))
+
     def step_timings(self) -> dict[str, float]:
-        """Medians over the steps so far, ms: hand-over to post (the worker thread's wait for the tokens and the
-        GIL), post to the child's start, the child's work."""
-        timings: dict[str, float] = self._call("step_timings")
-        return timings
+        """Medians over the steps so far, ms, of the slowest child: hand-over to post (the wait for the tokens and,
+        on the mask worker, the GIL), post to the child's start, the child's work."""
+        per_child: list[dict[str, float]] = self._call("step_timings")
+        return {name: max(timings[name] for timings in per_child) for name in per_child[0]}
 
     def num_matchers(self) -> int:
-        """How many matchers the child holds (after freeing the dropped ones)."""
-        count: int = self._call("num_matchers")
-        return count
+        """How many matchers the children hold (after freeing the dropped ones)."""
+        return sum(self._call("num_matchers"))
 
-    def _call(self, *request: Any) -> Any:
+    def _call(self, *request: Any) -> list[Any]:
         return self.collect(self._post(*request))
 
     def _post(self, *request: Any) -> int:
         with self._send_lock:
             dropped, self._dropped = self._dropped, []
+            payload = ForkingPickler.dumps((dropped, request))
             try:
-                self._conn.send((dropped, request))
+                for conn in self._conns:
+                    conn.send_bytes(payload)
             except OSError as exc:
                 raise self._gone() from exc
             ticket, self._num_posted = self._num_posted, self._num_posted + 1
             return ticket
 
-    def collect(self, ticket: int) -> Any:
-        """The reply to a posted request (replies come in order: earlier ones wait here for their posters)."""
+    def collect(self, ticket: int) -> list[Any]:
+        """Each child's reply to a posted request (replies come in order: earlier ones wait here for their
+        posters)."""
+        replies = []
         with self._receive_lock:
-            while ticket not in self._replies:
-                try:
-                    self._replies[self._num_received] = self._conn.recv()
-                except (EOFError, OSError) as exc:
-                    raise self._gone() from exc
-                self._num_received += 1
-            ok, reply = self._replies.pop(ticket)
-        if not ok:
-            raise GrammarProcessError(f"the grammar process failed:\n{reply}")
-        return reply
+            for index, conn in enumerate(self._conns):
+                waiting = self._replies[index]
+                while ticket not in waiting:
+                    try:
+                        waiting[self._num_received[index]] = conn.recv()
+                    except (EOFError, OSError) as exc:
+                        raise self._gone() from exc
+                    self._num_received[index] += 1
+                replies.append(waiting.pop(ticket))
+        for ok, reply in replies:
+            if not ok:
+                raise GrammarProcessError(f"the grammar process failed:\n{reply}")
+        return [reply for _, reply in replies]
 
     def _gone(self) -> GrammarProcessError:
-        return GrammarProcessError(f"the grammar process is gone (exit code {self._child.poll()})")
+        codes = [child.poll() for child in self._children]
+        return GrammarProcessError(f"a grammar process is gone (exit codes {codes})")
 
     def shutdown(self) -> None:
-        self._conn.close()  # the child's recv ends
-        try:
-            self._child.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._child.kill()
+        for conn in self._conns:
+            conn.close()  # the child's recv ends
+        for child in self._children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
         self._unpin()
+
+
+def _merged(outcomes: list[dict[int, str]]) -> dict[int, str]:
+    """The children's accept outcomes as one (each reports only the matchers it owns)."""
+    merged: dict[int, str] = {}
+    for part in outcomes:
+        merged.update(part)
+    return merged
 
 
 def _unregister(pointer: int | None) -> None:
@@ -221,20 +251,25 @@ class _Matcher:
 
 
 class _Child:
-    """The child's state: compiled grammars by spec (a bounded cache) and matchers by id."""
+    """A child's state: compiled grammars by spec (a bounded cache) and the matchers it owns (id % children)."""
 
-    def __init__(self, tokenizer_info_json: str, threads: int, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    def __init__(
+        self, tokenizer_info_json: str, threads: int, masks: torch.Tensor, rows: torch.Tensor, index: int, count: int
+    ) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
         self.tokenizer_info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-        self.masks, self.rows = masks, rows
+        self.masks, self.rows = masks, rows.numpy()  # (the masks go to xgrammar as a tensor)
+        self.index, self.count = index, count
         self.grammars: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self.matchers: dict[int, _Matcher] = {}
         self.timings: deque[tuple[float, float, float]] = deque(maxlen=10_000)  # seconds, per step (step_timings)
         self.fill_batch = xgr.BatchGrammarMatcher(max_threads=threads).batch_fill_next_token_bitmask
 
     def open(self, matcher_id: int, spec: GrammarSpec, serialized: str | None, gate: ReasoningGate | None) -> str:
+        if matcher_id % self.count != self.index:
+            return "another's"
         compiled = self.grammars.get(spec)
         if compiled is None:
             if serialized is None:
@@ -249,18 +284,24 @@ class _Child:
         return "opened"
 
     def accept(self, pairs: Sequence[tuple[int, int]]) -> dict[int, str]:
-        """As GrammarState.accept / accept_all: the gated tokens pass free, the rest go to xgrammar in batches
-        (one batch while no matcher appears twice: a replay's tokens go one call each)."""
+        """As GrammarState.accept / accept_all, for the pairs whose matcher is this child's: the gated tokens pass
+        free, the rest go to xgrammar in batches (one batch while no matcher appears twice: a replay's tokens go
+        one call each)."""
         ended: dict[int, str] = {}
         batch: list[tuple[int, _Matcher, int]] = []
         in_batch: set[int] = set()
+        count, index = self.count, self.index
         for matcher_id, token_id in pairs:
+            if matcher_id % count != index:
+                continue
             state = self.matchers[matcher_id]
             if state.ended:
                 continue
-            if state.gate is not None and not state.gate.is_open:  # still reasoning: free text
-                state.gate.feed(token_id)
-                continue
+            if state.gate is not None:
+                if not state.gate.is_open:  # still reasoning: free text
+                    state.gate.feed(token_id)
+                    continue
+                state.gate = None  # open for good
             if matcher_id in in_batch:
                 self._accept_batch(batch, ended)
                 batch, in_batch = [], set()
@@ -284,8 +325,25 @@ class _Child:
                 state.ended = True  # (without a stop token the matcher does not terminate)
                 ended[matcher_id] = TERMINATED
 
-    def num_matchers(self) -> int:
-        return len(self.matchers)
+    def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> None:
+        """This child's entries of the step's fill list: each entry's row, and its mask at the entry's index (all
+        allowed where the matcher does not constrain its next token)."""
+        count, index, matchers = self.count, self.index, self.matchers
+        mine = [
+            (entry, row, matchers[matcher_id])
+            for entry, (row, matcher_id) in enumerate(rows)
+            if matcher_id % count == index
+        ]
+        if not mine:
+            return
+        entries = [entry for entry, _, _ in mine]
+        self.rows[slot, entries] = [row for _, row, _ in mine]
+        constrained = [(entry, state.matcher) for entry, _, state in mine if state.constrains_next]
+        if len(constrained) < len(mine):
+            free = [entry for entry, _, state in mine if not state.constrains_next]
+            self.masks[slot, free] = -1
+        if constrained:
+            self.fill_batch([m for _, m in constrained], self.masks[slot], [entry for entry, _ in constrained])
 
     def step(
         self,
@@ -294,30 +352,25 @@ class _Child:
         slot: int,
         rows: Sequence[tuple[int, int]],
         times: tuple[float, float],
-    ) -> tuple[dict[int, str], int]:
+    ) -> dict[int, str]:
         start = time.monotonic()
-        ended = self.accept(list(zip(matcher_ids, token_ids, strict=True)))
-        num_rows = self.fill(slot, rows)
+        ended = self.accept(list(zip(matcher_ids, token_ids, strict=True))) if matcher_ids else {}
+        self.fill(slot, rows)
         submitted, posted = times
         self.timings.append((posted - submitted, start - posted, time.monotonic() - start))
-        return ended, num_rows
+        return ended
 
     def step_timings(self) -> dict[str, float]:
         columns = list(zip(*self.timings, strict=True)) or [(0.0,)] * 3
         names = ("handover_ms", "post_to_start_ms", "work_ms")
         return {name: round(1e3 * statistics.median(column), 3) for name, column in zip(names, columns, strict=True)}
 
-    def fill(self, slot: int, rows: Sequence[tuple[int, int]]) -> int:
-        constrained = [(row, self.matchers[matcher_id]) for row, matcher_id in rows]
-        constrained = [(row, state) for row, state in constrained if state.constrains_next]
-        if constrained:
-            self.fill_batch([state.matcher for _, state in constrained], self.masks[slot], None)
-            self.rows[slot, : len(constrained)] = torch.tensor([row for row, _ in constrained])
-        return len(constrained)
+    def num_matchers(self) -> int:
+        return len(self.matchers)
 
 
-def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor) -> None:
-    """The child's loop: a request, its reply, until the engine closes the pipe."""
+def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor, index: int, count: int) -> None:
+    """A child's loop: a request, its reply, until the engine closes the pipe."""
     torch.set_num_threads(1)
     child: _Child | None = None
     while True:
@@ -327,7 +380,7 @@ def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor) -> None:
             return
         try:
             if child is None:  # the first request: ("start", the tokenizer's xgrammar description, fill threads)
-                child = _Child(args[0], args[1], masks, rows)
+                child = _Child(args[0], args[1], masks, rows, index, count)
                 reply: tuple[bool, Any] = (True, None)
             else:
                 for matcher_id in dropped:
@@ -339,11 +392,10 @@ def serve(conn: Connection, masks: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def main() -> None:
-    sock_fd, file_fd, *dims = map(int, sys.argv[1:])
-    slots, rows, words = dims
+    sock_fd, file_fd, slots, rows, words, index, count = map(int, sys.argv[1:])
     buffer = mmap.mmap(file_fd, _size((slots, rows, words)))
     masks, row_ids = _views(buffer, (slots, rows, words))
-    serve(Connection(sock_fd), masks, row_ids)
+    serve(Connection(sock_fd), masks, row_ids, index, count)
 
 
 if __name__ == "__main__":
