@@ -272,3 +272,29 @@ def test_tokens_on_the_host_are_posted_at_once_others_by_the_worker(
         assert torch.equal(torch.as_tensor(masks.row_ids), torch.tensor([1]))
         assert torch.equal(masks.bitmask[1], local_mask(here))
     worker.shutdown()
+
+
+def test_a_dead_grammar_process_fails_its_requests_and_is_replaced(
+    smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any
+) -> None:
+    """The step that finds the grammar process gone raises (the engine service then ends the running requests
+    with an error); the next grammar request starts a new process and completes."""
+    chat = [{"role": "user", "content": PROMPT_TEXT}]
+    prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=GrammarSpec.json_schema(PERSON))
+    engine = make_engine(smollm2_dir, smol_model, grammar_processes=1, async_scheduling=True)
+    engine.add_request("before", prompt, constrained)
+    for _ in range(3):
+        engine.step()
+    dead = engine.grammars.process
+    assert dead is not None
+    dead._children[0].kill()
+    dead._children[0].wait()
+    with pytest.raises(GrammarProcessError, match="gone"):
+        while engine.has_unfinished():
+            engine.step()
+    engine.abort(["before"])
+    result = engine.generate([prompt], constrained)[0]
+    assert engine.grammars.process is not None and engine.grammars.process is not dead
+    jsonschema.validate(json.loads(output_text(tokenizer, result.token_ids)), PERSON)
+    engine.shutdown()

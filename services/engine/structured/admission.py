@@ -7,6 +7,7 @@ it, where the engine asks for one, the grammar process that holds the matchers (
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from pagedserve.services.engine.structured.grammar_process import GrammarProcess
 from pagedserve.services.engine.structured.reasoning_gate import ReasoningGate
 from pagedserve.services.engine.structured.state import GrammarState, RemoteGrammarState
 from pagedserve.shared.tokenizer_loader import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class GrammarAdmission:
@@ -39,17 +42,25 @@ class GrammarAdmission:
 
     @property
     def pool(self) -> Any:
+        if self.process is not None and not self.process.is_alive():
+            # A grammar process died: the requests it held fail with the step that finds it gone (the engine
+            # service ends them), and grammars from now on go to new processes.
+            log.error("a grammar process died; starting new ones for the requests to come")
+            self.process.shutdown()
+            self.process = self._start_processes(self._pool)
         if self._pool is None:
             from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
 
             tokenizer = load_tokenizer(self.tokenizer_source)
             self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
-            if self._num_processes:
-                info = self._pool.tokenizer_info
-                self.process = GrammarProcess(
-                    info, self.vocab_size, self._max_rows, self._pin_masks, self._num_processes
-                )
+            self.process = self._start_processes(self._pool)
         return self._pool
+
+    def _start_processes(self, pool: Any) -> GrammarProcess | None:
+        if not self._num_processes:
+            return None
+        info, processes = pool.tokenizer_info, self._num_processes
+        return GrammarProcess(info, self.vocab_size, self._max_rows, self._pin_masks, processes)
 
     @property
     def is_used(self) -> bool:

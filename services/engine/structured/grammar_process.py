@@ -182,6 +182,9 @@ class GrammarProcess:
                 raise GrammarProcessError(f"the grammar process failed:\n{reply}")
         return [reply for _, reply in replies]
 
+    def is_alive(self) -> bool:
+        return all(child.poll() is None for child in self._children)
+
     def _gone(self) -> GrammarProcessError:
         codes = [child.poll() for child in self._children]
         return GrammarProcessError(f"a grammar process is gone (exit codes {codes})")

@@ -173,6 +173,8 @@ class MaskWorker:
         if self._executor is None:
             self._start()
         assert self._executor is not None
+        if self._process is not self._process_of():  # it died and was replaced (admission.py)
+            self._bind(self._process_of())
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
         rows = [(row, g.matcher_id) for row, g in fill if isinstance(g, RemoteGrammarState) and g.constrains_next]
         live = [(row, r.grammar) for row, r in accept_rows]
@@ -221,18 +223,23 @@ class MaskWorker:
 
         words = xgr.get_bitmask_shape(self.max_rows, self.vocab_size)[1]
         pin = self.device.type == "cuda"
-        self._process = process = self._process_of()
-        for slot in range(NUM_HOST_BUFFERS):
-            if process is not None:  # its shared buffers (pinned by it on CUDA)
-                self._host.append(process.masks[slot])
-                self._host_rows.append(process.rows[slot])
-                continue
+        process = self._process_of()
+        for _ in range(NUM_HOST_BUFFERS if process is None else 0):
             self._host.append(torch.full((self.max_rows, words), -1, dtype=torch.int32, pin_memory=pin))
             self._host_rows.append(torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin))
+        self._bind(process)
         self._bitmask = torch.full((self.max_rows, words), -1, dtype=torch.int32, device=self.device)
         self._fill = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS).batch_fill_next_token_bitmask  # one C++ call
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+
+    def _bind(self, process: GrammarProcess | None) -> None:
+        """Take the grammar process's shared buffers (pinned by it on CUDA) as the host buffers."""
+        self._process = process
+        if process is not None:
+            self._host = [process.masks[slot] for slot in range(NUM_HOST_BUFFERS)]
+            self._host_rows = [process.rows[slot] for slot in range(NUM_HOST_BUFFERS)]
+            self._copied = [None] * NUM_HOST_BUFFERS  # (the old buffers' copies wait for nothing of these)
 
     def _run(
         self, accept: Callable[[], Any] | None, fill: Sequence[tuple[int, GrammarState]], slot: int
