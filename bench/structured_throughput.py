@@ -81,8 +81,9 @@ class AcceptTimer:
 
 
 class WorkerTimer:
-    """Wraps the mask worker's task (on its thread: the whole grammar work, or with the grammar process the wait for
-    the tokens and the post) and the engine thread's join of it, timing both."""
+    """Wraps the mask worker's task (on its thread: the whole grammar work, or with grammar processes the wait for
+    the tokens and the post, when the worker makes it: tokens already on the host are posted by the engine thread)
+    and the engine thread's join of it, timing both."""
 
     def __init__(self) -> None:
         self.real_run, self.real_post = MaskWorker._run, MaskWorker._post

@@ -271,6 +271,15 @@ def test_tokens_on_the_host_are_posted_at_once_others_by_the_worker(
         assert here.accept(token)
         assert torch.equal(torch.as_tensor(masks.row_ids), torch.tensor([1]))
         assert torch.equal(masks.bitmask[1], local_mask(here))
+    completed = remote(pool, process, SPECS[2])  # ended before this step: its row ends, as in the engine's own path
+    completed.replay([*tokenizer.encode("no", add_special_tokens=False), EOS])
+    assert completed.is_terminated
+    finished = make_request([4, 5])
+    finished.grammar = completed
+    six = tokenizer.encode("6", add_special_tokens=False)[0]
+    step = LaunchedStep([EOS, six], done=True)
+    accepted, _ = worker.submit_remote(step, [(0, finished), (1, request)], [(1, there)]).join()
+    assert accepted is not None and accepted[1] == [True, False]
     worker.shutdown()
 
 
@@ -278,7 +287,8 @@ def test_a_dead_grammar_process_fails_its_requests_and_is_replaced(
     smollm2_dir: Path, smol_model: CausalLM, tokenizer: Any
 ) -> None:
     """The step that finds the grammar process gone raises (the engine service then ends the running requests
-    with an error); the next grammar request starts a new process and completes."""
+    with an error); the next grammar request starts a new process and completes. A death that the next grammar
+    request finds first ends the running grammar's request and no more."""
     chat = [{"role": "user", "content": PROMPT_TEXT}]
     prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=GrammarSpec.json_schema(PERSON))
@@ -297,4 +307,23 @@ def test_a_dead_grammar_process_fails_its_requests_and_is_replaced(
     result = engine.generate([prompt], constrained)[0]
     assert engine.grammars.process is not None and engine.grammars.process is not dead
     jsonschema.validate(json.loads(output_text(tokenizer, result.token_ids)), PERSON)
+    # Dead between steps, found by the next grammar request: the running grammar fails (its request ends), the
+    # new one runs in new processes, and neither sees the other's matcher.
+    engine.add_request("running", prompt, constrained)
+    for _ in range(3):
+        engine.step()
+    dead = engine.grammars.process
+    dead._children[0].kill()
+    dead._children[0].wait()
+    engine.add_request("new", prompt, constrained)
+    tokens: dict[str, list[int]] = {"running": [], "new": []}
+    finished: dict[str, str | None] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert engine.grammars.process is not dead and finished == {"running": "stop", "new": "stop"}
+    assert len(tokens["running"]) < len(result.token_ids)  # cut short
+    assert tokens["new"] == result.token_ids  # greedy: the same answer as the first new request
     engine.shutdown()

@@ -43,8 +43,9 @@ class GrammarAdmission:
     @property
     def pool(self) -> Any:
         if self.process is not None and not self.process.is_alive():
-            # A grammar process died: the requests it held fail with the step that finds it gone (the engine
-            # service ends them), and grammars from now on go to new processes.
+            # A grammar process died: its grammars fail (RemoteGrammarState: their requests end, with the error
+            # logged; a step that finds it gone first raises, and the engine service ends the running requests),
+            # and grammars from now on go to new processes.
             log.error("a grammar process died; starting new ones for the requests to come")
             self.process.shutdown()
             self.process = self._start_processes(self._pool)
@@ -52,8 +53,9 @@ class GrammarAdmission:
             from pagedserve.services.engine.structured.compiler import GrammarCompilerPool
 
             tokenizer = load_tokenizer(self.tokenizer_source)
-            self._pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
-            self.process = self._start_processes(self._pool)
+            pool = GrammarCompilerPool(tokenizer, self.vocab_size, self.stop_token_ids)
+            self.process = self._start_processes(pool)  # (first: if it fails, the next request tries again)
+            self._pool = pool
         return self._pool
 
     def _start_processes(self, pool: Any) -> GrammarProcess | None:

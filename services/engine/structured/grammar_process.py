@@ -1,10 +1,10 @@
-"""Structured output's matchers in a process of their own (`--grammar-process`; off by default).
+"""Structured output's matchers in processes of their own (`--grammar-processes N`; 0, off, by default).
 
 Beside the engine thread, a grammar worker thread shares the engine's GIL. On an H200 host 256 json_schema rows
 added ~1.9 ms to a 2.3 ms step that way (bench/results/structured_gil_h200_2026-11-29/): the worker's Python and
 its GIL-held accept ran between the engine thread's kernel launches, and each take-back of the GIL after the mask
-fill's C++ waited for the engine thread. Here the matchers, their reasoning gates and the fill live in a child
-process with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill in one
+fill's C++ waited for the engine thread. Here the matchers, their reasoning gates and the fill live in child
+processes, each with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill in one
 message; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
 
 Engine side: `GrammarProcess`. Requests are posted and their replies collected by ticket, in order: a step is
@@ -21,6 +21,7 @@ itself again), and nothing to name or clean up when either side is killed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 FILL_THREADS = 1
 NUM_SLOTS = 2  # mask buffers used in turn (mask_worker.py: one may still be copied out while the other fills)
 TERMINATED = ""  # an accept's outcome for a grammar that completed; any other string is its error
+REPLY_TIMEOUT_S = 60.0  # a child that answers nothing for this long is taken for hung: the engine must not hang
+_matcher_ids = itertools.count()  # across every GrammarProcess: a replacement never reuses a live grammar's id
 
 
 class GrammarProcessError(RuntimeError):
@@ -85,25 +88,34 @@ class GrammarProcess:
         self._unpin = weakref.finalize(self, _unregister, self.masks.data_ptr() if pin else None)
         self._children: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
-        for index in range(num_children):
-            ours, theirs = socket.socketpair()
-            fds = (theirs.fileno(), self._file.fileno())
-            command = [sys.executable, "-m", __name__, *map(str, (*fds, *shape, index, num_children))]
-            self._children.append(subprocess.Popen(command, pass_fds=fds))
-            theirs.close()
-            self._conns.append(Connection(ours.detach()))
+        self.closed = False  # shut down, or broken by a child's death or silence: every grammar of it has failed
+        try:
+            for index in range(num_children):
+                ours, theirs = socket.socketpair()
+                fds = (theirs.fileno(), self._file.fileno())
+                command = [sys.executable, "-m", __name__, *map(str, (*fds, *shape, index, num_children))]
+                # (a session of its own: a Ctrl-C reaches the engine, which shuts the children down)
+                self._children.append(subprocess.Popen(command, pass_fds=fds, start_new_session=True))
+                theirs.close()
+                self._conns.append(Connection(ours.detach()))
+        except BaseException:
+            self.shutdown()
+            raise
         self._send_lock = threading.Lock()  # a request and its ticket
         self._receive_lock = threading.Lock()
         self._num_posted = 0
         self._num_received = [0] * num_children
         self._replies: list[dict[int, tuple[bool, Any]]] = [{} for _ in self._conns]  # by ticket, until collected
-        self._next_id = 0
-        self._dropped: list[int] = []  # matchers to free, sent with the next request
-        self._call("start", tokenizer_info.serialize_json(), FILL_THREADS)
+        self._dropped: deque[int] = deque()  # matchers to free, sent with the next request
+        try:
+            self._call("start", tokenizer_info.serialize_json(), FILL_THREADS)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def open(self, spec: GrammarSpec, compiled: Any, gate: ReasoningGate | None) -> int:
         """Start a matcher for `compiled` (the grammar of `spec`) behind `gate`: its id."""
-        matcher_id, self._next_id = self._next_id, self._next_id + 1  # (the engine thread's alone)
+        matcher_id = next(_matcher_ids)
         if "missing" in self._call("open", matcher_id, spec, None, gate):  # its child has not got the grammar (now)
             self._call("open", matcher_id, spec, compiled.serialize_json(), gate)
         return matcher_id
@@ -153,12 +165,17 @@ class GrammarProcess:
 
     def _post(self, *request: Any) -> int:
         with self._send_lock:
-            dropped, self._dropped = self._dropped, []
+            if self.closed:
+                raise self._gone()
+            dropped = []
+            while self._dropped:  # (finalisers append from any thread: popleft never loses one)
+                dropped.append(self._dropped.popleft())
             payload = ForkingPickler.dumps((dropped, request))
             try:
                 for conn in self._conns:
                     conn.send_bytes(payload)
             except OSError as exc:
+                self.closed = True  # some children got it, some not: their replies no longer line up
                 raise self._gone() from exc
             ticket, self._num_posted = self._num_posted, self._num_posted + 1
             return ticket
@@ -172,8 +189,11 @@ class GrammarProcess:
                 waiting = self._replies[index]
                 while ticket not in waiting:
                     try:
+                        if not conn.poll(REPLY_TIMEOUT_S):
+                            raise TimeoutError(f"no reply in {REPLY_TIMEOUT_S:.0f} s")
                         waiting[self._num_received[index]] = conn.recv()
-                    except (EOFError, OSError) as exc:
+                    except (EOFError, OSError) as exc:  # (TimeoutError is an OSError)
+                        self.closed = True
                         raise self._gone() from exc
                     self._num_received[index] += 1
                 replies.append(waiting.pop(ticket))
@@ -183,13 +203,14 @@ class GrammarProcess:
         return [reply for _, reply in replies]
 
     def is_alive(self) -> bool:
-        return all(child.poll() is None for child in self._children)
+        return not self.closed and all(child.poll() is None for child in self._children)
 
     def _gone(self) -> GrammarProcessError:
         codes = [child.poll() for child in self._children]
         return GrammarProcessError(f"a grammar process is gone (exit codes {codes})")
 
     def shutdown(self) -> None:
+        self.closed = True
         for conn in self._conns:
             conn.close()  # the child's recv ends
         for child in self._children:
@@ -198,6 +219,7 @@ class GrammarProcess:
             except subprocess.TimeoutExpired:
                 child.kill()
         self._unpin()
+        self._file.close()  # (the mapping stays while the mask views live)
 
 
 def _merged(outcomes: list[dict[int, str]]) -> dict[int, str]:
@@ -210,6 +232,7 @@ def _merged(outcomes: list[dict[int, str]]) -> dict[int, str]:
 
 def _unregister(pointer: int | None) -> None:
     if pointer is not None:
+        torch.cuda.synchronize()  # an upload from the buffer may still be queued
         torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
@@ -251,6 +274,9 @@ class _Matcher:
     @property
     def constrains_next(self) -> bool:
         return not self.ended and (self.gate is None or self.gate.is_open)
+
+
+_UNKNOWN = _Matcher(None, None, frozenset(), ended=True)  # an id never opened here: its mask allows everything
 
 
 class _Child:
@@ -297,7 +323,10 @@ class _Child:
         for matcher_id, token_id in pairs:
             if matcher_id % count != index:
                 continue
-            state = self.matchers[matcher_id]
+            state = self.matchers.get(matcher_id)
+            if state is None:  # never opened here: fail that grammar, not the step
+                ended[matcher_id] = f"the grammar process holds no matcher {matcher_id}"
+                continue
             if state.ended:
                 continue
             if state.gate is not None:
@@ -333,7 +362,7 @@ class _Child:
         allowed where the matcher does not constrain its next token)."""
         count, index, matchers = self.count, self.index, self.matchers
         mine = [
-            (entry, row, matchers[matcher_id])
+            (entry, row, matchers.get(matcher_id, _UNKNOWN))
             for entry, (row, matcher_id) in enumerate(rows)
             if matcher_id % count == index
         ]
@@ -360,7 +389,8 @@ class _Child:
         ended = self.accept(list(zip(matcher_ids, token_ids, strict=True))) if matcher_ids else {}
         self.fill(slot, rows)
         submitted, posted = times
-        self.timings.append((posted - submitted, start - posted, time.monotonic() - start))
+        if submitted:  # (a synchronous fill has no hand-over to time)
+            self.timings.append((posted - submitted, start - posted, time.monotonic() - start))
         return ended
 
     def step_timings(self) -> dict[str, float]:

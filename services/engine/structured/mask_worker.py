@@ -11,10 +11,10 @@ busy thread at a 0.5 ms interval). So the worker hands the GIL back as seldom as
 (matcher_calls.py), the fill releases it once. The engine joins the work (`GrammarTask.join`) before sampling
 and before it reads step N's tokens; between submit and join it touches none of the grammars it handed over.
 
-With a grammar process (grammar_process.py, `submit_remote`) step N's tokens go to the process with the rows to
-fill in one message, not waited for: from the engine thread when they are on the host already (a step bound by the
-host finds them there), else from the worker thread once they arrive. The engine thread collects the reply when it
-samples; the masks are in the process's shared buffers.
+With grammar processes (grammar_process.py, `submit_remote`) step N's tokens go to them with the rows to fill in
+one message, not waited for: from the engine thread when they are on the host already (a step bound by the host
+finds them there), else from the worker thread once they arrive. The engine thread collects the replies when it
+samples; the masks are in the processes' shared buffers.
 
 Masks are filled into rows 0..k-1 of a pinned host buffer (two, used in turn: the copy out of one may
 still wait behind a forward pass on the device while the worker fills the other), so only the grammar
@@ -40,7 +40,8 @@ from pagedserve.services.engine.structured.state import GrammarState, RemoteGram
 log = logging.getLogger(__name__)
 NUM_HOST_BUFFERS = NUM_SLOTS
 # xgrammar's threads for a step's masks. More than one was slower on a 2-core machine (bench/grammar_handback.py:
-# 1.2-1.9 vs 0.2 ms of join wait at 128 rows); a many-core GPU host is not measured yet (--fill-threads there).
+# 1.2-1.9 vs 0.2 ms of join wait at 128 rows), and 4 made no difference on an H200 host
+# (bench/results/structured_gil_h200_2026-11-29/, call 2).
 FILL_THREADS = 1
 # The worker's Python around its xgrammar calls needs the GIL back from the engine thread, which runs
 # Python between kernels: with the default 5 ms switch interval each hand-back could wait out most of a step
@@ -74,14 +75,18 @@ class RemoteGrammarTask:
     def __init__(
         self,
         worker: MaskWorker,
+        process: GrammarProcess,
         posted: Future[tuple[Any, int]] | tuple[Any, int],  # (the step result or None, the step's ticket)
         accept_rows: Sequence[tuple[int, Request]],
+        ended_rows: list[int],  # accept rows whose grammar had ended before (completed, or failed)
         slot: int,
         num_rows: int,  # the step's fill entries
     ) -> None:
         self._worker = worker
+        self._process = process
         self._posted = posted
         self._accept_rows = accept_rows
+        self._ended_rows = ended_rows
         self._slot = slot
         self._num_rows = num_rows
         self._joined: tuple[Any, TokenBitmask | None] | None = None
@@ -89,10 +94,8 @@ class RemoteGrammarTask:
     def join(self) -> tuple[Any, TokenBitmask | None]:
         """(the step result and per row whether its grammar ended it, or None without an accept; the masks)."""
         if self._joined is None:
-            process = self._worker.process
-            assert process is not None
             result, ticket = self._posted if isinstance(self._posted, tuple) else self._posted.result()
-            ended = process.collect_step(ticket)
+            ended = self._process.collect_step(ticket)
             accepted = None if result is None else (result, self._ends(ended, len(result.sampled_token_ids)))
             self._joined = accepted, self._worker.to_device(self._slot, self._num_rows) if self._num_rows else None
         return self._joined
@@ -103,6 +106,8 @@ class RemoteGrammarTask:
     def _ends(self, ended: dict[int, str], num_rows: int) -> list[bool]:
         """Per row of the step: whether its grammar ended the sequence (completed, or rejected its token)."""
         ends = [False] * num_rows
+        for row in self._ended_rows:
+            ends[row] = True
         if ended:  # usually none
             for row, request in self._accept_rows:
                 grammar = request.grammar
@@ -168,36 +173,47 @@ class MaskWorker:
         accept_rows: Sequence[tuple[int, Request]],  # its rows whose grammar takes their token
         fill: Sequence[tuple[int, GrammarState]],
     ) -> RemoteGrammarTask:
-        """`submit` for grammars in the grammar process: the previous step's tokens go to it from the worker
-        thread as soon as they reach the host, with this step's rows to fill, in one message."""
+        """`submit` for grammars in the grammar processes: the previous step's tokens go to them with this step's
+        rows to fill, in one message, from this thread when they are on the host already, else from the worker
+        thread once they arrive."""
         if self._executor is None:
             self._start()
         assert self._executor is not None
         if self._process is not self._process_of():  # it died and was replaced (admission.py)
             self._bind(self._process_of())
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
+        process = self._process
+        assert process is not None
         rows = [(row, g.matcher_id) for row, g in fill if isinstance(g, RemoteGrammarState) and g.constrains_next]
-        live = [(row, r.grammar) for row, r in accept_rows]
-        ids = [g.matcher_id for _, g in live if isinstance(g, RemoteGrammarState) and g.constrains_next]
-        token_rows = [row for row, g in live if isinstance(g, RemoteGrammarState) and g.constrains_next]
+        ids, token_rows, ended_rows = [], [], []
+        for row, request in accept_rows:
+            grammar = request.grammar
+            assert isinstance(grammar, RemoteGrammarState)
+            if grammar.constrains_next:
+                ids.append(grammar.matcher_id)
+                token_rows.append(row)
+            elif grammar.is_terminated or grammar.error is not None:
+                ended_rows.append(row)
         submitted = time.monotonic()
+
+        def task(posted: Future[tuple[Any, int]] | tuple[Any, int]) -> RemoteGrammarTask:
+            return RemoteGrammarTask(self, process, posted, accept_rows, ended_rows, slot, len(rows))
+
         if handle is not None and ids and not _tokens_on_host(handle):  # on their way: the worker waits for them
-            posted = self._executor.submit(self._post, handle, ids, token_rows, slot, rows, submitted)
-            return RemoteGrammarTask(self, posted, accept_rows, slot, len(rows))
+            return task(self._executor.submit(self._post, process, handle, ids, token_rows, slot, rows, submitted))
         # The tokens are here (as a step bound by the host finds them: call 3 on the H200 measured 0.6-0.8 ms of
         # hand-over to the worker), or no grammar takes one: posted from this thread.
         result = handle.result() if handle is not None and ids else None
         tokens = [] if result is None else [result.sampled_token_ids[row] for row in token_rows]
         self._wait_copied(slot)
-        assert self._process is not None
-        ticket = self._process.post_step(ids if result is not None else [], tokens, slot, rows, submitted)
+        ticket = process.post_step(ids if result is not None else [], tokens, slot, rows, submitted)
         if handle is not None and result is None:  # no grammar takes a token; the engine still waits for the result
-            waited = self._executor.submit(lambda: (handle.result(), ticket))
-            return RemoteGrammarTask(self, waited, accept_rows, slot, len(rows))
-        return RemoteGrammarTask(self, (result, ticket), accept_rows, slot, len(rows))
+            return task(self._executor.submit(lambda: (handle.result(), ticket)))
+        return task((result, ticket))
 
     def _post(
         self,
+        process: GrammarProcess,
         handle: Any,
         ids: list[int],
         token_rows: list[int],
@@ -208,8 +224,7 @@ class MaskWorker:
         result = handle.result()  # waits (without the GIL) for the previous step's tokens
         tokens = result.sampled_token_ids
         self._wait_copied(slot)
-        assert self._process is not None
-        return result, self._process.post_step(ids, [tokens[row] for row in token_rows], slot, rows, submitted_at)
+        return result, process.post_step(ids, [tokens[row] for row in token_rows], slot, rows, submitted_at)
 
     def _wait_copied(self, slot: int) -> None:
         """Until the copy out of this buffer two steps ago is done (usually it is: query() keeps the GIL, a

@@ -83,16 +83,27 @@ class GrammarState:
 
 
 class RemoteGrammarState(GrammarState):
-    """A grammar whose matcher and reasoning gate live in the grammar process (grammar_process.py): here only its
-    id there and its outcome (`error`, `is_terminated`), which every accept's reply brings back."""
+    """A grammar whose matcher and reasoning gate live in the grammar processes (grammar_process.py): here only
+    its id there and its outcome (`error`, `is_terminated`), which every accept's reply brings back. If its
+    processes die, it has failed."""
 
     def __init__(
         self, compiled: Future[Any], gate: ReasoningGate | None, spec: GrammarSpec, process: GrammarProcess
     ) -> None:
+        self.process = process
         super().__init__(compiled, gate)
         self.spec = spec
-        self.process = process
-        self.matcher_id = -1  # its id in the grammar process, once opened
+        self.matcher_id = -1  # its id in the grammar processes, once opened
+
+    @property
+    def error(self) -> str | None:
+        if self._error is None and self.process.closed and not self.is_terminated:
+            return "the grammar process died"
+        return self._error
+
+    @error.setter
+    def error(self, value: str | None) -> None:
+        self._error = value
 
     def _start(self) -> bool:
         if not self._compiled.done():
@@ -100,6 +111,8 @@ class RemoteGrammarState(GrammarState):
         exc = self._compiled.exception()
         if exc is not None:
             self.error = f"the grammar did not compile: {exc}"
+            return True
+        if self.error is not None:  # its processes died before it opened
             return True
         self.matcher_id = self.process.open(self.spec, self._compiled.result(), self.gate)
         self.gate = None  # the child's copy follows the tokens now
