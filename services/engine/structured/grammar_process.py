@@ -4,8 +4,9 @@ Beside the engine thread, a grammar worker thread shares the engine's GIL. On an
 added ~1.9 ms to a 2.3 ms step that way (bench/results/structured_gil_h200_2026-11-29/): the worker's Python and
 its GIL-held accept ran between the engine thread's kernel launches, and each take-back of the GIL after the mask
 fill's C++ waited for the engine thread. Here the matchers, their reasoning gates and the fill live in child
-processes, each with a GIL of its own. The engine sends a step's (grammar, token) pairs and the rows to fill in one
-message; the child writes the masks into shared memory, which the engine pins so the upload stays asynchronous.
+processes, each with a GIL of its own, each owning the matchers whose id it is given (id % processes). The engine
+sends a step's (grammar, token) pairs and the rows to fill in one message to all; each child writes its rows' masks
+into shared memory, which the engine pins so the upload stays asynchronous.
 
 Engine side: `GrammarProcess`. Requests are posted and their replies collected by ticket, in order: a step is
 posted as soon as its tokens reach the host (by the engine thread or the mask worker, mask_worker.py), and the
@@ -14,7 +15,7 @@ arrive after a step's.
 Child side: `serve`. Grammars are compiled in the engine (admission waits on them there) and sent once per spec,
 as xgrammar's serialised form.
 
-The child is `python -m` this module, given a socket and an anonymous shared file: not multiprocessing's spawn,
+A child is `python -m` this module, given a socket and an anonymous shared file: not multiprocessing's spawn,
 which re-imports the engine's main script in the child (an offline script without a `__main__` guard would start
 itself again), and nothing to name or clean up when either side is killed.
 """
