@@ -157,10 +157,8 @@ class MaskWorker:
     def submit(self, accept: Callable[[], Any] | None, fill: Sequence[tuple[int, GrammarState]]) -> GrammarTask:
         """Run `accept` (advance the grammars by the last step's tokens), then fill the masks of `fill`'s
         (row, grammar) pairs that constrain their next token, on the worker thread."""
-        if self._executor is None:
-            self._start()
+        slot = self._take_slot()
         assert self._executor is not None
-        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
         return GrammarTask(self, self._executor.submit(self._run, accept, fill, slot))
 
     @property
@@ -176,12 +174,10 @@ class MaskWorker:
         """`submit` for grammars in the grammar processes: the previous step's tokens go to them with this step's
         rows to fill, in one message, from this thread when they are on the host already, else from the worker
         thread once they arrive."""
-        if self._executor is None:
-            self._start()
+        slot = self._take_slot()
         assert self._executor is not None
         if self._process is not self._process_of():  # it died and was replaced (admission.py)
             self._bind(self._process_of())
-        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
         process = self._process
         assert process is not None
         rows = [(row, g.matcher_id) for row, g in fill if isinstance(g, RemoteGrammarState) and g.constrains_next]
@@ -225,6 +221,13 @@ class MaskWorker:
         tokens = result.sampled_token_ids
         self._wait_copied(slot)
         return result, process.post_step(ids, [tokens[row] for row in token_rows], slot, rows, submitted_at)
+
+    def _take_slot(self) -> int:
+        """The host buffer for the next step's masks (the worker and buffers started on first use)."""
+        if self._executor is None:
+            self._start()
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_HOST_BUFFERS
+        return slot
 
     def _wait_copied(self, slot: int) -> None:
         """Until the copy out of this buffer two steps ago is done (usually it is: query() keeps the GIL, a

@@ -33,7 +33,12 @@ class GrammarState:
     @property
     def is_ready(self) -> bool:
         """Compiled (or failed): whether the scheduler may run the sequence. Never blocks."""
-        return self.matcher is not None or self.error is not None or self._start()
+        return self.is_open or self.error is not None or self._start()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether its matcher was started."""
+        return self.matcher is not None
 
     def wait(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -46,11 +51,14 @@ class GrammarState:
         if exc is not None:
             self.error = f"the grammar did not compile: {exc}"
             return True
+        self._open(self._compiled.result())
+        return True
+
+    def _open(self, compiled: Any) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(self._compiled.result())
+        self.matcher = xgr.GrammarMatcher(compiled)
         self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
-        return True
 
     def replay(self, token_ids: list[int]) -> None:
         """Advance over tokens produced before the grammar was ready here (a continuation)."""
@@ -105,23 +113,16 @@ class RemoteGrammarState(GrammarState):
     def error(self, value: str | None) -> None:
         self._error = value
 
-    def _start(self) -> bool:
-        if not self._compiled.done():
-            return False
-        exc = self._compiled.exception()
-        if exc is not None:
-            self.error = f"the grammar did not compile: {exc}"
-            return True
+    def _open(self, compiled: Any) -> None:
         if self.error is not None:  # its processes died before it opened
-            return True
-        self.matcher_id = self.process.open(self.spec, self._compiled.result(), self.gate)
+            return
+        self.matcher_id = self.process.open(self.spec, compiled, self.gate)
         self.gate = None  # the child's copy follows the tokens now
         weakref.finalize(self, self.process.drop, self.matcher_id)
-        return True
 
     @property
-    def is_ready(self) -> bool:
-        return self.matcher_id >= 0 or self.error is not None or self._start()
+    def is_open(self) -> bool:
+        return self.matcher_id >= 0
 
     def replay(self, token_ids: list[int]) -> None:
         self._accept(token_ids)
@@ -145,7 +146,7 @@ class RemoteGrammarState(GrammarState):
     @property
     def constrains_next(self) -> bool:
         """Whether the next token may be masked (the child knows whether the reasoning is over)."""
-        return self.matcher_id >= 0 and not self.is_terminated and self.error is None
+        return self.is_open and not self.is_terminated and self.error is None
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         raise NotImplementedError("a remote grammar's mask is filled in the grammar process (GrammarProcess.fill)")
